@@ -1,0 +1,88 @@
+"""llmc's CUDA backend: NVRTC-compiled kernels, cuBLASLt matmuls (nvmath-python), cuDNN attention, bf16.
+
+This module imports nothing heavy: CuPy, nvmath and cudnn are imported by `probe` / `create`, so the plugin
+loads (and `llmc backends` can say why it cannot run) on machines without a GPU or without CuPy.
+"""
+
+from __future__ import annotations
+
+from llmc_cli.kernels import BFLOAT16, FLOAT32, BackendPlugin, BackendUnavailable
+
+_DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32}
+
+
+def _check() -> tuple[bool, str]:
+    """(usable, reason): CuPy importable, a CUDA device present, cuBLASLt bindings importable."""
+    try:
+        import cupy
+    except ImportError as e:
+        return False, f"cupy is not installed (pip install cupy-cuda13x): {e}"
+    except Exception as e:  # a broken CuPy install
+        return False, f"cupy failed to import: {type(e).__name__}: {e}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"no CUDA driver or device: {type(e).__name__}: {e}".strip()
+    if n < 1:
+        return False, "no CUDA device found"
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False, "ml_dtypes is not installed (pip install ml_dtypes)"
+    try:
+        from nvmath.bindings import cublasLt  # noqa: F401
+    except Exception as e:
+        return False, f"nvmath-python (cuBLASLt) is not usable (pip install nvmath-python): {type(e).__name__}: {e}"
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        cc = f"sm_{props['major']}{props['minor']}"
+        ver = cupy.cuda.runtime.runtimeGetVersion()
+        return True, f"{n} x {name} ({cc}), CUDA runtime {ver // 1000}.{(ver % 1000) // 10}, CuPy {cupy.__version__}"
+    except Exception as e:
+        return False, f"CUDA device query failed: {type(e).__name__}: {e}"
+
+
+class CudaPlugin(BackendPlugin):
+    name = "cuda"
+    priority = 100
+    default_dtype = BFLOAT16
+
+    def probe(self):
+        try:
+            return _check()
+        except Exception as e:  # probe must never raise
+            return False, f"probe failed: {type(e).__name__}: {e}"
+
+    def devices(self):
+        ok, _ = self.probe()
+        if not ok:
+            return []
+        import cupy
+        out = []
+        for i in range(cupy.cuda.runtime.getDeviceCount()):
+            p = cupy.cuda.runtime.getDeviceProperties(i)
+            name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+            out.append(f"cuda:{i} {name}")
+        return out
+
+    def create(self, device=None, dtype=None):
+        ok, reason = self.probe()
+        if not ok:
+            raise BackendUnavailable(reason)
+        if dtype not in _DTYPES:
+            raise BackendUnavailable(f"the cuda backend computes in bf16 or fp32 (asked for {dtype})")
+        dt = _DTYPES[dtype] or self.default_dtype
+        index = 0
+        if device not in (None, ""):
+            d = str(device)
+            d = d.split(":", 1)[1] if d.startswith("cuda:") else d
+            try:
+                index = int(d)
+            except ValueError:
+                raise BackendUnavailable(f"cuda device must be an index or cuda:N (got '{device}')") from None
+        from .backend import CudaBackend
+        return CudaBackend(device=index, dtype=dt)
+
+
+__all__ = ["CudaPlugin"]

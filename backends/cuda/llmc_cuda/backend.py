@@ -1,0 +1,549 @@
+"""The CUDA backend proper (imported only once CuPy and a device are known to be there)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+from llmc_cli.kernels import (BFLOAT16, CAP_BF16, CAP_DEVICE_EVENTS, FLOAT32, INT32, Backend, BackendUnavailable,
+                              MemoryReport)
+
+KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
+_BLOCK = 256
+
+
+def _bf16_dtype():
+    """CuPy >= 14 knows ml_dtypes.bfloat16; older ones get raw 16-bit storage (the kernels see bits anyway)."""
+    try:
+        cp.empty(1, dtype=ml_dtypes.bfloat16)
+        return np.dtype(ml_dtypes.bfloat16)
+    except Exception:  # pragma: no cover - depends on the CuPy version
+        return np.dtype(np.uint16)
+
+
+class EventTimer:
+    """Device time between two events on the backend's stream."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.a = cp.cuda.Event()
+        self.b = cp.cuda.Event()
+
+    def start(self):
+        self.a.record(self.stream)
+
+    def stop(self):
+        self.b.record(self.stream)
+        self.b.synchronize()
+        return cp.cuda.get_elapsed_time(self.a, self.b) / 1000.0
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, device: int = 0, dtype: str = BFLOAT16):
+        if dtype not in (FLOAT32, BFLOAT16):
+            raise BackendUnavailable(f"the cuda backend computes in float32 or bfloat16 (asked for {dtype})")
+        self.dtype = dtype
+        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS})
+        self.device = cp.cuda.Device(device)
+        self.device.use()
+        props = cp.cuda.runtime.getDeviceProperties(device)
+        self.props = props
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.cc = self.device.compute_capability  # e.g. "90"
+        self.sm_count = props["multiProcessorCount"]
+        # every launch, copy and library call of this backend goes to its own stream (entered explicitly, so
+        # two backends in one process, e.g. bf16 and fp32 in the tests, never share or steal a stream)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.bf16 = _bf16_dtype()
+        self._np = {FLOAT32: np.dtype(np.float32), INT32: np.dtype(np.int32), BFLOAT16: self.bf16}
+        self._allocated: dict[str, int] = defaultdict(int)
+        self._modules: dict[bool, cp.RawModule] = {}
+        self._kernels: dict[tuple, object] = {}
+        self._scratch: dict[tuple, cp.ndarray] = {}
+        self.use_cudnn = os.environ.get("LLMC_CUDNN", "1") != "0"
+        self.use_epilogues = os.environ.get("LLMC_CUBLASLT_EPILOGUES", "1") != "0"
+        from .cublaslt import CublasLt
+        self.lt = CublasLt(cp)
+        self._cudnn = None
+        self.cudnn_reason = "not tried yet"
+        self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
+
+    # ---- compilation -----------------------------------------------------------------------------------------
+    def compile_options(self, bf16: bool) -> tuple[str, ...]:
+        # CuPy's RawModule passes -arch for the current device itself (sm_XY cubin through NVRTC) and caches the
+        # result on disk keyed by source, options and NVRTC version.
+        opts = ("--std=c++17", "-DLLMC_CC=" + str(self.cc))
+        return opts + (("-DACT_BF16",) if bf16 else ())
+
+    def module(self, bf16: bool) -> cp.RawModule:
+        m = self._modules.get(bf16)
+        if m is None:
+            m = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=self.compile_options(bf16))
+            m.compile()
+            self._modules[bf16] = m
+        return m
+
+    def _k(self, name: str, bf16: bool):
+        key = (name, bf16)
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = self.module(bf16).get_function(name)
+        return k
+
+    def _is_bf16(self, buf) -> bool:
+        return buf.dtype == self.bf16
+
+    def _kk(self, name: str, buf):
+        """The kernel compiled for `buf`'s dtype (bf16 or float32)."""
+        if buf.dtype != self.bf16 and buf.dtype != np.float32:
+            raise TypeError(f"{name}: buffer dtype {buf.dtype} is neither float32 nor bfloat16")
+        return self._k(name, self._is_bf16(buf))
+
+    def _launch(self, kern, grid, block, args, shared=0):
+        with self.stream:
+            kern((grid,) if isinstance(grid, int) else grid, (block,) if isinstance(block, int) else block, args,
+                 shared_mem=shared)
+
+    def _grid(self, n: int, per_thread: int = 1) -> int:
+        work = (n + per_thread - 1) // per_thread
+        return max(1, min((work + _BLOCK - 1) // _BLOCK, self.sm_count * 32))
+
+    @staticmethod
+    def _aligned(*bufs) -> bool:
+        return all(b.data.ptr % 16 == 0 for b in bufs)
+
+    def _vec(self, n, *bufs) -> int:
+        pack = 16 // bufs[0].dtype.itemsize
+        return int(n % pack == 0 and self._aligned(*bufs))
+
+    def scratch(self, key: str, n: int, dtype=np.float32) -> cp.ndarray:
+        """Scratch kept between calls (sized by the largest request), so steady-state steps allocate nothing."""
+        k = (key, np.dtype(dtype).str)
+        a = self._scratch.get(k)
+        if a is None or a.size < n:
+            a = self._scratch[k] = cp.empty(max(n, 1), dtype=dtype)
+            self._allocated["scratch"] = sum(x.nbytes for x in self._scratch.values())
+        return a[:n]
+
+    # ---- memory ----------------------------------------------------------------------------------------------
+    def alloc(self, shape, dtype=FLOAT32, tag="other"):
+        if dtype not in self._np:
+            raise BackendUnavailable(f"cuda backend has no dtype {dtype}")
+        a = cp.empty(shape, dtype=self._np[dtype])
+        self._allocated[tag] += a.nbytes
+        return a
+
+    def view(self, buf, offset, shape):
+        n = int(np.prod(shape))
+        flat = buf.reshape(-1)
+        if offset + n > flat.size:
+            raise ValueError(f"view of {n} elements at {offset} overruns a buffer of {flat.size}")
+        return flat[offset:offset + n].reshape(shape)
+
+    def upload(self, dst, host):
+        h = np.ascontiguousarray(np.asarray(host).reshape(dst.shape))
+        if dst.dtype == self.bf16:
+            if h.dtype != ml_dtypes.bfloat16:
+                h = h.astype(np.float32).astype(ml_dtypes.bfloat16)  # round to nearest even
+            h = np.ascontiguousarray(h).view(np.uint16)
+        else:
+            h = np.ascontiguousarray(h.astype(dst.dtype, copy=False))
+        if h.nbytes != dst.nbytes:
+            raise ValueError(f"upload of {h.nbytes} bytes into a buffer of {dst.nbytes}")
+        if not dst.flags.c_contiguous:
+            raise ValueError("upload needs a contiguous destination")
+        dst.data.copy_from_host_async(h.ctypes.data, h.nbytes, stream=self.stream)
+        self.stream.synchronize()  # the host array may go away
+
+    def download(self, src):
+        with self.stream:
+            s = src if src.flags.c_contiguous else cp.ascontiguousarray(src)
+        if src.dtype == self.bf16:
+            h = np.empty(src.shape, dtype=np.uint16)
+            s.data.copy_to_host_async(h.ctypes.data, h.nbytes, stream=self.stream)
+            self.stream.synchronize()
+            return h.view(ml_dtypes.bfloat16).astype(np.float32)
+        h = np.empty(src.shape, dtype=src.dtype)
+        s.data.copy_to_host_async(h.ctypes.data, h.nbytes, stream=self.stream)
+        self.stream.synchronize()
+        return h
+
+    def fill(self, buf, value):
+        n = buf.size
+        if buf.dtype == np.int32:
+            self._launch(self._k("fill_i32", False), self._grid(n), _BLOCK, (buf, np.int32(value), np.int64(n)))
+        else:
+            self._launch(self._kk("fill_act", buf), self._grid(n), _BLOCK, (buf, np.float32(value), np.int64(n)))
+
+    def copy(self, dst, src):
+        if dst.size != src.size:
+            raise ValueError(f"copy of {src.size} elements into {dst.size}")
+        n = src.size
+        if dst.dtype == src.dtype:
+            with self.stream:
+                s = src if src.flags.c_contiguous else cp.ascontiguousarray(src)
+            dst.data.copy_from_device_async(s.data, s.nbytes, stream=self.stream)
+        elif dst.dtype == self.bf16 and src.dtype == np.float32:
+            self._launch(self._k("cast_f32_to_bf16", True), self._grid(n), _BLOCK, (dst, src, np.int64(n)))
+        elif dst.dtype == np.float32 and src.dtype == self.bf16:
+            self._launch(self._k("cast_bf16_to_f32", True), self._grid(n), _BLOCK, (dst, src, np.int64(n)))
+        else:
+            raise TypeError(f"copy from {src.dtype} to {dst.dtype} is not supported")
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    def memory_report(self):
+        free, total = cp.cuda.runtime.memGetInfo()
+        return MemoryReport(allocated=sum(v for k, v in self._allocated.items()), by_tag=dict(self._allocated),
+                            device_total=int(total), device_free=int(free))
+
+    def describe(self):
+        dt = "bf16" if self.dtype == BFLOAT16 else "fp32"
+        return (f"{self.device_name} (sm_{self.cc}, {self.sm_count} SMs), CuPy {cp.__version__}, {dt}, "
+                f"attention: {'cuDNN SDPA' if self._cudnn_ready() else 'own kernels (' + self.cudnn_reason + ')'}")
+
+    def timer(self):
+        return EventTimer(self.stream)
+
+    # dense peaks by the vendor's datasheets (SXM parts): bf16 tensor cores, and plain fp32 (the fp32 mode uses
+    # no TF32), for MFU in `llmc bench train`
+    _PEAKS = {"H100": (989e12, 67e12), "H200": (989e12, 67e12), "H800": (989e12, 67e12), "A100": (312e12, 19.5e12)}
+
+    def peak_flops(self, dtype=None):
+        dt = dtype or self.dtype
+        for key, (bf16, fp32) in self._PEAKS.items():
+            if key in self.device_name:
+                if key == "H100" and "PCIe" in self.device_name:
+                    bf16, fp32 = 756e12, 51e12
+                return bf16 if dt == BFLOAT16 else fp32
+        return None
+
+    # ---- encoder ---------------------------------------------------------------------------------------------
+    def encoder_forward(self, out, inp, wte, wpe):
+        B, T = inp.shape[0], inp.shape[1]
+        C = wte.shape[-1]
+        N = B * T
+        vec = int(C % (16 // out.dtype.itemsize) == 0 and self._aligned(out, wte, *([wpe] if wpe is not None else [])))
+        self._launch(self._kk("encoder_forward", out), self._grid(N * C, 16 // out.dtype.itemsize if vec else 1),
+                     _BLOCK, (out, inp, wte, wpe if wpe is not None else np.uint64(0), np.int32(N), np.int32(T),
+                              np.int32(C), np.int32(vec)))
+
+    def encoder_backward(self, dwte, dwpe, dout, inp):
+        B, T = inp.shape[0], inp.shape[1]
+        C = dwte.shape[-1]
+        N = B * T
+        flat = inp.reshape(-1)
+        # positions sorted by (token, position): the keys are unique, so the order does not depend on the sort
+        with self.stream:
+            keys = flat.astype(cp.int64) * N + cp.arange(N, dtype=cp.int64)
+            order = (cp.sort(keys) % N).astype(cp.int32)
+        self._launch(self._kk("encoder_backward_wte", dwte), N, min(1024, max(32, ((C + 31) // 32) * 32)),
+                     (dwte, dout, order, flat, np.int32(N), np.int32(C)))
+        if dwpe is not None:
+            self._launch(self._kk("encoder_backward_wpe", dwpe), self._grid(T * C), _BLOCK,
+                         (dwpe, dout, np.int32(B), np.int32(T), np.int32(C)))
+
+    # ---- layernorm / rmsnorm ---------------------------------------------------------------------------------
+    def _norm_packs(self, C, *bufs):
+        """Packs per lane (1..8) for the vectorised norm kernels, or 0 when they do not apply."""
+        pack = 16 // bufs[0].dtype.itemsize
+        if C % pack or not self._aligned(*[b for b in bufs if b is not None]):
+            return 0
+        p = (C // pack + 31) // 32
+        return p if p <= 8 else 0
+
+    def _norm_forward(self, out, mean, rstd, residual, inp1, inp2, weight, bias, eps, rms):
+        C = inp1.shape[-1]
+        N = inp1.size // C
+        warps = 8
+        null = np.uint64(0)
+        P = self._norm_packs(C, out, residual, inp1, inp2, weight, bias)
+        self._launch(self._kk(f"norm_forward_vec{P}" if P else "norm_forward", out), (N + warps - 1) // warps, 32 * warps,
+                     (out, mean if mean is not None else null, rstd, residual if residual is not None else null,
+                      inp1, inp2 if inp2 is not None else null, weight, bias if bias is not None else null,
+                      np.int32(N), np.int32(C), np.float32(eps), np.int32(rms)))
+
+    def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
+        self._norm_forward(out, mean, rstd, None, inp, None, weight, bias, 1e-5, 0)
+
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
+        self._norm_forward(out, mean, rstd, residual, inp1, inp2, weight, bias, 1e-5, 0)
+
+    def rmsnorm_forward(self, out, rstd, inp, weight, eps):
+        self._norm_forward(out, None, rstd, None, inp, None, weight, None, eps, 1)
+
+    def _norm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rms):
+        C = inp.shape[-1]
+        N = inp.size // C
+        P = self._norm_packs(C, dinp, dout, inp, weight)
+        if P:
+            # one wave of 256-thread blocks, each owning a contiguous range of rows; partials per block
+            blocks = max(1, min(self.sm_count * 2, N))
+            rows_per_block = (N + blocks - 1) // blocks
+            blocks = (N + rows_per_block - 1) // rows_per_block
+            part = self.scratch("norm_partials", blocks * 2 * C)
+            k = self._kk(f"norm_backward_vec{P}", dinp)
+            shared = 2 * C * 4
+            if shared > 48 * 1024:
+                k.max_dynamic_shared_size_bytes = shared
+            null = np.uint64(0)
+            self._launch(k, blocks, 256,
+                         (dinp, part, dout, inp, weight, mean if mean is not None else null, rstd, np.int32(N),
+                          np.int32(C), np.int32(rows_per_block), np.int32(rms)), shared=shared)
+            self._launch(self._kk("norm_backward_reduce_vec", dweight), (C + 31) // 32, 256,
+                         (dweight, dbias if dbias is not None else null, part, np.int32(blocks), np.int32(C)))
+            return
+        warps = 4
+        blocks = max(1, min(self.sm_count * 2, (N + warps - 1) // warps))
+        rows_per_block = (N + blocks - 1) // blocks
+        blocks = (N + rows_per_block - 1) // rows_per_block
+        P = blocks * warps
+        part = self.scratch("norm_partials", P * 2 * C)
+        k = self._kk("norm_backward", dinp)
+        shared = warps * 2 * C * 4
+        if shared > 48 * 1024:
+            k.max_dynamic_shared_size_bytes = shared
+        null = np.uint64(0)
+        self._launch(k, blocks, 32 * warps,
+                     (dinp, part, dout, inp, weight, mean if mean is not None else null, rstd, np.int32(N),
+                      np.int32(C), np.int32(rows_per_block), np.int32(rms)), shared=shared)
+        self._launch(self._kk("norm_backward_reduce", dweight), (C + 255) // 256, 256,
+                     (dweight, dbias if dbias is not None else null, part, np.int32(P), np.int32(C)))
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        self._norm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, 0)
+
+    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd):
+        self._norm_backward(dinp, dweight, None, dout, inp, weight, None, rstd, 1)
+
+    def residual_forward(self, out, inp1, inp2):
+        n = out.size
+        vec = self._vec(n, out, inp1, inp2)
+        self._launch(self._kk("residual_forward", out), self._grid(n, 16 // out.dtype.itemsize if vec else 1),
+                     _BLOCK, (out, inp1, inp2, np.int64(n), np.int32(vec)))
+
+    # ---- matmul ----------------------------------------------------------------------------------------------
+    def _lt_dtype(self, buf):
+        from .cublaslt import CUDA_R_16BF, CUDA_R_32F
+        return CUDA_R_16BF if self._is_bf16(buf) else CUDA_R_32F
+
+    def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None):
+        from nvmath.bindings.cublasLt import Epilogue as E
+        OC, C = weight.shape
+        N = inp.size // C
+        dt = self._lt_dtype(inp)
+        s = self.stream.ptr
+        b = bias.data.ptr if bias is not None else 0
+        if pre_gelu is not None:
+            if self.use_epilogues:
+                epi = E.GELU_AUX_BIAS if bias is not None else E.GELU_AUX
+                if self.lt.forward(out.data.ptr, inp.data.ptr, weight.data.ptr, N, C, OC, dt, s, bias=b,
+                                   aux=pre_gelu.data.ptr, epilogue=epi):
+                    return
+            self._matmul_plain(pre_gelu, inp, weight, bias, N, C, OC, dt)
+            self.gelu_forward(out, pre_gelu)
+            return
+        if self.use_epilogues or bias is None:
+            if self.lt.forward(out.data.ptr, inp.data.ptr, weight.data.ptr, N, C, OC, dt, s, bias=b):
+                return
+        self._matmul_plain(out, inp, weight, bias, N, C, OC, dt)
+
+    def _matmul_plain(self, out, inp, weight, bias, N, C, OC, dt):
+        if not self.lt.forward(out.data.ptr, inp.data.ptr, weight.data.ptr, N, C, OC, dt, self.stream.ptr):
+            raise RuntimeError(f"cuBLASLt found no algorithm for ({N}x{C}) @ ({OC}x{C})^T")
+        if bias is not None:
+            self._launch(self._kk("add_bias", out), self._grid(N * OC), _BLOCK,
+                         (out, bias, np.int64(N), np.int32(OC)))
+
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu=None):
+        OC, C = weight.shape
+        N = inp.size // C
+        dt = self._lt_dtype(inp)
+        s = self.stream.ptr
+        if dinp is not None:
+            done = False
+            if pre_gelu is not None and self.use_epilogues:
+                done = self.lt.backward_input(dinp.data.ptr, dout.data.ptr, weight.data.ptr, N, C, OC, dt, s,
+                                              pre_gelu=pre_gelu.data.ptr)
+            if not done:
+                if not self.lt.backward_input(dinp.data.ptr, dout.data.ptr, weight.data.ptr, N, C, OC, dt, s):
+                    raise RuntimeError(f"cuBLASLt found no algorithm for dinp ({N}x{OC}) @ ({OC}x{C})")
+                if pre_gelu is not None:
+                    self.gelu_backward(dinp, pre_gelu, dinp)
+        if dbias is not None and self.use_epilogues:
+            tmp = self.scratch("dbias_" + str(dbias.dtype), OC, dtype=dbias.dtype)
+            if self.lt.backward_weight(dweight.data.ptr, dout.data.ptr, inp.data.ptr, N, C, OC, dt, s,
+                                       dbias_tmp=tmp.data.ptr):
+                self._launch(self._kk("accumulate_act", dbias), (OC + 255) // 256, 256, (dbias, tmp, np.int32(OC)))
+                return
+        if not self.lt.backward_weight(dweight.data.ptr, dout.data.ptr, inp.data.ptr, N, C, OC, dt, s):
+            raise RuntimeError(f"cuBLASLt found no algorithm for dweight ({OC}x{N}) @ ({N}x{C})")
+        if dbias is not None:
+            self._column_sums(dbias, dout, N, OC)
+
+    def _column_sums(self, dbias, dout, N, OC):
+        rows_per = 256
+        P = (N + rows_per - 1) // rows_per
+        part = self.scratch("colsum", P * OC)
+        self._launch(self._kk("column_sums", dout), ((OC + 255) // 256, P), 256,
+                     (part, dout, np.int32(N), np.int32(OC), np.int32(rows_per)))
+        self._launch(self._kk("column_sums_reduce", dbias), (OC + 255) // 256, 256,
+                     (dbias, part, np.int32(P), np.int32(OC)))
+
+    # ---- elementwise -----------------------------------------------------------------------------------------
+    def gelu_forward(self, out, inp):
+        n = out.size
+        vec = self._vec(n, out, inp)
+        self._launch(self._kk("gelu_forward", out), self._grid(n, 16 // out.dtype.itemsize if vec else 1), _BLOCK,
+                     (out, inp, np.int64(n), np.int32(vec)))
+
+    def gelu_backward(self, dinp, inp, dout):
+        n = dinp.size
+        vec = self._vec(n, dinp, inp, dout)
+        self._launch(self._kk("gelu_backward", dinp), self._grid(n, 16 // dinp.dtype.itemsize if vec else 1),
+                     _BLOCK, (dinp, inp, dout, np.int64(n), np.int32(vec)))
+
+    def swiglu_forward(self, out, inp):
+        H = out.shape[-1]
+        N = out.size // H
+        self._launch(self._kk("swiglu_forward", out), self._grid(N * H), _BLOCK,
+                     (out, inp, np.int64(N), np.int32(H)))
+
+    def swiglu_backward(self, dinp, dout, inp):
+        H = dout.shape[-1]
+        N = dout.size // H
+        self._launch(self._kk("swiglu_backward", dinp), self._grid(N * H), _BLOCK,
+                     (dinp, dout, inp, np.int64(N), np.int32(H)))
+
+    def _rope(self, qkv, freqs_cis, n_head, n_kv_head, sign):
+        B, T, W = qkv.shape
+        hd = W // (n_head + 2 * n_kv_head)
+        n = B * T * (n_head + n_kv_head) * (hd // 2)
+        self._launch(self._kk("rope_kernel", qkv), self._grid(n), _BLOCK,
+                     (qkv, freqs_cis, np.int32(B), np.int32(T), np.int32(n_head + n_kv_head), np.int32(W),
+                      np.int32(hd), np.float32(sign)))
+
+    def rope_forward(self, qkv, freqs_cis, n_head, n_kv_head):
+        self._rope(qkv, freqs_cis, n_head, n_kv_head, 1.0)
+
+    def rope_backward(self, dqkv, freqs_cis, n_head, n_kv_head):
+        self._rope(dqkv, freqs_cis, n_head, n_kv_head, -1.0)
+
+    # ---- attention -------------------------------------------------------------------------------------------
+    def _cudnn_ready(self) -> bool:
+        if self._cudnn is None and self.use_cudnn:
+            try:
+                from .cudnn_attention import CudnnAttention
+                self._cudnn = CudnnAttention(cp, self.stream.ptr)
+                self.cudnn_reason = "ok"
+            except Exception as e:
+                self.use_cudnn = False
+                self.cudnn_reason = f"cuDNN unavailable: {type(e).__name__}: {e}"
+        elif not self.use_cudnn and self.cudnn_reason == "not tried yet":
+            self.cudnn_reason = "disabled (LLMC_CUDNN=0)"
+        return self._cudnn is not None and self.use_cudnn
+
+    def _attn_shape(self, qkv, n_head, n_kv_head):
+        B, T, W = qkv.shape
+        hd = W // (n_head + 2 * n_kv_head)
+        return B, T, hd
+
+    def _can_cudnn(self, qkv, hd):
+        return (self._is_bf16(qkv) and hd % 8 == 0 and hd <= 256 and self._cudnn_ready())
+
+    def attention_forward(self, out, lse, qkv, n_head, n_kv_head):
+        B, T, hd = self._attn_shape(qkv, n_head, n_kv_head)
+        if self._can_cudnn(qkv, hd) and self._aligned(out, lse, qkv):
+            if self._cudnn.forward(out.data.ptr, lse.data.ptr, qkv.data.ptr, B, T, n_head, n_kv_head, hd):
+                self.attention_path[("fwd", B, T, n_head, n_kv_head, hd)] = "cudnn"
+                return
+        self.attention_path[("fwd", B, T, n_head, n_kv_head, hd)] = "own"
+        self.attention_forward_own(out, lse, qkv, n_head, n_kv_head)
+
+    def attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
+        B, T, hd = self._attn_shape(qkv, n_head, n_kv_head)
+        if self._can_cudnn(qkv, hd) and self._aligned(dqkv, dout, out, lse, qkv):
+            if self._cudnn.backward(dqkv.data.ptr, dout.data.ptr, qkv.data.ptr, out.data.ptr, lse.data.ptr, B, T,
+                                    n_head, n_kv_head, hd):
+                self.attention_path[("bwd", B, T, n_head, n_kv_head, hd)] = "cudnn"
+                return
+        self.attention_path[("bwd", B, T, n_head, n_kv_head, hd)] = "own"
+        self.attention_backward_own(dqkv, dout, qkv, out, lse, n_head, n_kv_head)
+
+    def _att_launch(self, name, rows, T_floats, args, buf):
+        warps = 4
+        shared = warps * T_floats * 4
+        k = self._kk(name, buf)
+        if shared > 48 * 1024:
+            k.max_dynamic_shared_size_bytes = shared
+        self._launch(k, (rows + warps - 1) // warps, 32 * warps, args, shared=shared)
+
+    def attention_forward_own(self, out, lse, qkv, n_head, n_kv_head):
+        B, T, hd = self._attn_shape(qkv, n_head, n_kv_head)
+        scale = np.float32(1.0 / math.sqrt(hd))
+        self._att_launch("attention_forward_ref", B * n_head * T, T,
+                         (out, lse, qkv, np.int32(B), np.int32(T), np.int32(n_head), np.int32(n_kv_head),
+                          np.int32(hd), scale), out)
+
+    def attention_backward_own(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
+        B, T, hd = self._attn_shape(qkv, n_head, n_kv_head)
+        if hd > 256:
+            raise NotImplementedError("own attention backward supports head sizes up to 256")
+        scale = np.float32(1.0 / math.sqrt(hd))
+        D = self.scratch("att_D", B * n_head * T)
+        dims = (np.int32(B), np.int32(T), np.int32(n_head), np.int32(n_kv_head), np.int32(hd), scale)
+        self._att_launch("attention_backward_dq_ref", B * n_head * T, T, (dqkv, D, dout, qkv, out, lse) + dims, dqkv)
+        self._att_launch("attention_backward_dkv_ref", B * n_kv_head * T, 2 * T, (dqkv, D, dout, qkv, lse) + dims,
+                         dqkv)
+
+    # ---- classifier ------------------------------------------------------------------------------------------
+    def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):
+        Vp = logits.shape[-1]
+        N = logits.size // Vp
+        vec = int(Vp % (16 // logits.dtype.itemsize) == 0 and self._aligned(logits))
+        self._launch(self._kk("classifier_fwd_bwd", logits), N, 512,
+                     (logits, losses, targets, np.int32(N), np.int32(vocab_size), np.int32(Vp),
+                      np.float32(dloss if dloss is not None else 0.0), np.int32(dloss is not None), np.int32(vec)))
+
+    # ---- optimizer -------------------------------------------------------------------------------------------
+    def global_norm_squared(self, out, grads):
+        grads = list(grads)
+        grids = [max(1, min(self.sm_count * 2, (g.size + 1023) // 1024)) for g in grads]
+        part = self.scratch("norm_sumsq", sum(grids))
+        off = 0
+        for g, nb in zip(grads, grids):
+            self._launch(self._kk("sumsq_partial", g), nb, 512, (part[off:off + nb], g, np.int64(g.size)))
+            off += nb
+        self._launch(self._k("sumsq_final", False), 1, 32, (out, part, np.int32(off)))
+
+    def adamw_update(self, param, grad, m, v, master, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                     seed):
+        n = param.size
+        step_size = lr / (1.0 - beta1 ** step)
+        rbc2 = 1.0 / math.sqrt(1.0 - beta2 ** step)
+        decay = 1.0 - lr * weight_decay
+        c1 = (1.0 - beta1) * grad_scale
+        c2 = (1.0 - beta2) * grad_scale * grad_scale
+        if master is None and self._is_bf16(param):
+            raise ValueError("adamw_update on bfloat16 params needs float32 master weights")
+        k = self._kk("adamw_kernel", param)
+        self._launch(k, self._grid(n), _BLOCK,
+                     (param, grad, m, v, master if master is not None else np.uint64(0), np.int64(n),
+                      np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(decay),
+                      np.int32(weight_decay != 0.0), np.float32(c1), np.float32(c2), np.float32(step_size),
+                      np.float32(rbc2), np.uint32(seed & 0xFFFFFFFF)))
+
+    def scale(self, buf, factor):
+        n = buf.size
+        vec = self._vec(n, buf)
+        self._launch(self._kk("scale_act", buf), self._grid(n, 16 // buf.dtype.itemsize if vec else 1), _BLOCK,
+                     (buf, np.float32(factor), np.int64(n), np.int32(vec)))

@@ -1,0 +1,102 @@
+"""Causal self-attention through cuDNN's fused SDPA (nvidia-cudnn-frontend), one graph per shape.
+
+The packed qkv (B, T, (NH+2*NKV)*hd) buffer is described to cuDNN with strides, so q, k, v need no copies:
+q is (B, NH, T, hd) with strides (T*W, hd, W, 1) starting at element 0, k and v the same with NKV heads
+starting at NH*hd and (NH+NKV)*hd. The output (B, T, NH*hd) and the float32 log-sum-exp statistics
+(B, NH, T, 1) are written in place. Graphs are built once per (B, T, NH, NKV, hd) and executed with raw
+pointers; the backward graph asks for cuDNN's deterministic algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cudnn
+
+Q, K, V, O, STATS, DO, DQ, DK, DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
+
+
+class CudnnAttention:
+    def __init__(self, cupy, stream_ptr: int):
+        self.cp = cupy
+        self.handle = cudnn.create_handle()
+        cudnn.set_stream(self.handle, stream_ptr)
+        self.graphs: dict[tuple, object] = {}
+        self.failed: dict[tuple, str] = {}
+        self.workspace = None
+
+    def _ws(self, size: int):
+        if self.workspace is None or self.workspace.size < size:
+            self.workspace = self.cp.empty(max(size, 1), dtype=self.cp.uint8)
+        return self.workspace
+
+    def _dims(self, B, T, NH, NKV, hd):
+        W = (NH + 2 * NKV) * hd
+        qs = [T * W, hd, W, 1]
+        os_ = [T * NH * hd, hd, NH * hd, 1]
+        return qs, os_
+
+    def _build(self, key):
+        kind, B, T, NH, NKV, hd = key
+        bf = cudnn.data_type.BFLOAT16
+        g = cudnn.pygraph(io_data_type=bf, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
+        qs, os_ = self._dims(B, T, NH, NKV, hd)
+        q = g.tensor(name="q", dim=[B, NH, T, hd], stride=qs, data_type=bf, uid=Q)
+        k = g.tensor(name="k", dim=[B, NKV, T, hd], stride=qs, data_type=bf, uid=K)
+        v = g.tensor(name="v", dim=[B, NKV, T, hd], stride=qs, data_type=bf, uid=V)
+        scale = 1.0 / math.sqrt(hd)
+        if kind == "fwd":
+            o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=scale,
+                              use_causal_mask=True)
+            o.set_uid(O).set_output(True).set_dim([B, NH, T, hd]).set_stride(os_).set_data_type(bf)
+            stats.set_uid(STATS).set_output(True).set_dim([B, NH, T, 1]).set_stride([NH * T, T, 1, 1]) \
+                .set_data_type(cudnn.data_type.FLOAT)
+        else:
+            o = g.tensor(name="o", dim=[B, NH, T, hd], stride=os_, data_type=bf, uid=O)
+            do = g.tensor(name="do", dim=[B, NH, T, hd], stride=os_, data_type=bf, uid=DO)
+            stats = g.tensor(name="stats", dim=[B, NH, T, 1], stride=[NH * T, T, 1, 1],
+                             data_type=cudnn.data_type.FLOAT, uid=STATS)
+            dq, dk, dv = g.sdpa_backward(name="sdpa_bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats,
+                                         attn_scale=scale, use_causal_mask=True,
+                                         use_deterministic_algorithm=True)
+            dq.set_uid(DQ).set_output(True).set_dim([B, NH, T, hd]).set_stride(qs).set_data_type(bf)
+            dk.set_uid(DK).set_output(True).set_dim([B, NKV, T, hd]).set_stride(qs).set_data_type(bf)
+            dv.set_uid(DV).set_output(True).set_dim([B, NKV, T, hd]).set_stride(qs).set_data_type(bf)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self._ws(g.get_workspace_size())
+        return g
+
+    def graph(self, kind, B, T, NH, NKV, hd):
+        """The built graph, or None when cuDNN cannot plan this shape (the reason is kept in `failed`)."""
+        key = (kind, B, T, NH, NKV, hd)
+        g = self.graphs.get(key)
+        if g is None and key not in self.failed:
+            try:
+                g = self.graphs[key] = self._build(key)
+            except Exception as e:  # cudnnGraphNotSupportedError and friends
+                self.failed[key] = f"{type(e).__name__}: {e}"
+        return g
+
+    def forward(self, out_ptr, lse_ptr, qkv_ptr, B, T, NH, NKV, hd, elsize=2) -> bool:
+        g = self.graph("fwd", B, T, NH, NKV, hd)
+        if g is None:
+            return False
+        pack = {Q: qkv_ptr, K: qkv_ptr + NH * hd * elsize, V: qkv_ptr + (NH + NKV) * hd * elsize,
+                O: out_ptr, STATS: lse_ptr}
+        g.execute(pack, self.workspace.data.ptr, handle=self.handle)
+        return True
+
+    def backward(self, dqkv_ptr, dout_ptr, qkv_ptr, out_ptr, lse_ptr, B, T, NH, NKV, hd, elsize=2) -> bool:
+        g = self.graph("bwd", B, T, NH, NKV, hd)
+        if g is None:
+            return False
+        ko, vo = NH * hd * elsize, (NH + NKV) * hd * elsize
+        pack = {Q: qkv_ptr, K: qkv_ptr + ko, V: qkv_ptr + vo, O: out_ptr, DO: dout_ptr, STATS: lse_ptr,
+                DQ: dqkv_ptr, DK: dqkv_ptr + ko, DV: dqkv_ptr + vo}
+        g.execute(pack, self.workspace.data.ptr, handle=self.handle)
+        return True

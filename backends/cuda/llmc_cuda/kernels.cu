@@ -1,0 +1,827 @@
+// llmc CUDA kernels, compiled by NVRTC at run time (see llmc_cuda/backend.py).
+// Compiled once per activation dtype: with -DACT_BF16 `act_t` is bfloat16 (stored as its 16 raw bits),
+// otherwise float. Statistics, losses, optimizer state and all accumulations are float32.
+// No headers: bf16 conversion is done with bit operations so NVRTC needs no include path.
+// Backward reductions never use float atomics: every sum has a fixed order (deterministic).
+
+#ifdef ACT_BF16
+typedef unsigned short act_t;
+__device__ __forceinline__ float to_f(act_t x) { return __uint_as_float(((unsigned int)x) << 16); }
+__device__ __forceinline__ act_t from_f(float f) {  // round to nearest even
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (act_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (act_t)(u >> 16);
+}
+#else
+typedef float act_t;
+__device__ __forceinline__ float to_f(act_t x) { return x; }
+__device__ __forceinline__ act_t from_f(float f) { return f; }
+#endif
+
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float bf16_to_f(bf16_t x) { return __uint_as_float(((unsigned int)x) << 16); }
+__device__ __forceinline__ bf16_t f_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// 128-bit packs: 8 bf16 or 4 float per load/store.
+#define PACK (16 / sizeof(act_t))
+struct __align__(16) pack_t { act_t v[PACK]; };
+__device__ __forceinline__ pack_t load_pack(const act_t* p) { return *reinterpret_cast<const pack_t*>(p); }
+__device__ __forceinline__ void store_pack(act_t* p, const pack_t& x) { *reinterpret_cast<pack_t*>(p) = x; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+#define GELU_SCALE 0.7978845608028654f
+#define LLMC_INF __int_as_float(0x7f800000)
+#define LLMC_NAN __int_as_float(0x7fffffff)
+
+__device__ __forceinline__ float gelu_f(float x) {
+    float cube = 0.044715f * x * x * x;
+    return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + cube)));
+}
+__device__ __forceinline__ float gelu_grad_f(float x) {
+    float x2 = x * x;
+    float th = tanhf(GELU_SCALE * x * (1.0f + 0.044715f * x2));
+    float sech2 = 1.0f - th * th;
+    return 0.5f * (1.0f + th) + 0.5f * x * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x2);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// memory: fill, casts
+extern "C" __global__ void fill_act(act_t* out, float value, long long n) {
+    act_t v = from_f(value);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = v;
+}
+extern "C" __global__ void fill_i32(int* out, int value, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = value;
+}
+extern "C" __global__ void cast_f32_to_bf16(bf16_t* out, const float* inp, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = f_to_bf16(inp[i]);
+}
+extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16_t* inp, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = bf16_to_f(inp[i]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// elementwise (vec != 0: n % PACK == 0 and all pointers 16-byte aligned, each thread moves one 128-bit pack)
+extern "C" __global__ void residual_forward(act_t* out, const act_t* a, const act_t* b, long long n, int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (vec) {
+        for (long long i = i0 * PACK; i < n; i += stride * PACK) {
+            pack_t x = load_pack(a + i), y = load_pack(b + i), o;
+            #pragma unroll
+            for (int k = 0; k < PACK; k++) o.v[k] = from_f(to_f(x.v[k]) + to_f(y.v[k]));
+            store_pack(out + i, o);
+        }
+    } else {
+        for (long long i = i0; i < n; i += stride) out[i] = from_f(to_f(a[i]) + to_f(b[i]));
+    }
+}
+
+extern "C" __global__ void scale_act(act_t* buf, float factor, long long n, int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (vec) {
+        for (long long i = i0 * PACK; i < n; i += stride * PACK) {
+            pack_t x = load_pack(buf + i);
+            #pragma unroll
+            for (int k = 0; k < PACK; k++) x.v[k] = from_f(to_f(x.v[k]) * factor);
+            store_pack(buf + i, x);
+        }
+    } else {
+        for (long long i = i0; i < n; i += stride) buf[i] = from_f(to_f(buf[i]) * factor);
+    }
+}
+
+extern "C" __global__ void gelu_forward(act_t* out, const act_t* inp, long long n, int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (vec) {
+        for (long long i = i0 * PACK; i < n; i += stride * PACK) {
+            pack_t x = load_pack(inp + i), o;
+            #pragma unroll
+            for (int k = 0; k < PACK; k++) o.v[k] = from_f(gelu_f(to_f(x.v[k])));
+            store_pack(out + i, o);
+        }
+    } else {
+        for (long long i = i0; i < n; i += stride) out[i] = from_f(gelu_f(to_f(inp[i])));
+    }
+}
+
+// dinp = gelu'(inp) * dout; dinp may alias dout
+extern "C" __global__ void gelu_backward(act_t* dinp, const act_t* inp, const act_t* dout, long long n, int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (vec) {
+        for (long long i = i0 * PACK; i < n; i += stride * PACK) {
+            pack_t x = load_pack(inp + i), g = load_pack(dout + i), o;
+            #pragma unroll
+            for (int k = 0; k < PACK; k++) o.v[k] = from_f(gelu_grad_f(to_f(x.v[k])) * to_f(g.v[k]));
+            store_pack(dinp + i, o);
+        }
+    } else {
+        for (long long i = i0; i < n; i += stride) dinp[i] = from_f(gelu_grad_f(to_f(inp[i])) * to_f(dout[i]));
+    }
+}
+
+// inp (N, 2H) = [gate | up]; out (N, H) = silu(gate) * up
+extern "C" __global__ void swiglu_forward(act_t* out, const act_t* inp, long long N, int H) {
+    long long n = N * H;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / H; int h = (int)(i - r * H);
+        float g = to_f(inp[r * 2 * H + h]), u = to_f(inp[r * 2 * H + H + h]);
+        out[i] = from_f(g / (1.0f + expf(-g)) * u);
+    }
+}
+extern "C" __global__ void swiglu_backward(act_t* dinp, const act_t* dout, const act_t* inp, long long N, int H) {
+    long long n = N * H;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / H; int h = (int)(i - r * H);
+        float g = to_f(inp[r * 2 * H + h]), u = to_f(inp[r * 2 * H + H + h]), d = to_f(dout[i]);
+        float sig = 1.0f / (1.0f + expf(-g));
+        float silu = g * sig;
+        dinp[r * 2 * H + H + h] = from_f(d * silu);
+        dinp[r * 2 * H + h] = from_f(d * u * (sig + silu * (1.0f - sig)));
+    }
+}
+
+// rope on q and k heads of qkv (B,T,(NH+2NKV)*hd), pairs (2i, 2i+1); freqs (maxT, hd/2, 2) = (cos, sin)
+extern "C" __global__ void rope_kernel(act_t* qkv, const float* freqs, int B, int T, int NQK, int W, int hd, float sign) {
+    int half = hd / 2;
+    long long n = (long long)B * T * NQK * half;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        int p = (int)(i % half);
+        long long r = i / half;
+        int head = (int)(r % NQK);
+        long long bt = r / NQK;
+        int t = (int)(bt % T);
+        float c = freqs[(t * half + p) * 2], s = sign * freqs[(t * half + p) * 2 + 1];
+        act_t* x = qkv + bt * W + head * hd + 2 * p;
+        float x0 = to_f(x[0]), x1 = to_f(x[1]);
+        x[0] = from_f(x0 * c - x1 * s);
+        x[1] = from_f(x0 * s + x1 * c);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// encoder: out[b,t,:] = wte[inp[b,t],:] + wpe[t,:] (wpe null: no learned positions, Llama)
+extern "C" __global__ void encoder_forward(act_t* out, const int* inp, const act_t* wte, const act_t* wpe,
+                                           int N, int T, int C, int vec) {
+    if (vec) {
+        int cp = C / PACK;
+        long long n = (long long)N * cp;
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+            int row = (int)(i / cp), c = (int)(i % cp) * PACK;
+            int tok = inp[row], t = row % T;
+            pack_t a = load_pack(wte + (long long)tok * C + c), o;
+            if (wpe != 0) {
+                pack_t b = load_pack(wpe + (long long)t * C + c);
+                #pragma unroll
+                for (int k = 0; k < PACK; k++) o.v[k] = from_f(to_f(a.v[k]) + to_f(b.v[k]));
+            } else {
+                o = a;
+            }
+            store_pack(out + (long long)row * C + c, o);
+        }
+    } else {
+        long long n = (long long)N * C;
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+            int row = (int)(i / C), c = (int)(i % C);
+            float p = wpe != 0 ? to_f(wpe[(long long)(row % T) * C + c]) : 0.0f;
+            out[i] = wpe != 0 ? from_f(to_f(wte[(long long)inp[row] * C + c]) + p) : wte[(long long)inp[row] * C + c];
+        }
+    }
+}
+
+// dwte: positions sorted by token (stable, so within a token they are in position order). The block that owns
+// the first position of a run sums the whole run in that order and adds it once: deterministic, no atomics.
+extern "C" __global__ void encoder_backward_wte(act_t* dwte, const act_t* dout, const int* sorted_pos,
+                                                const int* inp, int N, int C) {
+    int i = blockIdx.x;
+    int tok = inp[sorted_pos[i]];
+    if (i > 0 && inp[sorted_pos[i - 1]] == tok) return;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = i; j < N; j++) {
+            int pos = sorted_pos[j];
+            if (inp[pos] != tok) break;
+            acc += to_f(dout[(long long)pos * C + c]);
+        }
+        long long o = (long long)tok * C + c;
+        dwte[o] = from_f(to_f(dwte[o]) + acc);
+    }
+}
+// dwpe[t,c] += sum_b dout[b,t,c], b in order
+extern "C" __global__ void encoder_backward_wpe(act_t* dwpe, const act_t* dout, int B, int T, int C) {
+    long long n = (long long)T * C;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int b = 0; b < B; b++) acc += to_f(dout[(long long)b * n + i]);
+        dwpe[i] = from_f(to_f(dwpe[i]) + acc);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// layernorm / rmsnorm forward: one warp per row. With `residual`, the row is inp1 + inp2 (rounded to act and
+// stored in residual) -- the fused residual + layernorm. rms != 0: rmsnorm (no mean, no bias).
+extern "C" __global__ void norm_forward(act_t* out, float* mean, float* rstd, act_t* residual, const act_t* inp1,
+                                        const act_t* inp2, const act_t* weight, const act_t* bias, int N, int C,
+                                        float eps, int rms) {
+    int warps = blockDim.x / 32;
+    int row = blockIdx.x * warps + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const act_t* x = inp1 + (long long)row * C;
+    if (residual != 0) {
+        const act_t* y = inp2 + (long long)row * C;
+        act_t* r = residual + (long long)row * C;
+        for (int c = lane; c < C; c += 32) r[c] = from_f(to_f(x[c]) + to_f(y[c]));
+        __syncwarp();
+        x = r;
+    }
+    float m = 0.0f;
+    if (!rms) {
+        float s = 0.0f;
+        for (int c = lane; c < C; c += 32) s += to_f(x[c]);
+        m = warp_sum(s) / C;
+    }
+    float v = 0.0f;
+    for (int c = lane; c < C; c += 32) { float d = to_f(x[c]) - m; v += d * d; }
+    v = warp_sum(v) / C;
+    float r = rsqrtf(v + eps);
+    act_t* o = out + (long long)row * C;
+    for (int c = lane; c < C; c += 32) {
+        float n = (to_f(x[c]) - m) * r * to_f(weight[c]);
+        if (!rms) n += to_f(bias[c]);
+        o[c] = from_f(n);
+    }
+    if (lane == 0) {
+        if (!rms) mean[row] = m;
+        rstd[row] = r;
+    }
+}
+
+// layernorm / rmsnorm backward, phase 1: one warp per row computes dinp (+=); the per-column partial sums of
+// dweight / dbias of the rows a warp handled go to scratch[(block * warps + warp)][2][C] (no atomics).
+extern "C" __global__ void norm_backward(act_t* dinp, float* scratch, const act_t* dout, const act_t* inp,
+                                         const act_t* weight, const float* mean, const float* rstd, int N, int C,
+                                         int rows_per_block, int rms) {
+    extern __shared__ float sm[];  // [warps][2][C]
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* dw = sm + warp * 2 * C;
+    float* db = dw + C;
+    for (int c = lane; c < C; c += 32) { dw[c] = 0.0f; db[c] = 0.0f; }
+    int r0 = blockIdx.x * rows_per_block;
+    int r1 = min(N, r0 + rows_per_block);
+    for (int row = r0 + warp; row < r1; row += warps) {
+        const act_t* x = inp + (long long)row * C;
+        const act_t* g = dout + (long long)row * C;
+        float m = rms ? 0.0f : mean[row], r = rstd[row];
+        float s1 = 0.0f, s2 = 0.0f;
+        for (int c = lane; c < C; c += 32) {
+            float xh = (to_f(x[c]) - m) * r;
+            float dn = to_f(g[c]) * to_f(weight[c]);
+            s1 += dn; s2 += dn * xh;
+        }
+        s1 = warp_sum(s1) / C; s2 = warp_sum(s2) / C;
+        act_t* di = dinp + (long long)row * C;
+        for (int c = lane; c < C; c += 32) {
+            float xh = (to_f(x[c]) - m) * r;
+            float gg = to_f(g[c]);
+            float dn = gg * to_f(weight[c]);
+            float d = rms ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
+            di[c] = from_f(to_f(di[c]) + d);
+            dw[c] += gg * xh;
+            db[c] += gg;
+        }
+    }
+    float* out = scratch + ((long long)blockIdx.x * warps + warp) * 2 * C;
+    for (int c = lane; c < C; c += 32) { out[c] = dw[c]; out[C + c] = db[c]; }
+}
+
+// phase 2: dweight[c] += sum_p scratch[p][0][c]; dbias[c] += sum_p scratch[p][1][c] (p in order)
+extern "C" __global__ void norm_backward_reduce(act_t* dweight, act_t* dbias, const float* scratch, int P, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float w = 0.0f, b = 0.0f;
+    for (int p = 0; p < P; p++) { w += scratch[(long long)p * 2 * C + c]; b += scratch[(long long)p * 2 * C + C + c]; }
+    dweight[c] = from_f(to_f(dweight[c]) + w);
+    if (dbias != 0) dbias[c] = from_f(to_f(dbias[c]) + b);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Vectorised layernorm / rmsnorm (C % PACK == 0, 16-byte aligned rows, C <= 32 * P * PACK): each lane keeps its
+// P packs of a row in registers, so every row is read once and written once with 128-bit accesses.
+// Forward: one warp per row (same arithmetic as norm_forward: the residual is rounded to act before the stats).
+template <int P>
+__device__ __forceinline__ void norm_forward_vec_impl(act_t* out, float* mean, float* rstd, act_t* residual,
+                                                      const act_t* inp1, const act_t* inp2, const act_t* weight,
+                                                      const act_t* bias, int N, int C, float eps, int rms) {
+    int warps = blockDim.x / 32;
+    int row = blockIdx.x * warps + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    int npk = C / PACK;
+    long long base = (long long)row * C;
+    float xf[P][PACK];
+    #pragma unroll
+    for (int k = 0; k < P; k++) {
+        int pk = lane + 32 * k;
+        if (pk < npk) {
+            pack_t a = load_pack(inp1 + base + pk * PACK);
+            if (residual != 0) {
+                pack_t b = load_pack(inp2 + base + pk * PACK), r;
+                #pragma unroll
+                for (int j = 0; j < PACK; j++) r.v[j] = from_f(to_f(a.v[j]) + to_f(b.v[j]));
+                store_pack(residual + base + pk * PACK, r);
+                a = r;
+            }
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) xf[k][j] = to_f(a.v[j]);
+        } else {
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) xf[k][j] = 0.0f;
+        }
+    }
+    float m = 0.0f;
+    if (!rms) {
+        float s = 0.0f;
+        #pragma unroll
+        for (int k = 0; k < P; k++) {
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) s += xf[k][j];
+        }
+        m = warp_sum(s) / C;
+    }
+    float v = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < P; k++) {
+        if (lane + 32 * k < npk) {
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) { float d = xf[k][j] - m; v += d * d; }
+        }
+    }
+    v = warp_sum(v) / C;
+    float r = rsqrtf(v + eps);
+    #pragma unroll
+    for (int k = 0; k < P; k++) {
+        int pk = lane + 32 * k;
+        if (pk < npk) {
+            pack_t w = load_pack(weight + pk * PACK), b, o;
+            if (!rms) b = load_pack(bias + pk * PACK);
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) {
+                float n = (xf[k][j] - m) * r * to_f(w.v[j]);
+                if (!rms) n += to_f(b.v[j]);
+                o.v[j] = from_f(n);
+            }
+            store_pack(out + base + pk * PACK, o);
+        }
+    }
+    if (lane == 0) {
+        if (!rms) mean[row] = m;
+        rstd[row] = r;
+    }
+}
+
+// Backward phase 1: block b owns rows [b*rows_per_block, ...), its warps take rows in turn; dinp += per row;
+// each lane accumulates dweight / dbias of its columns in registers, the warps of a block add theirs in warp
+// order in shared memory, and the block writes partial[b][2][C] (fixed order everywhere: deterministic).
+template <int P>
+__device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* partial, const act_t* dout,
+                                                       const act_t* inp, const act_t* weight, const float* mean,
+                                                       const float* rstd, int N, int C, int rows_per_block,
+                                                       int rms) {
+    extern __shared__ float sm[];  // [2][C]
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int npk = C / PACK;
+    float dw[P][PACK], db[P][PACK];
+    pack_t w[P];
+    #pragma unroll
+    for (int k = 0; k < P; k++) {
+        int pk = lane + 32 * k;
+        if (pk < npk) w[k] = load_pack(weight + pk * PACK);
+        #pragma unroll
+        for (int j = 0; j < PACK; j++) { dw[k][j] = 0.0f; db[k][j] = 0.0f; }
+    }
+    int r0 = blockIdx.x * rows_per_block;
+    int r1 = min(N, r0 + rows_per_block);
+    for (int row = r0 + warp; row < r1; row += warps) {
+        long long base = (long long)row * C;
+        float m = rms ? 0.0f : mean[row], r = rstd[row];
+        pack_t xp[P], gp[P];
+        #pragma unroll
+        for (int k = 0; k < P; k++) {
+            int pk = lane + 32 * k;
+            if (pk < npk) { xp[k] = load_pack(inp + base + pk * PACK); gp[k] = load_pack(dout + base + pk * PACK); }
+        }
+        float s1 = 0.0f, s2 = 0.0f;
+        #pragma unroll
+        for (int k = 0; k < P; k++) {
+            if (lane + 32 * k < npk) {
+                #pragma unroll
+                for (int j = 0; j < PACK; j++) {
+                    float xh = (to_f(xp[k].v[j]) - m) * r;
+                    float dn = to_f(gp[k].v[j]) * to_f(w[k].v[j]);
+                    s1 += dn; s2 += dn * xh;
+                }
+            }
+        }
+        s1 = warp_sum(s1) / C; s2 = warp_sum(s2) / C;
+        #pragma unroll
+        for (int k = 0; k < P; k++) {
+            int pk = lane + 32 * k;
+            if (pk < npk) {
+                act_t* di = dinp + base + pk * PACK;
+                pack_t dp = load_pack(di);
+                #pragma unroll
+                for (int j = 0; j < PACK; j++) {
+                    float xh = (to_f(xp[k].v[j]) - m) * r;
+                    float gg = to_f(gp[k].v[j]);
+                    float dn = gg * to_f(w[k].v[j]);
+                    float d = rms ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
+                    dp.v[j] = from_f(to_f(dp.v[j]) + d);
+                    dw[k][j] += gg * xh;
+                    db[k][j] += gg;
+                }
+                store_pack(di, dp);
+            }
+        }
+    }
+    float* sdw = sm;
+    float* sdb = sm + C;
+    for (int wi = 0; wi < warps; wi++) {
+        if (warp == wi) {
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                int pk = lane + 32 * k;
+                if (pk < npk) {
+                    #pragma unroll
+                    for (int j = 0; j < PACK; j++) {
+                        int c = pk * PACK + j;
+                        if (wi == 0) { sdw[c] = dw[k][j]; sdb[c] = db[k][j]; }
+                        else { sdw[c] += dw[k][j]; sdb[c] += db[k][j]; }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* out = partial + (long long)blockIdx.x * 2 * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) { out[c] = sdw[c]; out[C + c] = sdb[c]; }
+}
+
+#define NORM_VEC(P)                                                                                               \
+extern "C" __global__ void norm_forward_vec##P(act_t* out, float* mean, float* rstd, act_t* residual,            \
+        const act_t* inp1, const act_t* inp2, const act_t* weight, const act_t* bias, int N, int C, float eps,    \
+        int rms) {                                                                                                \
+    norm_forward_vec_impl<P>(out, mean, rstd, residual, inp1, inp2, weight, bias, N, C, eps, rms);               \
+}                                                                                                                 \
+extern "C" __global__ void __launch_bounds__(256) norm_backward_vec##P(act_t* dinp, float* partial,              \
+        const act_t* dout, const act_t* inp, const act_t* weight, const float* mean, const float* rstd, int N,   \
+        int C, int rows_per_block, int rms) {                                                                     \
+    norm_backward_vec_impl<P>(dinp, partial, dout, inp, weight, mean, rstd, N, C, rows_per_block, rms);          \
+}
+NORM_VEC(1)
+NORM_VEC(2)
+NORM_VEC(3)
+NORM_VEC(4)
+NORM_VEC(5)
+NORM_VEC(6)
+NORM_VEC(7)
+NORM_VEC(8)
+
+// Backward phase 2: dweight[c] += sum_p partial[p][0][c], dbias likewise. 32 columns per block, its 8 warps
+// take p = warp, warp+8, ... and warp 0 adds the 8 sums in order (fixed order: deterministic).
+extern "C" __global__ void norm_backward_reduce_vec(act_t* dweight, act_t* dbias, const float* partial, int P,
+                                                    int C) {
+    __shared__ float sw[8][32], sb[8][32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int c = blockIdx.x * 32 + lane;
+    float w = 0.0f, b = 0.0f;
+    if (c < C) {
+        for (int p = warp; p < P; p += 8) {
+            w += partial[(long long)p * 2 * C + c];
+            b += partial[(long long)p * 2 * C + C + c];
+        }
+    }
+    sw[warp][lane] = w; sb[warp][lane] = b;
+    __syncthreads();
+    if (warp == 0 && c < C) {
+        float W = 0.0f, Bs = 0.0f;
+        for (int i = 0; i < 8; i++) { W += sw[i][lane]; Bs += sb[i][lane]; }
+        dweight[c] = from_f(to_f(dweight[c]) + W);
+        if (dbias != 0) dbias[c] = from_f(to_f(dbias[c]) + Bs);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// bias: out (N,OC) += bias; column sums for dbias (two phases, fixed order)
+extern "C" __global__ void add_bias(act_t* out, const act_t* bias, long long N, int OC) {
+    long long n = N * OC;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = from_f(to_f(out[i]) + to_f(bias[i % OC]));
+}
+// scratch[blockIdx.y][c] = sum over rows [y*rows_per, (y+1)*rows_per) of dout[row, c]
+extern "C" __global__ void column_sums(float* scratch, const act_t* dout, int N, int OC, int rows_per) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= OC) return;
+    int r0 = blockIdx.y * rows_per, r1 = min(N, r0 + rows_per);
+    float acc = 0.0f;
+    for (int r = r0; r < r1; r++) acc += to_f(dout[(long long)r * OC + c]);
+    scratch[(long long)blockIdx.y * OC + c] = acc;
+}
+extern "C" __global__ void column_sums_reduce(act_t* dbias, const float* scratch, int P, int OC) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= OC) return;
+    float acc = 0.0f;
+    for (int p = 0; p < P; p++) acc += scratch[(long long)p * OC + c];
+    dbias[c] = from_f(to_f(dbias[c]) + acc);
+}
+// dbias += tmp (cuBLASLt's BGRADB result, in act dtype)
+extern "C" __global__ void accumulate_act(act_t* dst, const act_t* src, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = from_f(to_f(dst[i]) + to_f(src[i]));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// fused classifier: one block per row. losses[row] = lse - logit[target]; with dloss != 0 (has_d), logits are
+// overwritten by (softmax - onehot) * dloss, zero in the padded columns. Logits stay in act dtype.
+extern "C" __global__ void classifier_fwd_bwd(act_t* logits, float* losses, const int* targets, int N, int V, int Vp,
+                                              float dloss, int has_d, int vec) {
+    __shared__ float red[32];
+    int row = blockIdx.x;
+    act_t* x = logits + (long long)row * Vp;
+    int tid = threadIdx.x, nt = blockDim.x, lane = tid % 32, warp = tid / 32, nw = nt / 32;
+    // pass 1: online max / sum of exp
+    float m = -LLMC_INF, s = 0.0f;
+    int Vv = vec ? (V / PACK) * PACK : 0;
+    for (int i = tid * PACK; i < Vv; i += nt * PACK) {
+        pack_t p = load_pack(x + i);
+        #pragma unroll
+        for (int k = 0; k < PACK; k++) {
+            float v = to_f(p.v[k]);
+            if (v > m) { s = s * expf(m - v) + 1.0f; m = v; } else { s += expf(v - m); }
+        }
+    }
+    for (int i = Vv + tid; i < V; i += nt) {
+        float v = to_f(x[i]);
+        if (v > m) { s = s * expf(m - v) + 1.0f; m = v; } else { s += expf(v - m); }
+    }
+    // block reduce (m, s): fixed tree
+    float wm = warp_max(m);
+    s = (m == -LLMC_INF) ? 0.0f : s * expf(m - wm);
+    s = warp_sum(s);
+    if (lane == 0) { red[warp] = wm; }
+    __syncthreads();
+    float bm = -LLMC_INF;
+    for (int w = 0; w < nw; w++) bm = fmaxf(bm, red[w]);
+    __syncthreads();
+    if (lane == 0) red[warp] = (wm == -LLMC_INF) ? 0.0f : s * expf(wm - bm);
+    __syncthreads();
+    float bs = 0.0f;
+    for (int w = 0; w < nw; w++) bs += red[w];
+    float lse = bm + logf(bs);
+    int tgt = targets[row];
+    bool bad = tgt < 0 || tgt >= V;
+    if (tid == 0) losses[row] = bad ? LLMC_NAN : lse - to_f(x[tgt]);
+    if (!has_d) return;
+    __syncthreads();  // everyone read x[tgt] (thread 0) before it is overwritten
+    float inv = 1.0f / bs;
+    for (int i = tid * PACK; i < Vv; i += nt * PACK) {
+        pack_t p = load_pack(x + i);
+        #pragma unroll
+        for (int k = 0; k < PACK; k++) {
+            float pr = expf(to_f(p.v[k]) - bm) * inv;
+            p.v[k] = from_f((pr - (i + k == tgt ? 1.0f : 0.0f)) * dloss);
+        }
+        store_pack(x + i, p);
+    }
+    for (int i = Vv + tid; i < V; i += nt) {
+        float pr = expf(to_f(x[i]) - bm) * inv;
+        x[i] = from_f((pr - (i == tgt ? 1.0f : 0.0f)) * dloss);
+    }
+    for (int i = V + tid; i < Vp; i += nt) x[i] = from_f(0.0f);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// global norm: phase 1 per tensor, each block writes its partial sum of squares (fixed grid, fixed tree);
+// phase 2 sums all partials in order in double.
+extern "C" __global__ void sumsq_partial(float* partials, const act_t* g, long long n) {
+    __shared__ float red[32];
+    float acc = 0.0f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float v = to_f(g[i]); acc += v * v;
+    }
+    acc = warp_sum(acc);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int w = 0; w < blockDim.x / 32; w++) s += red[w];
+        partials[blockIdx.x] = s;
+    }
+}
+extern "C" __global__ void sumsq_final(float* out, const float* partials, int P) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double s = 0.0;
+    for (int p = 0; p < P; p++) s += (double)partials[p];
+    out[0] = (float)s;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// AdamW (same operation order as the CPU backend / torch.optim.AdamW). master != 0: update the fp32 master and
+// write param = stochastic_round_bf16(master), seeded by (seed, index).
+__device__ __forceinline__ unsigned int hash_u32(unsigned int x) {
+    x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+    return x;
+}
+__device__ __forceinline__ act_t stochastic_round(float f, unsigned int rnd) {
+#ifdef ACT_BF16
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7f800000u) == 0x7f800000u) return from_f(f);  // inf / NaN: no noise
+    u += (rnd & 0xffffu);
+    return (act_t)(u >> 16);
+#else
+    return f;
+#endif
+}
+extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* m, float* v, float* master,
+                                        long long n, float lr, float beta1, float beta2, float eps, float decay,
+                                        int has_decay, float c1, float c2, float step_size, float rbc2,
+                                        unsigned int seed) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float p = master != 0 ? master[i] : to_f(param[i]);
+        float g = to_f(grad[i]);
+        if (has_decay) p *= decay;
+        float mi = m[i] * beta1 + g * c1;
+        float vi = v[i] * beta2 + (g * g) * c2;
+        m[i] = mi; v[i] = vi;
+        float den = sqrtf(vi) * rbc2 + eps;
+        p -= (mi / den) * step_size;
+        if (master != 0) {
+            master[i] = p;
+            unsigned int r = hash_u32(seed ^ hash_u32((unsigned int)i ^ (unsigned int)(i >> 32) * 0x9e3779b9u));
+            param[i] = stochastic_round(p, r);
+        } else {
+            param[i] = from_f(p);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// own attention (fp32 mode, shapes cuDNN cannot plan, GQA): correct and deterministic, not fast.
+// qkv (B,T,W) with W = (NH+2NKV)*hd; out (B,T,NH*hd); lse (B,NH,T). One warp per (b, h, t) query row;
+// scores of the row are kept in shared memory (T floats per warp).
+extern "C" __global__ void attention_forward_ref(act_t* out, float* lse, const act_t* qkv, int B, int T, int NH,
+                                                 int NKV, int hd, float scale) {
+    extern __shared__ float sm[];
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    long long rowid = (long long)blockIdx.x * warps + warp;
+    if (rowid >= (long long)B * NH * T) return;
+    int t = (int)(rowid % T);
+    int h = (int)((rowid / T) % NH);
+    int b = (int)(rowid / ((long long)T * NH));
+    int W = (NH + 2 * NKV) * hd;
+    int kvh = h / (NH / NKV);
+    float* s = sm + (long long)warp * T;
+    const act_t* q = qkv + ((long long)b * T + t) * W + h * hd;
+    float mx = -LLMC_INF;
+    for (int j = lane; j <= t; j += 32) {
+        const act_t* k = qkv + ((long long)b * T + j) * W + (NH + kvh) * hd;
+        float d = 0.0f;
+        for (int i = 0; i < hd; i++) d += to_f(q[i]) * to_f(k[i]);
+        d *= scale;
+        s[j] = d;
+        mx = fmaxf(mx, d);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int j = lane; j <= t; j += 32) sum += expf(s[j] - mx);
+    sum = warp_sum(sum);
+    float l = mx + logf(sum);
+    __syncwarp();
+    for (int j = lane; j <= t; j += 32) s[j] = expf(s[j] - l);
+    __syncwarp();
+    act_t* o = out + ((long long)b * T + t) * NH * hd + h * hd;
+    for (int i = lane; i < hd; i += 32) {
+        float acc = 0.0f;
+        for (int j = 0; j <= t; j++) acc += s[j] * to_f(qkv[((long long)b * T + j) * W + (NH + NKV + kvh) * hd + i]);
+        o[i] = from_f(acc);
+    }
+    if (lane == 0) lse[((long long)b * NH + h) * T + t] = l;
+}
+
+// backward 1: per query row: Dsum[b,h,t] = dO.O, and dq = scale * sum_j dS[t,j] k_j
+extern "C" __global__ void attention_backward_dq_ref(act_t* dqkv, float* Dsum, const act_t* dout, const act_t* qkv,
+                                                     const act_t* out, const float* lse, int B, int T, int NH,
+                                                     int NKV, int hd, float scale) {
+    extern __shared__ float sm[];
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    long long rowid = (long long)blockIdx.x * warps + warp;
+    if (rowid >= (long long)B * NH * T) return;
+    int t = (int)(rowid % T);
+    int h = (int)((rowid / T) % NH);
+    int b = (int)(rowid / ((long long)T * NH));
+    int W = (NH + 2 * NKV) * hd;
+    int kvh = h / (NH / NKV);
+    float* s = sm + (long long)warp * T;
+    const act_t* q = qkv + ((long long)b * T + t) * W + h * hd;
+    const act_t* dO = dout + ((long long)b * T + t) * NH * hd + h * hd;
+    const act_t* O = out + ((long long)b * T + t) * NH * hd + h * hd;
+    float D = 0.0f;
+    for (int i = lane; i < hd; i += 32) D += to_f(dO[i]) * to_f(O[i]);
+    D = warp_sum(D);
+    float l = lse[((long long)b * NH + h) * T + t];
+    for (int j = lane; j <= t; j += 32) {
+        const act_t* k = qkv + ((long long)b * T + j) * W + (NH + kvh) * hd;
+        const act_t* v = qkv + ((long long)b * T + j) * W + (NH + NKV + kvh) * hd;
+        float d = 0.0f, dp = 0.0f;
+        for (int i = 0; i < hd; i++) { d += to_f(q[i]) * to_f(k[i]); dp += to_f(dO[i]) * to_f(v[i]); }
+        float p = expf(d * scale - l);
+        s[j] = p * (dp - D);
+    }
+    __syncwarp();
+    act_t* dq = dqkv + ((long long)b * T + t) * W + h * hd;
+    for (int i = lane; i < hd; i += 32) {
+        float acc = 0.0f;
+        for (int j = 0; j <= t; j++) acc += s[j] * to_f(qkv[((long long)b * T + j) * W + (NH + kvh) * hd + i]);
+        dq[i] = from_f(acc * scale);
+    }
+    if (lane == 0) Dsum[((long long)b * NH + h) * T + t] = D;
+}
+
+// backward 2: per key row j of kv head kvh: dk = scale * sum_{h in group} sum_{t>=j} dS[t,j] q_t,
+// dv = sum_{h in group} sum_{t>=j} P[t,j] dO_t. Shared memory: 2*T floats per warp.
+extern "C" __global__ void attention_backward_dkv_ref(act_t* dqkv, const float* Dsum, const act_t* dout,
+                                                      const act_t* qkv, const float* lse, int B, int T, int NH,
+                                                      int NKV, int hd, float scale) {
+    extern __shared__ float sm[];
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    long long rowid = (long long)blockIdx.x * warps + warp;
+    if (rowid >= (long long)B * NKV * T) return;
+    int j = (int)(rowid % T);
+    int kvh = (int)((rowid / T) % NKV);
+    int b = (int)(rowid / ((long long)T * NKV));
+    int W = (NH + 2 * NKV) * hd;
+    int group = NH / NKV;
+    float* ps = sm + (long long)warp * 2 * T;
+    float* ds = ps + T;
+    const act_t* k = qkv + ((long long)b * T + j) * W + (NH + kvh) * hd;
+    const act_t* v = qkv + ((long long)b * T + j) * W + (NH + NKV + kvh) * hd;
+    act_t* dk = dqkv + ((long long)b * T + j) * W + (NH + kvh) * hd;
+    act_t* dv = dqkv + ((long long)b * T + j) * W + (NH + NKV + kvh) * hd;
+    // accumulators for dims lane, lane+32, ... kept in registers (hd <= 32 * 8)
+    float adk[8], adv[8];
+    #pragma unroll
+    for (int u = 0; u < 8; u++) { adk[u] = 0.0f; adv[u] = 0.0f; }
+    for (int g = 0; g < group; g++) {
+        int h = kvh * group + g;
+        for (int t = j + lane; t < T; t += 32) {
+            const act_t* q = qkv + ((long long)b * T + t) * W + h * hd;
+            const act_t* dO = dout + ((long long)b * T + t) * NH * hd + h * hd;
+            float d = 0.0f, dp = 0.0f;
+            for (int i = 0; i < hd; i++) { d += to_f(q[i]) * to_f(k[i]); dp += to_f(dO[i]) * to_f(v[i]); }
+            long long li = ((long long)b * NH + h) * T + t;
+            float p = expf(d * scale - lse[li]);
+            ps[t] = p;
+            ds[t] = p * (dp - Dsum[li]);
+        }
+        __syncwarp();
+        #pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int i = lane + 32 * u;
+            if (i < hd) {
+                float ak = 0.0f, av = 0.0f;
+                for (int t = j; t < T; t++) {
+                    ak += ds[t] * to_f(qkv[((long long)b * T + t) * W + h * hd + i]);
+                    av += ps[t] * to_f(dout[((long long)b * T + t) * NH * hd + h * hd + i]);
+                }
+                adk[u] += ak; adv[u] += av;
+            }
+        }
+        __syncwarp();
+    }
+    #pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int i = lane + 32 * u;
+        if (i < hd) { dk[i] = from_f(adk[u] * scale); dv[i] = from_f(adv[u]); }
+    }
+}

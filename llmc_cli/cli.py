@@ -1,0 +1,499 @@
+"""The `llmc` command line: tokenize | train | sample | eval | backends."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False)
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "auto": None}
+
+
+_RANK: dict = {}  # set when this process is one rank of many: {"rank", "world", "comm"} (data parallel)
+
+
+def fail(msg: str, code: int = 2) -> None:
+    """One clear line on stderr and a non-zero exit; nothing on disk is touched after this."""
+    who = f" (rank {_RANK['rank']} of {_RANK['world']})" if _RANK else ""
+    from rich.markup import escape  # messages hold paths and pip specs like 'pyopencl[pocl]': not markup
+    err_console.print(f"[bold red]error{who}:[/] {escape(msg)}", soft_wrap=True)
+    if _RANK.get("comm") is not None:  # the other ranks wait in a collective: take the whole job down
+        sys.stderr.flush()
+        from .launch import note_failure
+        note_failure(_RANK["rank"], _RANK["world"], msg)
+        _RANK["comm"].abort(code)
+    sys.exit(code)
+
+
+def make_backend(name: str, device: str | None, dtype: str):
+    from .kernels import BackendUnavailable
+    from .registry import create_backend
+    try:
+        return create_backend(name, device=device, dtype=DTYPES[dtype])
+    except BackendUnavailable as e:
+        msg = str(e)
+        if "No module named" in msg:  # a backend whose optional package is missing: say what to install
+            from .reliability import PIP_NAMES
+            mod = msg.split("No module named", 1)[1].strip(" '\"").split("'")[0].split(".")[0]
+            msg += f" (pip install {PIP_NAMES.get(mod, mod)})"
+        fail(f"--backend {name}{f' --device {device}' if device else ''}: {msg}")
+    except Exception as e:  # a driver error while opening the device: one line, not a traceback
+        fail(f"--backend {name}{f' --device {device}' if device else ''}: cannot start "
+             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
+
+class _Main(click.Group):
+    """Last line of defence: a missing optional package or exhausted memory is one line, not a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            from .reliability import missing_package_message
+            fail(missing_package_message(e))
+        except MemoryError as e:
+            fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="llmc")
+def main() -> None:
+    """llmc: train GPT-2 from scratch, llm.c style, on whatever hardware is here.
+
+    \b
+    Example:
+      llmc tokenize shakespeare
+      llmc train --backend cpu --model d6 -b 4 -t 64 --steps 50 --out checkpoints/demo
+      llmc sample --checkpoint checkpoints/demo --prompt "ROMEO:"
+    """
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def backends(as_json: bool) -> None:
+    """List installed backends, whether each can run here, and why not.
+
+    \b
+    Example:
+      llmc backends --json
+    """
+    from .registry import discover
+    found = discover()
+    if as_json:
+        click.echo(json.dumps([{"name": p.name, "usable": p.usable, "reason": p.reason,
+                                "distribution": p.distribution,
+                                "devices": p.plugin.devices() if (p.plugin and p.usable) else []}
+                               for p in found], indent=1))
+        return
+    table = Table(title="llmc backends")
+    for col in ("backend", "usable", "device / reason", "distribution"):
+        table.add_column(col)
+    for p in found:
+        table.add_row(p.name, "[green]yes[/]" if p.usable else "[red]no[/]", p.reason, p.distribution)
+    console.print(table)
+
+
+@main.command()
+@click.option("--backend", default="auto", show_default=True, help="Backend name (see `llmc backends`) or auto.")
+@click.option("--device", default=None, help="Backend-specific device selector (default: the backend's best).")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
+              help="Compute dtype; auto = the backend's default (fp32 on cpu/opencl, bf16 on cuda).")
+@click.option("--data", required=True, help="Glob of training shards, e.g. 'datasets/shakespeare/*train*.bin'.")
+@click.option("--val-data", default=None, help="Glob of validation shards.")
+@click.option("--model", default="d12", show_default=True,
+              help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; Llama 3 llama3-tiny, llama3.2-1b, "
+                   "llama3.2-3b, llama3.1-8b.")
+@click.option("--init", "init", default=None, type=click.Path(), help="Start from an llm.c model .bin instead.")
+@click.option("--n-layer", type=int, default=None, help="Override the preset's layer count.")
+@click.option("--n-head", type=int, default=None, help="Override the preset's head count.")
+@click.option("--n-embd", type=int, default=None, help="Override the preset's channels.")
+@click.option("--n-kv-head", type=int, default=None, help="Llama: key/value heads (grouped-query attention).")
+@click.option("--block-size", type=int, default=None, help="Max sequence length in tokens (default: the preset's).")
+@click.option("--recompute", type=click.Choice(["none", "gelu", "gelu+layernorm"]), default="none",
+              show_default=True, help="GPT-2: recompute these activations in backward instead of keeping them.")
+@click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component, then exit.")
+@click.option("-b", "--batch-size", type=int, default=4, show_default=True, help="Micro-batch size (sequences).")
+@click.option("-t", "--seq-len", type=int, default=64, show_default=True, help="Sequence length (tokens).")
+@click.option("--total-batch-size", type=int, default=None,
+              help="Tokens per optimizer step; a multiple of B*T (gradient accumulation). Default B*T.")
+@click.option("--steps", type=int, default=20, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak learning rate.")
+@click.option("--warmup", type=int, default=0, show_default=True, help="Linear warmup (steps).")
+@click.option("--lr-decay-frac", type=float, default=1.0, show_default=True,
+              help="Final LR as a fraction of --lr, reached by cosine decay (1.0 = constant, llm.c -q).")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW decay (matrices only).")
+@click.option("--grad-clip", type=float, default=1.0, show_default=True, help="Global grad-norm clip (0 = off).")
+@click.option("--beta1", type=float, default=0.9, show_default=True)
+@click.option("--beta2", type=float, default=0.95, show_default=True)
+@click.option("--seed", type=int, default=1337, show_default=True, help="Seed for init, shuffling, sampling.")
+@click.option("--overfit-batch", is_flag=True, help="Train on the first batch every step (llm.c -a 1).")
+@click.option("--shuffle", is_flag=True, help="Shuffle shards and sample positions per epoch (seeded).")
+@click.option("--val-every", type=int, default=20, show_default=True, help="Validate every N steps (0 = off).")
+@click.option("--val-batches", type=int, default=20, show_default=True, help="Batches per validation.")
+@click.option("--sample-every", type=int, default=20, show_default=True, help="Sample every N steps (0 = off).")
+@click.option("--sample-tokens", type=int, default=64, show_default=True, help="Tokens per sample.")
+@click.option("--checkpoint-every", type=int, default=0, show_default=True,
+              help="Write a checkpoint every N steps (0 = only at the end, when --out is given).")
+@click.option("--keep", type=int, default=0, show_default=True, help="Keep the newest N checkpoints (0 = all).")
+@click.option("--skip-loss-z", type=float, default=0.0, show_default=True,
+              help="Skip the update when the loss is this many std devs above the last 128 steps' (0 = off).")
+@click.option("--skip-grad-z", type=float, default=0.0, show_default=True,
+              help="Same for the grad norm (0 = off). Non-finite steps are always skipped.")
+@click.option("--max-bad-steps", type=int, default=5, show_default=True,
+              help="Stop (exit 3) after this many consecutive skipped / non-finite steps (0 = never).")
+@click.option("--out", default=None, type=click.Path(), help="Run directory for checkpoints, e.g. checkpoints/run1.")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
+@click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file.")
+@click.option("--hellaswag", default=None, type=click.Path(), help="llm.c HellaSwag eval file to score during training.")
+@click.option("--hellaswag-every", type=int, default=0, show_default=True,
+              help="Score --hellaswag every N steps and at the end (0 = off); acc_norm goes to the log.")
+@click.option("--gpus", type=int, default=0, help="Data parallel on N GPUs of this machine: starts N processes "
+              "(one per GPU, NCCL). Under mpirun/srun leave it out: the ranks come from the launcher.")
+@click.option("--procs", type=int, default=0, help="Data parallel over N MPI processes (mpiexec -n N; for the "
+              "cpu/OpenCL backends). Needs pip install 'llmc[mpi]'.")
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              help="1 = ZeRO-1: optimizer state sharded over the ranks (reduce-scatter + all-gather).")
+@click.option("--init-file", default=None, type=click.Path(),
+              help="Multi-node NCCL without MPI: a path on a shared file system through which rank 0 hands out "
+              "NCCL's id (fresh per run).")
+@click.option("--init-addr", default=None, help="Multi-node NCCL without MPI: HOST:PORT where rank 0 listens "
+              "and hands out NCCL's id.")
+def train(**o) -> None:
+    """Train a GPT-2.
+
+    \b
+    Example:
+      llmc tokenize shakespeare
+      llmc train --backend cpu --model d6 -b 4 -t 64 --steps 100 \\
+          --data 'datasets/shakespeare/*train*.bin' --val-data 'datasets/shakespeare/*val*.bin' \\
+          --out checkpoints/shakespeare --log checkpoints/shakespeare/log.jsonl
+    """
+    from .dataloader import DataError
+    from .optim import AdamWConfig
+    from .tokenizer import load_tokenizer
+    from .train import TrainArgs, Trainer, TrainError
+
+    for opt in ("steps", "val_every", "sample_every", "checkpoint_every", "keep", "warmup"):
+        if o[opt] < 0:
+            fail(f"--{opt.replace('_', '-')} must be >= 0 (got {o[opt]})")
+    for opt in ("skip_loss_z", "skip_grad_z", "max_bad_steps"):
+        if not o[opt] >= 0:
+            fail(f"--{opt.replace('_', '-')} must be >= 0 (got {o[opt]}; 0 = off)")
+    if o.pop("dry_run"):
+        return dry_run(o)
+    # data parallel (issue 7): start the ranks here, or take this process's place among them
+    from . import comm as comm_mod
+    gpus, procs, init_file, init_addr = o.pop("gpus"), o.pop("procs"), o.pop("init_file"), o.pop("init_addr")
+    o["zero"] = int(o["zero"])
+    if gpus < 0 or procs < 0 or (gpus > 1 and procs > 1):
+        fail("--gpus N (one process per GPU) and --procs N (MPI processes) are positive and exclusive")
+    if gpus > 1 or procs > 1:
+        from .launch import child_args, launch_gpus, launch_mpi
+        args = child_args(click.get_current_context())
+        sys.exit(launch_gpus(args, gpus) if gpus > 1 else launch_mpi(args, procs))
+    try:
+        rank_info = comm_mod.discover()
+    except comm_mod.CommError as e:
+        fail(str(e))
+    if rank_info.world_size > 1:
+        _RANK.update(rank=rank_info.rank, world=rank_info.world_size)
+        console.quiet = rank_info.rank != 0  # rank 0 speaks for the run
+        if o["device"] is None:
+            comm_mod.pin_local_device(rank_info)  # one GPU per rank, by rank on the node
+    backend = make_backend(o.pop("backend"), o.pop("device"), o.pop("dtype"))
+    try:
+        comm = comm_mod.create(backend, rank_info, init_file=init_file, init_addr=init_addr)
+    except comm_mod.CommError as e:
+        fail(str(e))
+    if comm.world_size > 1:
+        _RANK["comm"] = comm
+        _abort_on_uncaught(comm)
+    optim = AdamWConfig(lr=o.pop("lr"), beta1=o.pop("beta1"), beta2=o.pop("beta2"),
+                        weight_decay=o.pop("weight_decay"), grad_clip=o.pop("grad_clip"))
+    args = TrainArgs(optim=optim, init=o.pop("init"), **o)
+    try:
+        tok = load_tokenizer("gpt2")
+        decode, eot = tok.decode, tok.eot
+    except Exception:  # sampling during training is optional; the run does not need a tokenizer
+        decode, eot = None, None
+    try:
+        trainer = Trainer(args, backend, say=console.print, decode=decode, eot=eot, comm=comm)
+    except (TrainError, DataError, ValueError, OSError) as e:
+        fail(str(e))
+    cfg = trainer.cfg
+    console.print(f"backend: {backend.describe()} ({backend.dtype})")
+    console.print(f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} "
+                  f"(padded {cfg.padded_vocab_size}) maxT={cfg.block_size}, {trainer.model.num_params:,} params")
+    console.print(f"batch: B={args.batch_size} T={args.seq_len}, {trainer.tokens_per_step} tokens/step, "
+                  f"grad accumulation {trainer.grad_accum}")
+    console.print(trainer.memory_line())
+    if trainer.start_step:
+        console.print(f"resumed from {args.out} at step {trainer.start_step}")
+    if comm.world_size > 1:
+        console.print(f"data parallel: {comm.world_size} ranks ({rank_info.source}), {comm.name} "
+                      f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank")
+
+    def show(r: dict) -> None:
+        num = lambda v, f: "nan" if v is None else format(v, f)  # noqa: E731  (non-finite values log as null)
+        console.print(f"step {r['step']:5d}/{args.steps} | loss {num(r['loss'], '.6f')} | norm {num(r['norm'], '.4f')} | "
+                      f"lr {r['lr']:.2e} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s"
+                      + (" | skipped" if r.get("skipped") else ""))
+    from .reliability import StopSignals, TrainAborted, resume_command
+    from .train import TrainDiverged
+    how = resume_command(click.get_current_context())
+    try:
+        with StopSignals() as stop:
+            trainer.stop_requested = lambda: stop.requested
+            trainer.run(on_step=_fault_hook(comm, show))
+    except TrainAborted as e:
+        where = (f"; {args.out} keeps its last complete checkpoint, resume with: {how}" if args.out
+                 else "; nothing was saved (no --out)")
+        fail(f"aborted by a second {e.signame}{where}", code=130)
+    except TrainDiverged as e:
+        fail(str(e), code=3)
+    except (TrainError, DataError, ValueError) as e:
+        fail(str(e))
+    if trainer.stopped:
+        st = trainer.stopped
+        if args.out:
+            console.print(f"stopped by {st['signal']} after step {st['step']}; checkpoint {st['checkpoint']} "
+                          f"written. Resume with:\n  {how}")
+        else:
+            console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
+                          f"--out DIR, so this run cannot be resumed")
+
+
+def _abort_on_uncaught(comm) -> None:
+    """One rank's traceback must not leave the others waiting in a collective forever."""
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        previous(tp, value, tb)
+        sys.stderr.write(f"llmc: rank {comm.rank} of {comm.world_size} failed ({tp.__name__}); stopping all ranks\n")
+        sys.stderr.flush()
+        from .launch import note_failure
+        note_failure(comm.rank, comm.world_size, f"{tp.__name__}: {value}")
+        comm.abort(1)
+    sys.excepthook = hook
+
+
+def _fault_hook(comm, show):
+    """on_step for every rank: rank 0 prints; LLMC_FAULT_RANK=R:STEP makes rank R fail after STEP (tests the
+    launchers' shutdown)."""
+    import os
+    spec = os.environ.get("LLMC_FAULT_RANK", "")
+    fault = tuple(int(x) for x in spec.split(":")) if spec else None
+
+    def on_step(r: dict) -> None:
+        if comm.rank == 0:
+            show(r)
+        if fault and fault[0] == comm.rank and r["step"] >= fault[1]:
+            fail(f"injected failure after step {r['step']} (LLMC_FAULT_RANK={spec})", code=7)
+    return on_step
+
+
+def dry_run(o: dict) -> None:
+    """Plans the model's memory on the host, allocating nothing: works for models this machine cannot hold."""
+    from .models import memory_plan
+    from .train import TrainArgs, model_config
+    try:
+        cfg = model_config(TrainArgs(data=o["data"], model=o["model"], n_layer=o["n_layer"], n_head=o["n_head"],
+                                     n_embd=o["n_embd"], n_kv_head=o["n_kv_head"], block_size=o["block_size"]))
+    except ValueError as e:
+        fail(str(e))
+    dtype = DTYPES[o["dtype"]] or ("bfloat16" if o["backend"] == "cuda" else "float32")
+    B, T = o["batch_size"], o["seq_len"]
+    plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
+    from .models import family_of_config
+    n = family_of_config(cfg).module.num_parameters(cfg)
+    table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}")
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    for k, v in plan.items():
+        table.add_row(k, f"{v / 2**30:.2f}")
+    table.add_row("total", f"{sum(plan.values()) / 2**30:.2f}")
+    console.print(table)
+
+
+def load_for_inference(checkpoint: str, backend, B: int, T: int):
+    from . import checkpoint as ckpt
+    from .gpt2 import GPT2
+    from .hf import load_model_any
+    try:
+        cfg, params, _ = load_model_any(checkpoint)
+    except ckpt.CheckpointError as e:
+        fail(f"--checkpoint: {e}")
+    if T > cfg.block_size:
+        fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    model = GPT2(cfg, backend, B, T, training=False)
+    model.load_parameters(params)
+    return model
+
+
+@main.command()
+@click.option("--checkpoint", required=True,
+              help="Run directory (uses its latest), step directory, llm.c .bin, or Hugging Face directory.")
+@click.option("--prompt", default=None, help="Text to continue (default: start from end-of-text).")
+@click.option("--prompt-file", default=None, type=click.Path(), help="Read the prompt from this text file.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate per sample.")
+@click.option("--num-samples", type=int, default=1, show_default=True, help="Independent samples (one rng).")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k most likely (0 = all).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass (1.0 = off).")
+@click.option("--seed", type=int, default=1337, show_default=True)
+@click.option("--no-kv-cache", is_flag=True, help="Recompute the whole window per token (for comparison).")
+@click.option("--backend", default="auto", show_default=True)
+@click.option("--device", default=None)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
+def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, temperature, top_k, top_p, seed,
+           no_kv_cache, backend, device, dtype) -> None:
+    """Generate text from a trained model, streaming it as it comes; tokens/s goes to stderr at the end.
+    Uses a key/value cache where the backend has one (each new token costs one position, not the window).
+
+    \b
+    Example:
+      llmc sample --checkpoint checkpoints/shakespeare --prompt "ROMEO:" --max-new-tokens 200 --top-k 40
+      llmc sample --checkpoint hf/gpt2 --prompt-file prompt.txt --num-samples 3 --top-p 0.9 --temperature 0.8
+    """
+    import time
+
+    import numpy as np
+
+    from . import checkpoint as ckpt
+    from .generate import has_kv_cache
+    from .hf import load_config_any
+    from .sample import generate
+    from .tokenizer import load_tokenizer
+    if max_new_tokens < 0:
+        fail("--max-new-tokens must be >= 0")
+    if num_samples < 1:
+        fail("--num-samples must be >= 1")
+    if not 0 < top_p <= 1:
+        fail(f"--top-p must be in (0, 1] (got {top_p})")
+    if prompt is not None and prompt_file is not None:
+        fail("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            prompt = open(prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--prompt-file: {prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
+    prompt = prompt or ""
+    tok = load_tokenizer("gpt2")
+    try:
+        cfg = load_config_any(checkpoint)
+    except ckpt.CheckpointError as e:
+        fail(f"--checkpoint: {e}")
+    ids = tok.encode(prompt) if prompt else [tok.eot]
+    if max(ids) >= cfg.vocab_size:
+        fail(f"the prompt has token id {max(ids)}, outside the model's vocabulary ({cfg.vocab_size})")
+    be = make_backend(backend, device, dtype)
+    window = min(cfg.block_size, max(64, -(-(len(ids) + max_new_tokens) // 64) * 64))
+    model = load_for_inference(checkpoint, be, 1, window)
+    kv = has_kv_cache(model) and not no_kv_cache
+    rng = np.random.default_rng(seed)
+    total, seconds = 0, 0.0
+    for i in range(num_samples):
+        if num_samples > 1:
+            click.echo(f"{'' if i == 0 else chr(10)}--- sample {i + 1}/{num_samples} ---")
+        if prompt:
+            click.echo(prompt, nl=False)
+        out: list[int] = []
+        shown = ""
+        t0 = time.perf_counter()
+        for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
+                          kv_cache=kv):
+            out.append(t)
+            text = tok.decode(out)
+            if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing
+                click.echo(text[len(shown):], nl=False)
+                shown = text
+        seconds += time.perf_counter() - t0
+        total += len(out)
+        click.echo(tok.decode(out)[len(shown):])
+    err_console.print(f"{total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tok/s "
+                      f"({'KV cache' if kv else 'full recomputation'}, {be.name})")
+
+
+@main.command(name="eval")
+@click.option("--checkpoint", required=True,
+              help="Run directory, step directory, llm.c .bin, or Hugging Face directory.")
+@click.option("--data", default=None, help="Glob of shards to evaluate on, e.g. 'datasets/shakespeare/*val*.bin'.")
+@click.option("--batches", type=int, default=0, show_default=True, help="Batches to average (0 = all, once).")
+@click.option("--hellaswag", default=None, type=click.Path(),
+              help="llm.c HellaSwag eval file (`llmc tokenize hellaswag`): report acc and acc_norm.")
+@click.option("--hellaswag-limit", type=int, default=0, show_default=True,
+              help="Score only the first N HellaSwag examples (0 = all).")
+@click.option("-b", "--batch-size", type=int, default=4, show_default=True)
+@click.option("-t", "--seq-len", type=int, default=64, show_default=True)
+@click.option("--backend", default="auto", show_default=True)
+@click.option("--device", default=None)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"loss": ..., "hellaswag_acc": ..., "hellaswag_acc_norm": ...} as JSON.')
+def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, seq_len, backend, device, dtype,
+             as_json) -> None:
+    """Mean loss of a model over the first batches of some shards, in order, and/or its HellaSwag accuracy
+    (acc_norm: the ending with the lowest mean loss per token wins, as llm.c and lm-eval-harness score it).
+
+    \b
+    Example:
+      llmc eval --checkpoint checkpoints/shakespeare --data 'datasets/shakespeare/*val*.bin' --json
+      llmc eval --checkpoint checkpoints/gpt2 --hellaswag datasets/hellaswag/hellaswag_val.bin
+    """
+    from .dataloader import DataError, ValLoader
+    from .evaluate import HellaSwag, evaluate_loss
+    if batches < 0:
+        fail("--batches must be >= 0")
+    if hellaswag_limit < 0:
+        fail("--hellaswag-limit must be >= 0")
+    if data is None and hellaswag is None:
+        fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
+    hs = None
+    if hellaswag is not None:
+        try:
+            hs = HellaSwag(hellaswag, hellaswag_limit)
+        except DataError as e:
+            fail(f"--hellaswag: {e}")
+    be = make_backend(backend, device, dtype)
+    model = load_for_inference(checkpoint, be, batch_size if data else 1, seq_len if data else 1)
+    result = {}
+    try:
+        if data is not None:
+            loader = ValLoader(data, batch_size, seq_len, vocab_size=model.cfg.vocab_size)
+            result["loss"] = evaluate_loss(model, loader, batches)
+        if hs is not None:
+            result |= hs.evaluate(model).as_dict()
+    except (DataError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    if "loss" in result:
+        console.print(f"loss {result['loss']:.6f}")
+    if hs is not None:
+        console.print(f"hellaswag acc_norm {result['hellaswag_acc_norm']:.4f} acc {result['hellaswag_acc']:.4f} "
+                      f"({result['hellaswag_examples']} examples)")
+
+
+from .tokenize import tokenize  # noqa: E402  (the data side: `llmc tokenize ...`)
+
+main.add_command(tokenize)
+from .bench import bench  # noqa: E402  (`llmc bench`: backends side by side, kernels and steps)
+main.add_command(bench)
+
+from .hf import convert  # noqa: E402  (`llmc convert`: llm.c .bin <-> run directory -> Hugging Face)
+from .plot import plot  # noqa: E402  (`llmc plot`: curves from run logs)
+
+main.add_command(convert)
+main.add_command(plot)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Data-parallel training on top of a communicator (llmc_cli.comm): gradient averaging, ZeRO-1, and the helpers
+the Trainer needs to run as one rank of many.
+
+* ``DataParallelAdamW`` (``--zero 0``): every rank keeps the whole optimizer state; once per optimizer step,
+  after the last micro-step, the gradients are all-reduced (averaged) and every rank takes the same step.
+* ``ShardedAdamW`` (``--zero 1``): the flat parameter vector is cut into ``world_size`` equal element ranges
+  (plus a tail of fewer than ``world_size`` elements that every rank updates redundantly). Rank r owns range
+  r: its fp32 moments (and fp32 master weights for bf16 runs) exist only there. A step is reduce-scatter of the
+  gradients, AdamW on the owned range (a range cuts through tensors, so each tensor's piece is updated with that
+  tensor's weight decay), then all-gather of the parameters.
+
+Both keep the optimizer interface the Trainer uses (`grad_norm`, `step`, `state_host`, `load_state`,
+`sync_master_from_params`, `step_count`) plus `reduce_grads()`. `state_host()` is collective and always returns
+the WHOLE state (on rank 0; other ranks get None), so checkpoints are the same file whatever the number of ranks
+or the ZeRO stage, and resume on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .comm import AVG, SUM, Communicator, SingleProcess
+from .kernels import BFLOAT16, FLOAT32, Backend
+from .optim import AdamW, AdamWConfig
+
+ZERO_STAGES = (0, 1)
+
+
+class DataParallelAdamW(AdamW):
+    """AdamW with whole-state replicas: gradients are averaged over the ranks before the step."""
+
+    def __init__(self, backend: Backend, params, grads, tensors, cfg: AdamWConfig, comm: Communicator):
+        super().__init__(backend, params, grads, tensors, cfg)
+        self.comm = comm
+
+    def reduce_grads(self) -> None:
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(self.grads.buf, AVG)
+
+    def state_host(self):
+        return super().state_host() if self.comm.rank == 0 else None
+
+
+class ShardedAdamW:
+    """ZeRO stage 1: optimizer state sharded over the ranks (see the module docstring)."""
+
+    def __init__(self, backend: Backend, params, grads, tensors: list[tuple[str, bool]], cfg: AdamWConfig,
+                 comm: Communicator):
+        self.backend, self.params, self.grads, self.cfg, self.comm = backend, params, grads, cfg, comm
+        self.tensors = tensors
+        W, r = comm.world_size, comm.rank
+        n = int(params.size)
+        self.n = n
+        self.chunk = n // W
+        self.main = self.chunk * W            # reduce-scattered / all-gathered part
+        self.tail = n - self.main             # < W elements every rank updates (its grads are all-reduced)
+        if self.chunk == 0:
+            raise ValueError(f"--zero 1: {n} parameters cannot be split over {W} ranks")
+        # this rank's element ranges of the flat parameter vector, and where they sit in the local state
+        self.ranges = [(r * self.chunk, (r + 1) * self.chunk)] + ([(self.main, n)] if self.tail else [])
+        local = self.chunk + self.tail
+        self.local_size = local
+        self.m = backend.alloc(local, FLOAT32, tag="optimizer")
+        self.v = backend.alloc(local, FLOAT32, tag="optimizer")
+        backend.fill(self.m, 0.0)
+        backend.fill(self.v, 0.0)
+        self.master = backend.alloc(local, FLOAT32, tag="optimizer") if backend.dtype == BFLOAT16 else None
+        self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
+        self.step_count = 0
+        # one segment per (tensor, owned range) overlap: weight decay is a property of the tensor
+        self._segments = []
+        self._local_of = []  # (global start, local start, length) per range
+        loc = 0
+        for lo, hi in self.ranges:
+            self._local_of.append((lo, loc, hi - lo))
+            loc += hi - lo
+        off = 0
+        for i, (name, decay) in enumerate(tensors):
+            size = int(np.prod(params.full[name].shape))
+            for lo, lstart, length in self._local_of:
+                a, b = max(off, lo), min(off + size, lo + length)
+                if a >= b:
+                    continue
+                l0 = lstart + (a - lo)
+                self._segments.append((i, decay,
+                                       backend.view(params.buf, a, b - a), backend.view(grads.buf, a, b - a),
+                                       backend.view(self.m, l0, b - a), backend.view(self.v, l0, b - a),
+                                       None if self.master is None else backend.view(self.master, l0, b - a)))
+            off += size
+        if off != n:
+            raise ValueError(f"tensor table covers {off} of {n} parameters")
+        self._main_grads = backend.view(grads.buf, 0, self.main)
+        self._main_params = backend.view(params.buf, 0, self.main)
+        self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
+        self._own_grads = backend.view(grads.buf, r * self.chunk, self.chunk)
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    def reduce_grads(self) -> None:
+        """Average the gradients: this rank's chunk by reduce-scatter, the short tail by all-reduce."""
+        self.comm.reduce_scatter(self._main_grads, AVG)
+        if self._tail_grads is not None:
+            self.comm.all_reduce(self._tail_grads, AVG)
+
+    def grad_norm(self) -> float:
+        """Global norm of the averaged gradient: each rank's owned chunk, the tail counted once (on rank 0)."""
+        parts = [self._own_grads]
+        if self._tail_grads is not None and self.comm.rank == 0:
+            parts.append(self._tail_grads)
+        self.backend.global_norm_squared(self.norm_buf, parts)
+        local = float(self.backend.download(self.norm_buf)[0])
+        return math.sqrt(max(self.comm.all_reduce_value(local, SUM), 0.0))
+
+    def step(self, lr: float, grad_norm: float, seed: int) -> None:
+        c = self.cfg
+        self.step_count += 1
+        scale = c.grad_clip / grad_norm if (c.grad_clip > 0 and grad_norm > c.grad_clip) else 1.0
+        for i, decay, p, g, m, v, master in self._segments:
+            self.backend.adamw_update(
+                p, g, m, v, master, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, grad_scale=scale,
+                seed=(seed * 1000003 + self.step_count * 64 + i) & 0x7FFFFFFF)
+        self.comm.all_gather(self._main_params)
+
+    def sync_master_from_params(self) -> None:
+        if self.master is None:
+            return
+        for lo, lstart, length in self._local_of:
+            self.backend.copy(self.backend.view(self.master, lstart, length),
+                              self.backend.view(self.params.buf, lo, length))
+
+    # --- whole state in and out (checkpoints) -----------------------------------------------------------------
+    def _gather(self, local) -> np.ndarray | None:
+        """The full-length host array of a sharded state buffer, on rank 0 (None elsewhere). Collective: chunk q
+        is broadcast from rank q into a chunk-sized scratch buffer, so no rank ever holds the whole state on
+        the device."""
+        W, r = self.comm.world_size, self.comm.rank
+        out = np.empty(self.n, dtype=np.float32) if r == 0 else None
+        scratch = self.backend.alloc(self.chunk, FLOAT32, tag="optimizer-scratch") if W > 1 else None
+        for q in range(W):
+            if W == 1:
+                part = self.backend.download(self.backend.view(local, 0, self.chunk))
+            else:
+                if q == r:
+                    self.backend.copy(scratch, self.backend.view(local, 0, self.chunk))
+                self.comm.broadcast(scratch, root=q)
+                part = self.backend.download(scratch) if r == 0 else None
+            if r == 0:
+                out[q * self.chunk:(q + 1) * self.chunk] = part
+        if r == 0 and self.tail:
+            out[self.main:] = self.backend.download(self.backend.view(local, self.chunk, self.tail))
+        return out
+
+    def state_host(self) -> dict[str, np.ndarray] | None:
+        """The whole optimizer state (as a single-process AdamW would hold it) on rank 0; None on the others.
+        Every rank must call it."""
+        out = {"m": self._gather(self.m), "v": self._gather(self.v)}
+        if self.master is not None:
+            out["master"] = self._gather(self.master)
+        return out if self.comm.rank == 0 else None
+
+    def _upload_owned(self, local, full: np.ndarray) -> None:
+        full = np.asarray(full, dtype=np.float32).reshape(-1)
+        if full.size != self.n:
+            raise ValueError(f"optimizer state has {full.size} values, the model {self.n}")
+        host = np.concatenate([full[lo:hi] for lo, hi in self.ranges])
+        self.backend.upload(local, host)
+
+    def load_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        """Take this rank's ranges of a whole optimizer state (from any number of ranks, any ZeRO stage)."""
+        self._upload_owned(self.m, state["m"])
+        self._upload_owned(self.v, state["v"])
+        if self.master is not None:
+            if "master" in state:
+                self._upload_owned(self.master, state["master"])
+            else:
+                self.sync_master_from_params()
+        self.step_count = step
+
+
+def make_optimizer(backend: Backend, model, cfg: AdamWConfig, comm: Communicator | None = None, zero: int = 0):
+    """The optimizer for `model` on this rank: whole-state AdamW (gradients all-reduced) or ZeRO-1."""
+    comm = comm or SingleProcess()
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"--zero {zero}: llmc has ZeRO stages {', '.join(map(str, ZERO_STAGES))}")
+    cls = ShardedAdamW if zero == 1 else DataParallelAdamW
+    return cls(backend, model.params, model.grads, model.tensor_names(), cfg, comm)
+
+
+def reshard_loader_state(state: dict, world_size: int) -> dict:
+    """A data loader position saved by `W_old` ranks, as `world_size` ranks with the same B and T see it: the
+    same tokens consumed, so the continuation reads the same data (llm.c's window of W*B*T tokens per sample)."""
+    old = int(state.get("world_size", 1))
+    if old == world_size:
+        return state
+    if state.get("shuffle"):
+        raise ValueError(f"--resume: the run was shuffled over {old} ranks; shuffled positions cannot move to "
+                         f"{world_size} ranks (resume on {old} ranks, or train without --shuffle)")
+    tokens = int(state["sample"]) * old
+    if tokens % world_size:
+        raise ValueError(f"--resume: the data position (sample {state['sample']} of {old}-rank windows) does not "
+                         f"fall on a {world_size}-rank window")
+    return dict(state, sample=tokens // world_size, world_size=world_size)

@@ -1,0 +1,111 @@
+"""Evaluations: mean validation loss over shards, and HellaSwag accuracy from llm.c's eval file.
+
+HellaSwag is scored the way llm.c (dev/data/hellaswag.py) and lm-eval-harness score it: each example's four
+rows `context + ending_i` are one batch (B=4, T = the longest row, right-padded), the per-token losses of the
+ending tokens are summed (acc picks the ending with the smallest sum) and divided by the ending's token count
+(acc_norm, the completion-normalised score, picks the smallest mean). Padding sits after every real token, so
+causal attention keeps it from changing the scored positions; its losses are masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dataloader import DataError, ValLoader, read_evalfile
+from .gpt2 import GPT2
+
+NUM_ENDINGS = 4
+
+
+def evaluate_loss(model: GPT2, loader: ValLoader, batches: int) -> float:
+    """Mean loss over the first `batches` batches of the loader, in order (0 = all of them, once)."""
+    total, n = 0.0, 0
+    for x, y in loader.batches(batches):
+        model.forward(x, y)
+        total += model.mean_loss()
+        n += 1
+    return total / max(n, 1)
+
+
+def render_example(ex: dict, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(inputs (4,T) int32, targets (4,T) int32, mask (4,T) bool): row i is ctx + ending_i; mask[i, t] says
+    that targets[i, t] (the token after inputs[i, t]) is an ending token. Rows longer than T+1 tokens lose
+    context tokens from the left (as lm-eval-harness truncates)."""
+    ends = ex["ending_tokens"]
+    if len(ends) != NUM_ENDINGS:
+        raise DataError(f"HellaSwag example {ex.get('index', '?')} has {len(ends)} endings, expected 4")
+    x = np.zeros((NUM_ENDINGS, T), np.int32)
+    y = np.zeros((NUM_ENDINGS, T), np.int32)
+    mask = np.zeros((NUM_ENDINGS, T), bool)
+    for i, end in enumerate(ends):
+        row = list(ex["ctx_tokens"]) + list(end)
+        is_end = [False] * len(ex["ctx_tokens"]) + [True] * len(end)
+        row, is_end = row[-(T + 1):], is_end[-(T + 1):]
+        n = len(row) - 1
+        x[i, :n] = row[:-1]
+        y[i, :n] = row[1:]
+        mask[i, :n] = is_end[1:]
+    return x, y, mask
+
+
+@dataclass
+class HellaSwagResult:
+    n: int
+    correct: int          # by summed ending loss (acc)
+    correct_norm: int     # by mean ending loss per token (acc_norm)
+
+    @property
+    def acc(self) -> float:
+        return self.correct / max(self.n, 1)
+
+    @property
+    def acc_norm(self) -> float:
+        return self.correct_norm / max(self.n, 1)
+
+    def as_dict(self) -> dict:
+        return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm, "hellaswag_examples": self.n}
+
+
+class HellaSwag:
+    """The examples of one eval file and a B=4 model sharing a given model's parameters, planned once for the
+    longest row (capped at the block size)."""
+
+    def __init__(self, path: str, limit: int = 0):
+        self.path = str(path)
+        self.examples = read_evalfile(path)
+        if limit > 0:
+            self.examples = self.examples[:limit]
+        if not self.examples:
+            raise DataError(f"{path}: no examples")
+        self.longest = max(len(e["ctx_tokens"]) + max(len(t) for t in e["ending_tokens"]) for e in self.examples)
+        self.max_id = max(max(e["ctx_tokens"] + sum(e["ending_tokens"], []), default=0) for e in self.examples)
+        self._model: GPT2 | None = None
+
+    def model_for(self, model: GPT2) -> GPT2:
+        cfg = model.cfg
+        if self.max_id >= cfg.vocab_size:
+            raise DataError(f"{self.path}: token id {self.max_id} is outside the model's vocabulary "
+                            f"({cfg.vocab_size})")
+        if self._model is None or self._model.params is not model.params:
+            T = min(cfg.block_size, self.longest - 1)
+            self._model = GPT2(cfg, model.backend, NUM_ENDINGS, max(T, 1), training=False, share_params=model)
+        return self._model
+
+    def score(self, model: GPT2, ex: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(summed ending loss (4,), mean ending loss per token (4,)) of one example, float64."""
+        m = self.model_for(model)
+        x, y, mask = render_example(ex, m.T)
+        m.forward(x, y)
+        losses = m.backend.download(m.acts["losses"]).astype(np.float64).reshape(NUM_ENDINGS, m.T)
+        sums = (losses * mask).sum(axis=1)
+        return sums, sums / np.maximum(mask.sum(axis=1), 1)
+
+    def evaluate(self, model: GPT2) -> HellaSwagResult:
+        correct = correct_norm = 0
+        for ex in self.examples:
+            sums, means = self.score(model, ex)
+            correct += int(np.argmin(sums)) == ex["label"]
+            correct_norm += int(np.argmin(means)) == ex["label"]
+        return HellaSwagResult(len(self.examples), correct, correct_norm)

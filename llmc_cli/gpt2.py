@@ -1,0 +1,303 @@
+"""GPT-2 as a spec: its parameter table (llm.c's order), its activation plan for (B, T), and forward/backward as
+straight-line calls into the kernel interface. Nothing here knows which backend runs it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .kernels import FLOAT32, INT32, Backend
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    block_size: int = 1024        # max sequence length (T at most this)
+    vocab_size: int = 50257       # real vocabulary
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to a multiple of 128, as llm.c pads wte for faster matmuls."""
+        return (self.vocab_size + 127) // 128 * 128
+
+    def validate(self) -> None:
+        if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) <= 0:
+            raise ValueError(f"model shape must be positive: {self}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd {self.n_embd} is not a multiple of --n-head {self.n_head}")
+
+
+# llm.c's depth presets (d12 is GPT-2 124M, d48 is GPT-2 1.5B); d2 is a tiny one for tests and demos
+PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (n_layer, n_head, n_embd)
+    "d2": (2, 2, 128), "d6": (6, 6, 384), "d12": (12, 12, 768), "d24": (24, 16, 1024),
+    "d36": (36, 20, 1280), "d48": (48, 25, 1600),
+}
+
+
+def preset(name: str, **overrides) -> GPT2Config:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model '{name}' (presets: {', '.join(PRESETS)})")
+    L, NH, C = PRESETS[name]
+    return replace(GPT2Config(n_layer=L, n_head=NH, n_embd=C), **overrides)
+
+
+def parameter_shapes(cfg: GPT2Config) -> list[tuple[str, tuple[int, ...]]]:
+    """The 16 parameter tensors in llm.c's order; per-layer tensors are stacked over layers."""
+    Vp, C, L, maxT = cfg.padded_vocab_size, cfg.n_embd, cfg.n_layer, cfg.block_size
+    return [
+        ("wte", (Vp, C)), ("wpe", (maxT, C)),
+        ("ln1w", (L, C)), ("ln1b", (L, C)),
+        ("qkvw", (L, 3 * C, C)), ("qkvb", (L, 3 * C)),
+        ("attprojw", (L, C, C)), ("attprojb", (L, C)),
+        ("ln2w", (L, C)), ("ln2b", (L, C)),
+        ("fcw", (L, 4 * C, C)), ("fcb", (L, 4 * C)),
+        ("fcprojw", (L, C, 4 * C)), ("fcprojb", (L, C)),
+        ("lnfw", (C,)), ("lnfb", (C,)),
+    ]
+
+
+# weights that get weight decay: matrices (llm.c decays wte, wpe, qkvw, attprojw, fcw, fcprojw)
+DECAYED = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
+
+
+def num_parameters(cfg: GPT2Config) -> int:
+    return sum(int(np.prod(s)) for _, s in parameter_shapes(cfg))
+
+
+def init_parameters(cfg: GPT2Config, seed: int) -> np.ndarray:
+    """GPT-2 initialisation on the host (so every backend starts identical): N(0, 0.02) weights, residual
+    projections scaled by 1/sqrt(2L), layernorm weights 1, biases 0, padded vocabulary rows 0."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros(num_parameters(cfg), dtype=np.float32)
+    off = 0
+    for name, shape in parameter_shapes(cfg):
+        n = int(np.prod(shape))
+        t = out[off:off + n].reshape(shape)
+        if name in ("ln1w", "ln2w", "lnfw"):
+            t[...] = 1.0
+        elif name == "wte":
+            t[:cfg.vocab_size] = rng.normal(0.0, 0.02, (cfg.vocab_size, cfg.n_embd))
+        elif name in DECAYED:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("attprojw", "fcprojw") else 0.02
+            t[...] = rng.normal(0.0, std, shape)
+        off += n
+    return out
+
+
+class Tensors:
+    """Named views into one flat backend buffer; `per_layer[name][l]` is layer l of a stacked tensor."""
+
+    def __init__(self, backend: Backend, buf, shapes: list[tuple[str, tuple[int, ...]]], stacked: set[str]):
+        self.buf = buf
+        self.full: dict[str, object] = {}
+        self.per_layer: dict[str, list] = {}
+        off = 0
+        for name, shape in shapes:
+            n = int(np.prod(shape))
+            self.full[name] = backend.view(buf, off, shape)
+            if name in stacked:
+                step = n // shape[0]
+                self.per_layer[name] = [backend.view(buf, off + l * step, shape[1:]) for l in range(shape[0])]
+            off += n
+        self.size = off
+
+    def __getattr__(self, name):
+        try:
+            return self.full[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def layer(self, name: str, l: int):
+        return self.per_layer[name][l]
+
+
+RECOMPUTE = ("none", "gelu", "gelu+layernorm")
+
+
+def activation_shapes(cfg: GPT2Config, B: int, T: int, training: bool,
+                      recompute: str = "none") -> list[tuple[str, tuple, str, bool]]:
+    """Everything forward keeps for backward, planned once for (B, T): (name, shape, dtype, one per layer).
+    "act" is the backend's compute dtype. Without training nothing is kept per layer (one buffer serves every
+    layer); `recompute` keeps one shared GELU output ("gelu") and layernorm outputs ("gelu+layernorm") that the
+    backward pass recomputes, trading compute for activation memory."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)} (got '{recompute}')")
+    shared = set() if training else {"all"}
+    if recompute != "none":
+        shared.add("fch_gelu")
+    if recompute == "gelu+layernorm":
+        shared |= {"ln1", "ln2"}
+    C, NH, Vp = cfg.n_embd, cfg.n_head, cfg.padded_vocab_size
+    act = "act"
+    plan = [
+        ("encoded", (B, T, C), act, False),
+        ("ln1", (B, T, C), act, True), ("ln1_mean", (B, T), FLOAT32, True), ("ln1_rstd", (B, T), FLOAT32, True),
+        ("qkv", (B, T, 3 * C), act, True), ("atty", (B, T, C), act, True), ("att_lse", (B, NH, T), FLOAT32, True),
+        ("residual2", (B, T, C), act, True),
+        ("ln2", (B, T, C), act, True), ("ln2_mean", (B, T), FLOAT32, True), ("ln2_rstd", (B, T), FLOAT32, True),
+        ("fch", (B, T, 4 * C), act, True), ("fch_gelu", (B, T, 4 * C), act, True),
+        ("residual3", (B, T, C), act, True),
+        ("lnf", (B, T, C), act, False), ("lnf_mean", (B, T), FLOAT32, False), ("lnf_rstd", (B, T), FLOAT32, False),
+        ("logits", (B, T, Vp), act, False), ("losses", (B, T), FLOAT32, False),
+        ("inputs", (B, T), INT32, False), ("targets", (B, T), INT32, False),
+        ("btc", (B, T, C), act, False),  # scratch reused by every layer
+    ]
+    if training:  # gradient scratch, reused by every layer
+        plan += [("dresidual", (B, T, C), act, False), ("dbtc", (B, T, C), act, False),
+                 ("dfch", (B, T, 4 * C), act, False), ("dqkv", (B, T, 3 * C), act, False)]
+    return [(n, s, k, per and "all" not in shared and n not in shared) for n, s, k, per in plan]
+
+
+# scratch buffers that are dead whenever the logits are live: the forward pass uses them before the logits are
+# computed and the backward pass after the dlogits were consumed (the classifier's backward product comes first),
+# so they are placed inside the (B,T,Vp) logits buffer instead of beside it (when shared, not one per layer)
+IN_LOGITS = ("btc", "fch_gelu", "dresidual", "dfch", "dqkv")
+
+
+def in_logits(cfg: GPT2Config, B: int, T: int, training: bool, recompute: str = "none") -> dict[str, int]:
+    """name -> element offset inside the logits buffer for the IN_LOGITS buffers of this plan that fit there."""
+    out, off, room = {}, 0, B * T * cfg.padded_vocab_size
+    for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training, recompute):
+        n = int(np.prod(shape))
+        if name in IN_LOGITS and not per_layer and kind == "act" and off + n <= room:
+            out[name] = off
+            off += n
+    return out
+
+
+class GPT2:
+    """Parameters, gradients and activations of one GPT-2, planned once for batch (B, T)."""
+
+    def __init__(self, cfg: GPT2Config, backend: Backend, B: int, T: int, training: bool = True,
+                 share_params: "GPT2 | None" = None, recompute: str = "none"):
+        """`share_params`: use another instance's parameters (an inference copy for sampling during training)."""
+        cfg.validate()
+        if T > cfg.block_size:
+            raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+        self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
+        dt = backend.dtype
+        shapes = parameter_shapes(cfg)
+        stacked = {n for n, s in shapes if len(s) >= 2 and n not in ("wte", "wpe")}
+        self.num_params = num_parameters(cfg)
+        if share_params is not None:
+            self.params = share_params.params
+        else:
+            self.params = Tensors(backend, backend.alloc(self.num_params, dt, tag="params"), shapes, stacked)
+        self.grads = None
+        if training:
+            self.grads = Tensors(backend, backend.alloc(self.num_params, dt, tag="grads"), shapes, stacked)
+        self.recompute = recompute
+        self.acts = {}        # name -> whole buffer
+        self.acts_layer = {}  # name -> [layer 0 view, layer 1 view, ...] (the same buffer L times if shared)
+        L = cfg.n_layer
+        aliased = in_logits(cfg, B, T, training, recompute)
+        plan = activation_shapes(cfg, B, T, training, recompute)
+        plan.sort(key=lambda e: e[0] in aliased)  # the logits buffer exists before the buffers placed inside it
+        for name, shape, kind, per_layer in plan:
+            full = (L,) + shape if per_layer else shape
+            if name in aliased:
+                buf = backend.view(self.acts["logits"], aliased[name], full)
+            else:
+                buf = backend.alloc(full, dt if kind == "act" else kind, tag="activations")
+            self.acts[name] = buf
+            step = int(np.prod(shape))
+            self.acts_layer[name] = [backend.view(buf, l * step, shape) if per_layer else buf for l in range(L)]
+
+    # parameters in and out, always as float32 on the host
+    def load_parameters(self, flat: np.ndarray) -> None:
+        if flat.size != self.num_params:
+            raise ValueError(f"expected {self.num_params} parameters, got {flat.size}")
+        self.backend.upload(self.params.buf, flat)
+
+    def parameters_host(self) -> np.ndarray:
+        return self.backend.download(self.params.buf).astype(np.float32, copy=False)
+
+    def zero_grad(self) -> None:
+        self.backend.fill(self.grads.buf, 0.0)
+
+    def forward(self, inputs: np.ndarray, targets: np.ndarray | None = None, dloss: float | None = None) -> None:
+        """Runs the model on `inputs` (B,T) int32. With `targets`, per-token losses land in acts['losses'];
+        with `dloss` too, the logits buffer then holds dlogits for `backward` (the fused classifier)."""
+        k, p, a, cfg = self.backend, self.params, self.acts, self.cfg
+        L, NH = cfg.n_layer, cfg.n_head
+        al = self.acts_layer
+        k.upload(a["inputs"], inputs)
+        k.encoder_forward(a["encoded"], a["inputs"], p.wte, p.wpe)
+        k.layernorm_forward(al["ln1"][0], al["ln1_mean"][0], al["ln1_rstd"][0], a["encoded"],
+                            p.layer("ln1w", 0), p.layer("ln1b", 0))
+        for l in range(L):
+            residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
+            # attention block: ln1 -> qkv -> attention -> projection, then residual + ln2 fused
+            k.matmul_forward(al["qkv"][l], al["ln1"][l], p.layer("qkvw", l), p.layer("qkvb", l))
+            k.attention_forward(al["atty"][l], al["att_lse"][l], al["qkv"][l], NH, NH)
+            k.matmul_forward(a["btc"], al["atty"][l], p.layer("attprojw", l), p.layer("attprojb", l))
+            k.fused_residual_layernorm_forward(al["residual2"][l], al["ln2"][l], al["ln2_mean"][l],
+                                               al["ln2_rstd"][l], residual, a["btc"],
+                                               p.layer("ln2w", l), p.layer("ln2b", l))
+            # MLP block: fc with GELU fused, projection, then residual + next layer's ln1 (or lnf) fused
+            k.matmul_forward(al["fch_gelu"][l], al["ln2"][l], p.layer("fcw", l), p.layer("fcb", l),
+                             pre_gelu=al["fch"][l])
+            k.matmul_forward(a["btc"], al["fch_gelu"][l], p.layer("fcprojw", l), p.layer("fcprojb", l))
+            if l + 1 < L:
+                k.fused_residual_layernorm_forward(al["residual3"][l], al["ln1"][l + 1], al["ln1_mean"][l + 1],
+                                                   al["ln1_rstd"][l + 1], al["residual2"][l], a["btc"],
+                                                   p.layer("ln1w", l + 1), p.layer("ln1b", l + 1))
+            else:
+                k.fused_residual_layernorm_forward(al["residual3"][l], a["lnf"], a["lnf_mean"], a["lnf_rstd"],
+                                                   al["residual2"][l], a["btc"], p.lnfw, p.lnfb)
+        k.matmul_forward(a["logits"], a["lnf"], p.wte)
+        if targets is not None:
+            k.upload(a["targets"], targets)
+            k.classifier_forward_backward(a["logits"], a["losses"], a["targets"], cfg.vocab_size, dloss)
+
+    def backward(self) -> None:
+        """Accumulates every parameter gradient; needs forward(..., dloss=...) first (logits hold dlogits)."""
+        k, p, g, a, al, cfg = self.backend, self.params, self.grads, self.acts, self.acts_layer, self.cfg
+        L, NH = cfg.n_layer, cfg.n_head
+        dres, dbtc = a["dresidual"], a["dbtc"]
+        k.matmul_backward(dbtc, g.wte, None, a["logits"], a["lnf"], p.wte)
+        k.fill(dres, 0.0)
+        k.layernorm_backward(dres, g.lnfw, g.lnfb, dbtc, al["residual3"][L - 1], p.lnfw, a["lnf_mean"],
+                             a["lnf_rstd"])
+        recompute_ln = self.recompute == "gelu+layernorm"
+        for l in reversed(range(L)):
+            residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
+            if self.recompute != "none":  # the GELU output (and layernorms) were not kept: recompute them
+                k.gelu_forward(al["fch_gelu"][l], al["fch"][l])
+            if recompute_ln:
+                k.layernorm_forward(al["ln2"][l], al["ln2_mean"][l], al["ln2_rstd"][l], al["residual2"][l],
+                                    p.layer("ln2w", l), p.layer("ln2b", l))
+            # MLP block: dresidual flows into the projection; GELU's backward is fused into its dinp
+            k.matmul_backward(a["dfch"], g.layer("fcprojw", l), g.layer("fcprojb", l), dres, al["fch_gelu"][l],
+                              p.layer("fcprojw", l), pre_gelu=al["fch"][l])
+            k.matmul_backward(dbtc, g.layer("fcw", l), g.layer("fcb", l), a["dfch"], al["ln2"][l], p.layer("fcw", l))
+            k.layernorm_backward(dres, g.layer("ln2w", l), g.layer("ln2b", l), dbtc, al["residual2"][l],
+                                 p.layer("ln2w", l), al["ln2_mean"][l], al["ln2_rstd"][l])
+            # attention block
+            k.matmul_backward(dbtc, g.layer("attprojw", l), g.layer("attprojb", l), dres, al["atty"][l],
+                              p.layer("attprojw", l))
+            k.attention_backward(a["dqkv"], dbtc, al["qkv"][l], al["atty"][l], al["att_lse"][l], NH, NH)
+            if recompute_ln:
+                k.layernorm_forward(al["ln1"][l], al["ln1_mean"][l], al["ln1_rstd"][l], residual,
+                                    p.layer("ln1w", l), p.layer("ln1b", l))
+            k.matmul_backward(dbtc, g.layer("qkvw", l), g.layer("qkvb", l), a["dqkv"], al["ln1"][l],
+                              p.layer("qkvw", l))
+            k.layernorm_backward(dres, g.layer("ln1w", l), g.layer("ln1b", l), dbtc, residual,
+                                 p.layer("ln1w", l), al["ln1_mean"][l], al["ln1_rstd"][l])
+        k.encoder_backward(g.wte, g.wpe, dres, a["inputs"])
+
+    def mean_loss(self) -> float:
+        return float(self.backend.download(self.acts["losses"]).astype(np.float64).mean())
+
+    def logits_host(self, t: int) -> np.ndarray:
+        """Float32 logits (B, V) at position t, for sampling (only after a forward without dloss)."""
+        logits = self.backend.download(self.acts["logits"])
+        return logits[:, t, :self.cfg.vocab_size].astype(np.float32)
+
+    def tensor_names(self) -> list[tuple[str, bool]]:
+        """(name, gets weight decay) for every parameter tensor, in order."""
+        return [(n, n in DECAYED) for n, _ in parameter_shapes(self.cfg)]

@@ -1,0 +1,290 @@
+"""The kernel interface: the one contract every llmc backend implements.
+
+The engine (model specs, training loop, optimizer driver, sampler) calls only what is declared here, so the
+same GPT-2 / Llama 3 code runs on numpy, CUDA and OpenCL. The conventions follow llm.c's layer functions:
+
+* Every kernel writes into buffers the caller passed in; nothing in the hot path allocates. Buffers come from
+  `alloc` (planned once by the engine) or are `view`s into such an allocation.
+* A buffer is the backend's own array type (numpy.ndarray, cupy.ndarray, pyopencl.array.Array); the engine only
+  reads `.shape`, `.size` and `.dtype` from it and moves data with `upload` / `download`.
+* Forward and backward of a layer stand next to each other. Gradients of *parameters* always accumulate
+  (``+=``) so that gradient accumulation over micro-steps is free; the engine zeroes them once per step.
+  Whether a gradient of an *activation* is overwritten or accumulated is stated per kernel.
+* Shapes are written as in llm.c: B batch, T time, C channels, OC output channels, NH query heads, NKV key/value
+  heads, hd head size, N = B*T rows, V real vocabulary, Vp padded vocabulary. "(N,C)" accepts any buffer whose
+  last dimension is C (the engine passes (B,T,C)); a `view` may start at any element offset.
+* Aliasing: an elementwise kernel's output may alias one of its inputs (residual_forward, gelu_forward,
+  gelu_backward, scale); nothing else may alias.
+* Token ids and targets must lie in [0, V): the engine checks them on the host (the data loader checks every
+  shard against the model's vocabulary); a backend may raise ValueError on a bad id, or leave the output undefined.
+* "act" is the backend's compute dtype (`Backend.dtype`: float32, or bfloat16 on GPUs); normalisation statistics,
+  log-sum-exp, losses and optimizer state are always float32; token ids are int32.
+
+A backend subclasses `Backend` and registers a `BackendPlugin` under the entry-point group ``llmc.backends``
+(see `llmc_cli.registry`). Optional fused variants are announced in `Backend.capabilities`; the engine asks for a
+capability, it never checks a backend's name.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+Buffer = Any  # the backend's array type
+
+# Names the engine uses for dtypes; each backend maps them to its own array dtype.
+FLOAT32 = "float32"
+BFLOAT16 = "bfloat16"
+INT32 = "int32"
+
+# Capabilities a backend may announce.
+CAP_BF16 = "bf16"                      # Backend can run with dtype=bfloat16
+CAP_GRAPHS = "graphs"                  # capture_step / replay_step work (whole-step graph replay)
+CAP_DEVICE_EVENTS = "device_events"    # timer() measures device time rather than host time
+CAP_KV_CACHE = "kv_cache"              # attention_decode works (incremental decoding over a key/value cache)
+
+
+@dataclass
+class MemoryReport:
+    """What the backend holds, in bytes; `device_total`/`device_free` where the device reports them."""
+
+    allocated: int
+    by_tag: dict[str, int] = field(default_factory=dict)
+    device_total: int | None = None
+    device_free: int | None = None
+
+
+class Backend(abc.ABC):
+    """One device (or the host) and the kernels that run on it."""
+
+    name: str = "?"
+    dtype: str = FLOAT32
+    capabilities: frozenset[str] = frozenset()
+
+    # ---- memory --------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def alloc(self, shape: Sequence[int] | int, dtype: str = FLOAT32, tag: str = "other") -> Buffer:
+        """A new uninitialised buffer; `tag` groups it in the memory report (params, grads, acts, optim...)."""
+
+    @abc.abstractmethod
+    def view(self, buf: Buffer, offset: int, shape: Sequence[int] | int) -> Buffer:
+        """A buffer sharing memory with `buf`: `prod(shape)` elements starting at element `offset`."""
+
+    @abc.abstractmethod
+    def upload(self, dst: Buffer, host: np.ndarray) -> None:
+        """Copy a host array into `dst`, converting to `dst`'s dtype (float32 -> bfloat16 rounds to nearest)."""
+
+    @abc.abstractmethod
+    def download(self, src: Buffer) -> np.ndarray:
+        """A host copy of `src` (bfloat16 comes back as float32)."""
+
+    @abc.abstractmethod
+    def fill(self, buf: Buffer, value: float) -> None:
+        """Set every element of `buf` to `value`."""
+
+    @abc.abstractmethod
+    def copy(self, dst: Buffer, src: Buffer) -> None:
+        """dst = src, same number of elements; casts when the dtypes differ (to bfloat16: round to nearest)."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+    @abc.abstractmethod
+    def memory_report(self) -> MemoryReport:
+        """Bytes allocated through `alloc`, by tag (they sum to `allocated`), and the device's own total / free
+        where known."""
+
+    def describe(self) -> str:
+        """One line naming the device, for logs and `llmc backends`."""
+        return self.name
+
+    def peak_flops(self, dtype: str | None = None) -> float | None:
+        """The device's peak dense FLOP/s for matmuls in `dtype` (None = `self.dtype`), used for MFU by
+        `llmc bench train`; None (the default) when unknown. A backend that knows its device overrides this."""
+        return None
+
+    # ---- encoder: token + position embedding --------------------------------------------------------------
+    @abc.abstractmethod
+    def encoder_forward(self, out: Buffer, inp: Buffer, wte: Buffer, wpe: Buffer | None) -> None:
+        """out (B,T,C) act = wte[inp[b,t]] + wpe[t]; inp (B,T) int32; wte (Vp,C); wpe (maxT,C), or None for
+        models without learned positions (Llama: out = wte[inp])."""
+
+    @abc.abstractmethod
+    def encoder_backward(self, dwte: Buffer, dwpe: Buffer | None, dout: Buffer, inp: Buffer) -> None:
+        """dwte[inp[b,t]] += dout[b,t]; dwpe[t] += sum_b dout[b,t] (skipped when dwpe is None, for Llama).
+        Deterministic: the order of summation does not depend on scheduling."""
+
+    # ---- layernorm (GPT-2) --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def layernorm_forward(self, out: Buffer, mean: Buffer, rstd: Buffer, inp: Buffer, weight: Buffer,
+                          bias: Buffer) -> None:
+        """out (N,C) = (inp - mean) * rstd * weight + bias; mean, rstd (N,) float32; eps 1e-5."""
+
+    @abc.abstractmethod
+    def layernorm_backward(self, dinp: Buffer, dweight: Buffer, dbias: Buffer, dout: Buffer, inp: Buffer,
+                           weight: Buffer, mean: Buffer, rstd: Buffer) -> None:
+        """dinp (N,C) += d/dinp (accumulates: dinp is the residual stream's gradient); dweight, dbias (C,) +=."""
+
+    def fused_residual_layernorm_forward(self, residual: Buffer, out: Buffer, mean: Buffer, rstd: Buffer,
+                                         inp1: Buffer, inp2: Buffer, weight: Buffer, bias: Buffer) -> None:
+        """residual (N,C) = inp1 + inp2, then out = layernorm(residual). Backends override to fuse."""
+        self.residual_forward(residual, inp1, inp2)
+        self.layernorm_forward(out, mean, rstd, residual, weight, bias)
+
+    @abc.abstractmethod
+    def residual_forward(self, out: Buffer, inp1: Buffer, inp2: Buffer) -> None:
+        """out = inp1 + inp2, any shape (out may alias inp1)."""
+
+    # ---- rmsnorm (Llama 3) ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def rmsnorm_forward(self, out: Buffer, rstd: Buffer, inp: Buffer, weight: Buffer, eps: float) -> None:
+        """out (N,C) = inp * rstd * weight, rstd (N,) float32 = 1/sqrt(mean(inp^2) + eps)."""
+
+    @abc.abstractmethod
+    def rmsnorm_backward(self, dinp: Buffer, dweight: Buffer, dout: Buffer, inp: Buffer, weight: Buffer,
+                         rstd: Buffer) -> None:
+        """dinp (N,C) += (accumulates, like layernorm_backward); dweight (C,) +=."""
+
+    # ---- matmul with optional bias and fused GELU ----------------------------------------------------------
+    @abc.abstractmethod
+    def matmul_forward(self, out: Buffer, inp: Buffer, weight: Buffer, bias: Buffer | None = None,
+                       pre_gelu: Buffer | None = None) -> None:
+        """inp (N,C) @ weight(OC,C)^T + bias(OC) -> (N,OC). Without `pre_gelu` that is `out`; with it, the
+        product goes to `pre_gelu` and `out` = gelu(pre_gelu) (the fused GELU epilogue)."""
+
+    @abc.abstractmethod
+    def matmul_backward(self, dinp: Buffer | None, dweight: Buffer, dbias: Buffer | None, dout: Buffer,
+                        inp: Buffer, weight: Buffer, pre_gelu: Buffer | None = None) -> None:
+        """dinp (N,C) = dout (N,OC) @ weight (overwritten; skipped when None), then, with `pre_gelu` (N,C),
+        dinp *= gelu'(pre_gelu) (the input was gelu(pre_gelu)); dweight (OC,C) += dout^T @ inp;
+        dbias (OC,) += column sums of dout."""
+
+    # ---- elementwise nonlinearities ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def gelu_forward(self, out: Buffer, inp: Buffer) -> None:
+        """out = gelu(inp), the tanh approximation GPT-2 uses; any shape."""
+
+    @abc.abstractmethod
+    def gelu_backward(self, dinp: Buffer, inp: Buffer, dout: Buffer) -> None:
+        """dinp = gelu'(inp) * dout (overwritten; dinp may alias dout)."""
+
+    @abc.abstractmethod
+    def swiglu_forward(self, out: Buffer, inp: Buffer) -> None:
+        """inp (N,2H) holds [gate | up] halves; out (N,H) = silu(gate) * up."""
+
+    @abc.abstractmethod
+    def swiglu_backward(self, dinp: Buffer, dout: Buffer, inp: Buffer) -> None:
+        """dinp (N,2H) = [dgate | dup] (overwritten)."""
+
+    # ---- rotary position embedding (Llama 3) ---------------------------------------------------------------
+    @abc.abstractmethod
+    def rope_forward(self, qkv: Buffer, freqs_cis: Buffer, n_head: int, n_kv_head: int) -> None:
+        """Rotates q and k inside qkv (B,T,(NH+2*NKV)*hd) in place; v untouched. freqs_cis (maxT, hd/2, 2)
+        float32 holds (cos, sin); pairs are interleaved (x[2i], x[2i+1]) as in Meta's reference code."""
+
+    @abc.abstractmethod
+    def rope_backward(self, dqkv: Buffer, freqs_cis: Buffer, n_head: int, n_kv_head: int) -> None:
+        """The inverse rotation applied to dq and dk inside dqkv, in place."""
+
+    # ---- causal self-attention (multi-head and grouped-query) ----------------------------------------------
+    @abc.abstractmethod
+    def attention_forward(self, out: Buffer, lse: Buffer, qkv: Buffer, n_head: int, n_kv_head: int) -> None:
+        """qkv (B,T,(NH+2*NKV)*hd) = [q heads | k heads | v heads]; out (B,T,NH*hd); lse (B,NH,T) float32 is
+        the log-sum-exp of each row of scaled scores, kept for the backward pass (flash-attention style).
+        Query head h uses key/value head h // (NH/NKV). Scale 1/sqrt(hd), causal mask."""
+
+    @abc.abstractmethod
+    def attention_backward(self, dqkv: Buffer, dout: Buffer, qkv: Buffer, out: Buffer, lse: Buffer,
+                           n_head: int, n_kv_head: int) -> None:
+        """dqkv (B,T,(NH+2*NKV)*hd) overwritten from dout (B,T,NH*hd)."""
+
+    def attention_decode(self, out: Buffer, qkv: Buffer, k_cache: Buffer, v_cache: Buffer, pos: int,
+                         n_head: int, n_kv_head: int) -> None:
+        """Optional (CAP_KV_CACHE): attention for Tn new tokens at positions pos..pos+Tn-1 over a key/value cache.
+        qkv (B,Tn,(NH+2*NKV)*hd) as in attention_forward; k_cache, v_cache (B,NKV,maxT,hd) act. First the new
+        tokens' k and v are written into the caches at [:, :, pos:pos+Tn], then query i attends to cache
+        positions 0..pos+i (causal, scale 1/sqrt(hd), head h uses kv head h // (NH/NKV)); out (B,Tn,NH*hd)
+        overwritten. Positions >= pos+Tn in the caches are neither read nor written. No lse is kept (inference)."""
+        raise NotImplementedError(f"backend '{self.name}' has no attention_decode (capability {CAP_KV_CACHE!r})")
+
+    # ---- fused classifier: softmax + cross-entropy + dlogits -----------------------------------------------
+    @abc.abstractmethod
+    def classifier_forward_backward(self, logits: Buffer, losses: Buffer, targets: Buffer, vocab_size: int,
+                                    dloss: float | None) -> None:
+        """logits (N,Vp); losses (N,) float32 = -log softmax(logits[:, :V])[target]; targets (N,) int32.
+        With `dloss`, logits is overwritten in place by dlogits = (softmax - onehot) * dloss, zero in the
+        padded columns, so the full-vocabulary softmax is never stored twice. Without it, logits is kept."""
+
+    # ---- optimizer ------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def global_norm_squared(self, out: Buffer, grads: Sequence[Buffer]) -> None:
+        """out (1,) float32 = sum of squares over all `grads`, summed in a fixed order (deterministic) with at
+        least float32 accumulation."""
+
+    @abc.abstractmethod
+    def adamw_update(self, param: Buffer, grad: Buffer, m: Buffer, v: Buffer, master: Buffer | None, *,
+                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                     grad_scale: float, seed: int) -> None:
+        """One AdamW step on a tensor (any shape, all buffers the same size; grad in the compute dtype, like
+        param). g = grad * grad_scale;
+        m, v float32 moments; decoupled weight decay p -= lr * wd * p; bias correction with `step` (1-based).
+        With `master` (float32), the update is done on master and rounded into `param` (bfloat16) with
+        stochastic rounding seeded by `seed`; without it, `param` itself is float32 and updated in place."""
+
+    @abc.abstractmethod
+    def scale(self, buf: Buffer, factor: float) -> None:
+        """buf *= factor (used for averaging gradients across ranks)."""
+
+    # ---- timing ---------------------------------------------------------------------------------------------
+    def timer(self) -> "Timer":
+        """A stopwatch over device work (host clock after a synchronize unless CAP_DEVICE_EVENTS)."""
+        return HostTimer(self)
+
+
+class Timer(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> float: ...  # seconds since start, after the device finished the work queued in between
+
+
+class HostTimer:
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        import time
+        self.backend.synchronize()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        import time
+        self.backend.synchronize()
+        return time.perf_counter() - self.t0
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised by a plugin's `create` (or `probe`) when it cannot run here; the message says why."""
+
+
+class BackendPlugin(abc.ABC):
+    """What an entry point in group ``llmc.backends`` resolves to (a class or instance of this)."""
+
+    name: str = "?"
+    priority: int = 0  # `--backend auto` picks the usable plugin with the highest priority
+    default_dtype: str = FLOAT32  # what `create(dtype=None)` gives
+
+    @abc.abstractmethod
+    def probe(self) -> tuple[bool, str]:
+        """(usable, one line: the device found, or why the backend cannot run here). Must not raise."""
+
+    def devices(self) -> list[str]:
+        """Human-readable names of the devices this backend can use (for `llmc backends`)."""
+        return []
+
+    @abc.abstractmethod
+    def create(self, device: str | None = None, dtype: str | None = None) -> Backend:
+        """A ready backend on `device` (plugin-specific selector, None = default) computing in `dtype`
+        (None = `default_dtype`). Raises BackendUnavailable with a one-line reason."""

@@ -1,0 +1,220 @@
+"""`llmc train --gpus N` / `--procs N`: start the ranks of a data-parallel run on this machine.
+
+* ``--gpus N``: one process per GPU, started here (no extra tool). Rank r sees only GPU r
+  (CUDA_VISIBLE_DEVICES), learns its place from LLMC_RANK / LLMC_WORLD_SIZE / LLMC_LOCAL_RANK, and the ranks
+  share NCCL's unique id through a fresh file (LLMC_INIT_FILE). Rank 0's output streams through; the others'
+  goes to a log that is shown if that rank fails. When one rank fails, the others are stopped (SIGTERM, then
+  SIGKILL after a grace period) and the launcher exits non-zero naming the rank. Ctrl-C / SIGTERM are passed on
+  to every rank once, so they stop after the same step and rank 0 writes its checkpoint.
+* ``--procs N``: N ranks through ``mpiexec -n N`` (MPI moves the data: the cpu and OpenCL backends).
+
+Both re-run the same `llmc train` command line without --gpus / --procs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAUNCH_OPTIONS = ("gpus", "procs")
+
+
+def child_args(ctx, drop=LAUNCH_OPTIONS) -> list[str]:
+    """The subcommand and the options given explicitly (from click's context), less `drop`."""
+    import click
+    from click.core import ParameterSource
+
+    chain, c = [], ctx
+    while c is not None and c.parent is not None:
+        chain.append(c.info_name)
+        c = c.parent
+    parts = list(reversed(chain))
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option) or p.name is None or p.name in drop:
+            continue
+        if ctx.get_parameter_source(p.name) not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue
+        val = ctx.params.get(p.name)
+        flag = max(p.opts, key=len)
+        if p.is_flag:
+            if val:
+                parts.append(flag)
+            elif p.secondary_opts:
+                parts.append(max(p.secondary_opts, key=len))
+        elif p.multiple:
+            for v in val or ():
+                parts += [flag, str(v)]
+        elif val is not None:
+            parts += [flag, str(val)]
+    return parts
+
+
+def _say(msg: str) -> None:
+    print(f"llmc launcher: {msg}", file=sys.stderr, flush=True)
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def _status(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: float = 10.0,
+              describe=lambda r: f"rank {r}") -> int:
+    """Run one process per rank; rank 0 streams to this terminal, rank r > 0 logs to logdir/rank{r}.log.
+    Returns 0 when all succeed, else the failing rank's status (the others are stopped)."""
+    procs: list[subprocess.Popen] = []
+    logs = []
+    signals_seen = []
+
+    def forward(signum, frame):
+        signals_seen.append(signum)
+        if len(signals_seen) > 2:  # a third Ctrl-C: stop waiting for checkpoints
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            return
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for r, (cmd, env) in enumerate(zip(cmds, envs)):
+            if r == 0:
+                out, err = None, None
+            else:
+                f = open(logdir / f"rank{r}.log", "wb")
+                logs.append(f)
+                out, err = f, subprocess.STDOUT
+            # own session: the terminal's Ctrl-C reaches the launcher alone, which passes it on exactly once
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True))
+        failed = None
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+        r, rc = failed
+        _say(f"{describe(r)} {_status(rc)}; stopping the other {len(procs) - 1} rank(s)")
+        if r != 0:
+            tail = _tail(logdir / f"rank{r}.log")
+            if tail:
+                print(f"--- last lines of {describe(r)} ({logdir / f'rank{r}.log'}) ---\n{tail}\n---",
+                      file=sys.stderr, flush=True)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()  # stuck in a collective whose peer is gone
+                p.wait()
+        return rc if rc > 0 else 128 + (-rc)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def launch_gpus(args: list[str], n: int, env: dict | None = None) -> int:
+    """`llmc <args>` on N GPUs of this machine, one process each, NCCL id through a temporary file."""
+    env = dict(os.environ if env is None else env)
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if "CUDA_VISIBLE_DEVICES" in env:
+        if len(visible) < n:
+            _say(f"--gpus {n}: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} lists {len(visible)} GPU(s)")
+            return 2
+        devices = visible[:n]
+    else:
+        devices = [str(i) for i in range(n)]
+    logdir = Path(tempfile.mkdtemp(prefix="llmc-ranks-"))
+    cmd = [sys.executable, "-m", "llmc_cli", *args]
+    envs = []
+    for r in range(n):
+        e = dict(env)
+        e.update(LLMC_RANK=str(r), LLMC_WORLD_SIZE=str(n), LLMC_LOCAL_RANK=str(r),
+                 LLMC_INIT_FILE=str(logdir / "nccl_id"), CUDA_VISIBLE_DEVICES=devices[r], PYTHONUNBUFFERED="1")
+        envs.append(e)
+    _say(f"{n} ranks on GPUs {','.join(devices)}; rank 0's output follows, the others log to {logdir}")
+    rc = supervise([cmd] * n, envs, logdir, describe=lambda r: f"rank {r} (GPU {devices[r]})")
+    if rc == 0:
+        shutil.rmtree(logdir, ignore_errors=True)
+    return rc
+
+
+def find_mpiexec() -> str | None:
+    here = Path(sys.executable).parent / "mpiexec"  # PyPI's mpich installs it beside the interpreter
+    if here.exists():
+        return str(here)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def note_failure(rank: int, world: int, msg: str) -> None:
+    """A failing rank leaves its message where the launcher finds it (MPI may kill the rank before its stderr
+    is forwarded)."""
+    d = os.environ.get("LLMC_FAILURE_DIR")
+    if d:
+        try:
+            Path(d, f"rank{rank}.failed").write_text(f"rank {rank} of {world}: {msg}\n")
+        except OSError:
+            pass
+
+
+def launch_mpi(args: list[str], n: int) -> int:
+    """`llmc <args>` as N MPI ranks through mpiexec (the cpu / OpenCL backends reduce through MPI)."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        _say("--procs needs MPI: pip install mpich mpi4py (or pip install 'llmc[mpi]')")
+        return 2
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        _say("--procs needs mpi4py: pip install mpich mpi4py (or pip install 'llmc[mpi]')")
+        return 2
+    faildir = Path(tempfile.mkdtemp(prefix="llmc-mpi-"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", LLMC_FAILURE_DIR=str(faildir))
+    # N ranks share this machine's cores: without a limit each one's BLAS would start a thread per core
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, "-m", "llmc_cli", *args], env=env)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:  # mpiexec passes Ctrl-C on to the ranks; wait for their checkpoint
+        rc = proc.wait()
+    notes = sorted(faildir.glob("rank*.failed"))
+    if rc != 0:
+        who = "; ".join(p.read_text().strip() for p in notes) or "a rank failed (its own message above names it)"
+        _say(f"mpiexec {_status(rc)}: {who}; all {n} ranks stopped")
+    shutil.rmtree(faildir, ignore_errors=True)
+    return rc

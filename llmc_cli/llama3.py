@@ -1,0 +1,282 @@
+"""Llama 3 as a spec on the same kernel interface as GPT-2: RMSNorm, rotary embeddings with Llama 3.1's
+frequency scaling, grouped-query attention, a SwiGLU MLP, no biases, and an output head that is untied (Llama
+3.1 8B) or tied to the embedding (Llama 3.2 1B / 3B, as Meta ships them).
+
+Fused layouts: q, k and v projections are one matrix wqkv (q rows, then k rows, then v rows), so one matmul
+feeds the attention kernel's packed qkv; the gate (w1) and up (w3) projections are one matrix w13 (gate rows,
+then up rows), the layout the swiglu kernel takes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .gpt2 import Tensors
+from .kernels import FLOAT32, INT32, Backend
+
+
+@dataclass(frozen=True)
+class Llama3Config:
+    block_size: int = 8192          # max sequence length planned for (T at most this)
+    vocab_size: int = 128256
+    n_layer: int = 32
+    n_head: int = 32
+    n_kv_head: int = 8
+    n_embd: int = 4096
+    multiple_of: int = 1024
+    ffn_dim_multiplier: float | None = 1.3
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: float | None = 8.0  # Llama 3.1 frequency scaling factor; None = plain RoPE
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    tie_embeddings: bool = False
+    intermediate_size: int | None = None  # the MLP width given outright (Hugging Face configs) instead of the rule
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def hidden_dim(self) -> int:
+        """Meta's rule: 2/3 of 4*dim, times ffn_dim_multiplier, rounded up to a multiple of multiple_of."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        h = int(2 * (4 * self.n_embd) / 3)
+        if self.ffn_dim_multiplier is not None:
+            h = int(self.ffn_dim_multiplier * h)
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.vocab_size  # 128256 is already a multiple of 128; no padding row semantics needed
+
+    def validate(self) -> None:
+        if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_kv_head, self.n_embd) <= 0:
+            raise ValueError(f"model shape must be positive: {self}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"head size {self.head_dim} must be even for rotary embeddings")
+
+
+PRESETS: dict[str, Llama3Config] = {
+    # a tiny model for tests and demos, GPT-2's vocabulary so it trains on the same shards
+    "llama3-tiny": Llama3Config(block_size=256, vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                                multiple_of=32, ffn_dim_multiplier=None, rope_scaling=None),
+    # the real shapes (Meta's params.json / Hugging Face config.json)
+    "llama3.2-1b": Llama3Config(block_size=131072, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
+                                multiple_of=256, ffn_dim_multiplier=1.5, rope_scaling=32.0, tie_embeddings=True),
+    "llama3.2-3b": Llama3Config(block_size=131072, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072,
+                                multiple_of=256, ffn_dim_multiplier=1.0, rope_scaling=32.0, tie_embeddings=True),
+    "llama3.1-8b": Llama3Config(block_size=131072, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                                multiple_of=1024, ffn_dim_multiplier=1.3, rope_scaling=8.0),
+}
+ALIASES = {"llama3-1b": "llama3.2-1b", "llama3-3b": "llama3.2-3b", "llama3-8b": "llama3.1-8b"}
+
+
+def preset(name: str, **overrides) -> Llama3Config:
+    key = ALIASES.get(name, name)
+    if key not in PRESETS:
+        raise ValueError(f"unknown model '{name}' (Llama presets: {', '.join(list(PRESETS) + list(ALIASES))})")
+    return replace(PRESETS[key], **overrides)
+
+
+def parameter_shapes(cfg: Llama3Config) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter tensors in order; per-layer tensors are stacked over layers."""
+    V, C, L, H = cfg.vocab_size, cfg.n_embd, cfg.n_layer, cfg.hidden_dim
+    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    shapes = [
+        ("wte", (V, C)),
+        ("attn_norm", (L, C)), ("wqkv", (L, qkv, C)), ("wo", (L, C, cfg.n_head * cfg.head_dim)),
+        ("ffn_norm", (L, C)), ("w13", (L, 2 * H, C)), ("w2", (L, C, H)),
+        ("norm", (C,)),
+    ]
+    if not cfg.tie_embeddings:
+        shapes.append(("lm_head", (V, C)))
+    return shapes
+
+
+DECAYED = {"wte", "wqkv", "wo", "w13", "w2", "lm_head"}
+
+
+def num_parameters(cfg: Llama3Config) -> int:
+    return sum(int(np.prod(s)) for _, s in parameter_shapes(cfg))
+
+
+def init_parameters(cfg: Llama3Config, seed: int) -> np.ndarray:
+    """N(0, 0.02) matrices, output projections (wo, w2) scaled by 1/sqrt(2L), norms 1 (host, seeded)."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros(num_parameters(cfg), dtype=np.float32)
+    off = 0
+    for name, shape in parameter_shapes(cfg):
+        n = int(np.prod(shape))
+        t = out[off:off + n].reshape(shape)
+        if name in ("attn_norm", "ffn_norm", "norm"):
+            t[...] = 1.0
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("wo", "w2") else 0.02
+            t[...] = rng.normal(0.0, std, shape)
+        off += n
+    return out
+
+
+def rope_frequencies(cfg: Llama3Config) -> np.ndarray:
+    """Per-pair inverse frequencies (hd/2,), with Llama 3.1's scaling of the low frequencies."""
+    hd = cfg.head_dim
+    freqs = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2)[: hd // 2].astype(np.float64) / hd)
+    if cfg.rope_scaling is None:
+        return freqs
+    low_wavelen = cfg.rope_original_context / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_context / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (cfg.rope_original_context / wavelen - cfg.rope_low_freq_factor) / \
+        (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    mid = (1 - smooth) * freqs / cfg.rope_scaling + smooth * freqs
+    return np.where(wavelen < high_wavelen, freqs, np.where(wavelen > low_wavelen, freqs / cfg.rope_scaling, mid))
+
+
+def freqs_cis(cfg: Llama3Config, T: int) -> np.ndarray:
+    """(T, hd/2, 2) float32 = (cos, sin) of position * frequency, the layout the rope kernels take."""
+    ang = np.outer(np.arange(T, dtype=np.float64), rope_frequencies(cfg))
+    return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
+
+
+def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool) -> list[tuple[str, tuple, str, bool]]:
+    """(name, shape, dtype, one per layer) planned once for (B, T); "act" is the backend's compute dtype."""
+    C, NH, V, H = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.hidden_dim
+    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    act = "act"
+    plan = [
+        ("encoded", (B, T, C), act, False),
+        ("ln1", (B, T, C), act, True), ("ln1_rstd", (B, T), FLOAT32, True),
+        ("qkv", (B, T, qkv), act, True), ("atty", (B, T, NH * cfg.head_dim), act, True),
+        ("att_lse", (B, NH, T), FLOAT32, True),
+        ("residual2", (B, T, C), act, True),
+        ("ln2", (B, T, C), act, True), ("ln2_rstd", (B, T), FLOAT32, True),
+        ("h13", (B, T, 2 * H), act, True), ("hs", (B, T, H), act, True),
+        ("residual3", (B, T, C), act, True),
+        ("lnf", (B, T, C), act, False), ("lnf_rstd", (B, T), FLOAT32, False),
+        ("logits", (B, T, V), act, False), ("losses", (B, T), FLOAT32, False),
+        ("inputs", (B, T), INT32, False), ("targets", (B, T), INT32, False),
+        ("btc", (B, T, C), act, False),
+    ]
+    if training:
+        plan += [("dresidual", (B, T, C), act, False), ("dbtc", (B, T, C), act, False),
+                 ("dhs", (B, T, H), act, False), ("dh13", (B, T, 2 * H), act, False),
+                 ("dqkv", (B, T, qkv), act, False)]
+    return plan
+
+
+class Llama3:
+    """Parameters, gradients and activations of one Llama 3, planned once for batch (B, T)."""
+
+    def __init__(self, cfg: Llama3Config, backend: Backend, B: int, T: int, training: bool = True,
+                 share_params: "Llama3 | None" = None, recompute: str = "none"):
+        cfg.validate()
+        if recompute != "none":
+            raise ValueError(f"--recompute {recompute} is for GPT-2 models; Llama keeps every activation")
+        if T > cfg.block_size:
+            raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+        self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
+        dt = backend.dtype
+        shapes = parameter_shapes(cfg)
+        stacked = {n for n, s in shapes if n not in ("wte", "lm_head", "norm")}
+        self.num_params = num_parameters(cfg)
+        if share_params is not None:
+            self.params = share_params.params
+        else:
+            self.params = Tensors(backend, backend.alloc(self.num_params, dt, tag="params"), shapes, stacked)
+        self.grads = None
+        if training:
+            self.grads = Tensors(backend, backend.alloc(self.num_params, dt, tag="grads"), shapes, stacked)
+        self.freqs = backend.alloc((T, cfg.head_dim // 2, 2), FLOAT32, tag="activations")
+        backend.upload(self.freqs, freqs_cis(cfg, T))
+        self.acts, self.acts_layer = {}, {}
+        L = cfg.n_layer
+        for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training):
+            buf = backend.alloc((L,) + shape if per_layer else shape, dt if kind == "act" else kind,
+                                tag="activations")
+            self.acts[name] = buf
+            if per_layer:
+                step = int(np.prod(shape))
+                self.acts_layer[name] = [backend.view(buf, l * step, shape) for l in range(L)]
+
+    def head(self, tensors: Tensors):
+        return tensors.wte if self.cfg.tie_embeddings else tensors.lm_head
+
+    def load_parameters(self, flat: np.ndarray) -> None:
+        if flat.size != self.num_params:
+            raise ValueError(f"expected {self.num_params} parameters, got {flat.size}")
+        self.backend.upload(self.params.buf, flat)
+
+    def parameters_host(self) -> np.ndarray:
+        return self.backend.download(self.params.buf).astype(np.float32, copy=False)
+
+    def zero_grad(self) -> None:
+        self.backend.fill(self.grads.buf, 0.0)
+
+    def forward(self, inputs: np.ndarray, targets: np.ndarray | None = None, dloss: float | None = None) -> None:
+        """As GPT2.forward: losses with `targets`, and dlogits left in the logits buffer with `dloss`."""
+        k, p, a, al, cfg = self.backend, self.params, self.acts, self.acts_layer, self.cfg
+        NH, NKV, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
+        k.upload(a["inputs"], inputs)
+        k.encoder_forward(a["encoded"], a["inputs"], p.wte, None)
+        for l in range(cfg.n_layer):
+            residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
+            # attention block: rmsnorm -> fused qkv -> rope -> GQA attention -> output projection -> residual
+            k.rmsnorm_forward(al["ln1"][l], al["ln1_rstd"][l], residual, p.layer("attn_norm", l), eps)
+            k.matmul_forward(al["qkv"][l], al["ln1"][l], p.layer("wqkv", l))
+            k.rope_forward(al["qkv"][l], self.freqs, NH, NKV)
+            k.attention_forward(al["atty"][l], al["att_lse"][l], al["qkv"][l], NH, NKV)
+            k.matmul_forward(a["btc"], al["atty"][l], p.layer("wo", l))
+            k.residual_forward(al["residual2"][l], residual, a["btc"])
+            # MLP block: rmsnorm -> fused gate/up -> swiglu -> down projection -> residual
+            k.rmsnorm_forward(al["ln2"][l], al["ln2_rstd"][l], al["residual2"][l], p.layer("ffn_norm", l), eps)
+            k.matmul_forward(al["h13"][l], al["ln2"][l], p.layer("w13", l))
+            k.swiglu_forward(al["hs"][l], al["h13"][l])
+            k.matmul_forward(a["btc"], al["hs"][l], p.layer("w2", l))
+            k.residual_forward(al["residual3"][l], al["residual2"][l], a["btc"])
+        k.rmsnorm_forward(a["lnf"], a["lnf_rstd"], al["residual3"][cfg.n_layer - 1], p.norm, eps)
+        k.matmul_forward(a["logits"], a["lnf"], self.head(p))
+        if targets is not None:
+            k.upload(a["targets"], targets)
+            k.classifier_forward_backward(a["logits"], a["losses"], a["targets"], cfg.vocab_size, dloss)
+
+    def backward(self) -> None:
+        k, p, g, a, al, cfg = self.backend, self.params, self.grads, self.acts, self.acts_layer, self.cfg
+        NH, NKV, L = cfg.n_head, cfg.n_kv_head, cfg.n_layer
+        dres, dbtc = a["dresidual"], a["dbtc"]
+        k.matmul_backward(dbtc, self.head(g), None, a["logits"], a["lnf"], self.head(p))
+        k.fill(dres, 0.0)
+        k.rmsnorm_backward(dres, g.norm, dbtc, al["residual3"][L - 1], p.norm, a["lnf_rstd"])
+        for l in reversed(range(L)):
+            residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
+            k.matmul_backward(a["dhs"], g.layer("w2", l), None, dres, al["hs"][l], p.layer("w2", l))
+            k.swiglu_backward(a["dh13"], a["dhs"], al["h13"][l])
+            k.matmul_backward(dbtc, g.layer("w13", l), None, a["dh13"], al["ln2"][l], p.layer("w13", l))
+            k.rmsnorm_backward(dres, g.layer("ffn_norm", l), dbtc, al["residual2"][l], p.layer("ffn_norm", l),
+                               al["ln2_rstd"][l])
+            k.matmul_backward(dbtc, g.layer("wo", l), None, dres, al["atty"][l], p.layer("wo", l))
+            k.attention_backward(a["dqkv"], dbtc, al["qkv"][l], al["atty"][l], al["att_lse"][l], NH, NKV)
+            k.rope_backward(a["dqkv"], self.freqs, NH, NKV)
+            k.matmul_backward(dbtc, g.layer("wqkv", l), None, a["dqkv"], al["ln1"][l], p.layer("wqkv", l))
+            k.rmsnorm_backward(dres, g.layer("attn_norm", l), dbtc, residual, p.layer("attn_norm", l),
+                               al["ln1_rstd"][l])
+        k.encoder_backward(g.wte, None, dres, a["inputs"])
+
+    def mean_loss(self) -> float:
+        return float(self.backend.download(self.acts["losses"]).astype(np.float64).mean())
+
+    def logits_host(self, t: int) -> np.ndarray:
+        logits = self.backend.download(self.acts["logits"])
+        return logits[:, t, :self.cfg.vocab_size].astype(np.float32)
+
+    def tensor_names(self) -> list[tuple[str, bool]]:
+        return [(n, n in DECAYED) for n, _ in parameter_shapes(self.cfg)]

@@ -1,0 +1,200 @@
+"""Hugging Face interop for Llama 3: a directory with config.json (LlamaForCausalLM) and safetensors weights under
+transformers' names, single-file or sharded with model.safetensors.index.json, read and written without torch.
+
+transformers' Llama applies rotary embeddings to the two halves of each head (rotate_half) where Meta's code,
+and llmc's rope kernels, rotate adjacent pairs; Meta's conversion script therefore permutes the rows of q_proj
+and k_proj. Import undoes that permutation, export applies it, so a round trip is exact.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .hf import INDEX, WEIGHTS, read_safetensors, write_safetensors
+from .llama3 import Llama3Config, num_parameters, parameter_shapes
+
+
+def hf_config(cfg: Llama3Config, dtype: str = "float32") -> dict:
+    scaling = None
+    if cfg.rope_scaling is not None:
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
+                   "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_context}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": cfg.n_embd, "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    }
+
+
+def read_hf_config(path: str | Path) -> Llama3Config:
+    path = Path(path)
+    try:
+        c = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}/config.json: unreadable ({e})") from None
+    if not isinstance(c, dict) or c.get("model_type") != "llama":
+        kind = c.get("model_type") if isinstance(c, dict) else None
+        raise ckpt.CheckpointError(f"{path}: config.json is for model_type {kind!r}, not a Llama (llama)")
+    try:
+        C, NH = int(c["hidden_size"]), int(c["num_attention_heads"])
+        scaling = c.get("rope_scaling") or None
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
+            raise ValueError(f"rope_scaling type {scaling.get('rope_type')!r} (only llama3 scaling is supported)")
+        if int(c.get("head_dim", C // NH)) != C // NH:
+            raise ValueError("head_dim must be hidden_size / num_attention_heads")
+        cfg = Llama3Config(
+            block_size=int(c.get("max_position_embeddings", 8192)), vocab_size=int(c["vocab_size"]),
+            n_layer=int(c["num_hidden_layers"]), n_head=NH, n_kv_head=int(c.get("num_key_value_heads", NH)),
+            n_embd=C, norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=float(c.get("rope_theta", 10000.0)),
+            rope_scaling=None if scaling is None else float(scaling["factor"]),
+            rope_low_freq_factor=float((scaling or {}).get("low_freq_factor", 1.0)),
+            rope_high_freq_factor=float((scaling or {}).get("high_freq_factor", 4.0)),
+            rope_original_context=int((scaling or {}).get("original_max_position_embeddings", 8192)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            intermediate_size=int(c["intermediate_size"]))
+        cfg.validate()
+    except (KeyError, TypeError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}/config.json: bad Llama config ({e})") from None
+    return cfg
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Meta (adjacent pairs) -> transformers (halves) row order of a q or k projection."""
+    rows, cols = w.shape
+    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def split(cfg: Llama3Config, params: np.ndarray) -> dict[str, np.ndarray]:
+    out, off = {}, 0
+    for name, shape in parameter_shapes(cfg):
+        n = int(np.prod(shape))
+        out[name] = params[off:off + n].reshape(shape)
+        off += n
+    return out
+
+
+def to_hf_tensors(cfg: Llama3Config, params: np.ndarray) -> dict[str, np.ndarray]:
+    p = split(cfg, params)
+    NH, NKV, hd, H = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim
+    t = {"model.embed_tokens.weight": p["wte"]}
+    for l in range(cfg.n_layer):
+        pre = f"model.layers.{l}."
+        q, k, v = np.split(p["wqkv"][l], [NH * hd, (NH + NKV) * hd])
+        t[pre + "input_layernorm.weight"] = p["attn_norm"][l]
+        t[pre + "self_attn.q_proj.weight"] = _permute(q, NH)
+        t[pre + "self_attn.k_proj.weight"] = _permute(k, NKV)
+        t[pre + "self_attn.v_proj.weight"] = v
+        t[pre + "self_attn.o_proj.weight"] = p["wo"][l]
+        t[pre + "post_attention_layernorm.weight"] = p["ffn_norm"][l]
+        t[pre + "mlp.gate_proj.weight"] = p["w13"][l][:H]
+        t[pre + "mlp.up_proj.weight"] = p["w13"][l][H:]
+        t[pre + "mlp.down_proj.weight"] = p["w2"][l]
+    t["model.norm.weight"] = p["norm"]
+    if not cfg.tie_embeddings:
+        t["lm_head.weight"] = p["lm_head"]
+    return t
+
+
+def export_hf(out_dir: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: bool = False,
+              max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Writes config.json and the weights, split into shards of at most `max_shard_bytes` with an index file
+    when they do not fit one (transformers' naming: model-00001-of-00003.safetensors)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf_tensors(cfg, params)
+    itemsize = 2 if bf16 else 4
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, a in tensors.items():
+        nbytes = a.size * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += nbytes
+    dtype = "BF16" if bf16 else "F32"
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX]:
+        if stale.exists():
+            stale.unlink()
+    if len(shards) == 1:
+        write_safetensors(out / WEIGHTS, shards[0], dtype)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(out / fname, shard, dtype)
+            weight_map.update({n: fname for n in shard})
+        index = {"metadata": {"total_size": sum(a.size * itemsize for a in tensors.values())},
+                 "weight_map": weight_map}
+        ckpt.atomic_write_bytes(out / INDEX, [json.dumps(index, indent=2).encode()])
+    conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32"), indent=2)
+    ckpt.atomic_write_bytes(out / "config.json", [conf.encode()])
+    return out
+
+
+def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as float32."""
+    path = Path(path)
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ckpt.CheckpointError(f"{path / INDEX}: unreadable index ({e})") from None
+        tensors = {}
+        for fname in sorted(set(weight_map.values())):
+            if not (path / fname).is_file():
+                raise ckpt.CheckpointError(f"{path / INDEX} names {fname}, which is missing")
+            tensors.update(read_safetensors(path / fname, {n for n, f in weight_map.items() if f == fname}))
+        return tensors
+    if not (path / WEIGHTS).is_file():
+        raise ckpt.CheckpointError(f"{path}: no {WEIGHTS} or {INDEX}")
+    return read_safetensors(path / WEIGHTS)
+
+
+def import_hf(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
+    """(config, float32 parameters in llmc's Llama layout) from a Hugging Face Llama directory."""
+    path = Path(path)
+    cfg = read_hf_config(path)
+    t = read_hf_tensors(path)
+    NH, NKV, hd, H, C, V = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim, cfg.n_embd, cfg.vocab_size
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in t:
+            raise ckpt.CheckpointError(f"{path}: tensor {name} is missing")
+        if tuple(t[name].shape) != shape:
+            raise ckpt.CheckpointError(f"{path}: tensor {name} has shape {tuple(t[name].shape)}, "
+                                       f"expected {shape}")
+        return t[name]
+
+    params = np.empty(num_parameters(cfg), dtype=np.float32)
+    p = split(cfg, params)
+    p["wte"][...] = get("model.embed_tokens.weight", (V, C))
+    for l in range(cfg.n_layer):
+        pre = f"model.layers.{l}."
+        p["attn_norm"][l] = get(pre + "input_layernorm.weight", (C,))
+        p["wqkv"][l] = np.concatenate([_unpermute(get(pre + "self_attn.q_proj.weight", (NH * hd, C)), NH),
+                                       _unpermute(get(pre + "self_attn.k_proj.weight", (NKV * hd, C)), NKV),
+                                       get(pre + "self_attn.v_proj.weight", (NKV * hd, C))])
+        p["wo"][l] = get(pre + "self_attn.o_proj.weight", (C, NH * hd))
+        p["ffn_norm"][l] = get(pre + "post_attention_layernorm.weight", (C,))
+        p["w13"][l] = np.concatenate([get(pre + "mlp.gate_proj.weight", (H, C)),
+                                      get(pre + "mlp.up_proj.weight", (H, C))])
+        p["w2"][l] = get(pre + "mlp.down_proj.weight", (C, H))
+    p["norm"][...] = get("model.norm.weight", (C,))
+    if not cfg.tie_embeddings:
+        p["lm_head"][...] = get("lm_head.weight", (V, C))
+    return cfg, params

@@ -1,0 +1,96 @@
+"""AdamW driven tensor by tensor through the kernel interface, global-norm clipping, and the LR schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernels import BFLOAT16, FLOAT32, Backend
+
+
+@dataclass
+class AdamWConfig:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+def lr_at(step: int, max_lr: float, warmup: int, total_steps: int, final_frac: float) -> float:
+    """llm.c's schedule: linear warmup over `warmup` steps, then cosine decay to `final_frac * max_lr` at the
+    last step (0-based `step`). final_frac 1.0 means constant after warmup."""
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    if total_steps <= warmup:
+        return max_lr
+    ratio = min(1.0, (step - warmup) / (total_steps - warmup))
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    min_lr = max_lr * final_frac
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+class AdamW:
+    """Optimizer state (fp32 moments, and fp32 master weights when the parameters are bf16) laid out like the
+    parameters: one flat buffer each, updated tensor by tensor so weight decay hits only weight matrices."""
+
+    def __init__(self, backend: Backend, params, grads, tensors: list[tuple[str, bool]], cfg: AdamWConfig):
+        self.backend, self.params, self.grads, self.cfg = backend, params, grads, cfg
+        self.tensors = tensors
+        n = params.size
+        self.m = backend.alloc(n, FLOAT32, tag="optimizer")
+        self.v = backend.alloc(n, FLOAT32, tag="optimizer")
+        backend.fill(self.m, 0.0)
+        backend.fill(self.v, 0.0)
+        self.master = None
+        if backend.dtype == BFLOAT16:
+            self.master = backend.alloc(n, FLOAT32, tag="optimizer")
+        self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
+        self.step_count = 0
+        self._views = []
+        off = 0
+        for name, decay in tensors:
+            size = int(np.prod(params.full[name].shape))
+            self._views.append((name, decay, backend.view(self.m, off, size), backend.view(self.v, off, size),
+                                None if self.master is None else backend.view(self.master, off, size)))
+            off += size
+
+    def sync_master_from_params(self) -> None:
+        """Master weights start as a float32 copy of the parameters (after init or load)."""
+        if self.master is not None:
+            self.backend.copy(self.master, self.params.buf)
+
+    def grad_norm(self) -> float:
+        self.backend.global_norm_squared(self.norm_buf, [self.grads.buf])
+        return math.sqrt(float(self.backend.download(self.norm_buf)[0]))
+
+    def step(self, lr: float, grad_norm: float, seed: int) -> None:
+        """One update; gradients are scaled by clip/norm when the norm exceeds the clip (llm.c's rule)."""
+        c = self.cfg
+        self.step_count += 1
+        scale = c.grad_clip / grad_norm if (c.grad_clip > 0 and grad_norm > c.grad_clip) else 1.0
+        for i, (name, decay, m, v, master) in enumerate(self._views):
+            self.backend.adamw_update(
+                self.params.full[name], self.grads.full[name], m, v, master,
+                lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay if decay else 0.0,
+                step=self.step_count, grad_scale=scale, seed=(seed * 1000003 + self.step_count * 64 + i) & 0x7FFFFFFF)
+
+    # state in and out as host arrays, for checkpoints
+    def state_host(self) -> dict[str, np.ndarray]:
+        out = {"m": self.backend.download(self.m), "v": self.backend.download(self.v)}
+        if self.master is not None:
+            out["master"] = self.backend.download(self.master)
+        return out
+
+    def load_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        self.backend.upload(self.m, state["m"])
+        self.backend.upload(self.v, state["v"])
+        if self.master is not None:
+            if "master" in state:
+                self.backend.upload(self.master, state["master"])
+            else:
+                self.sync_master_from_params()
+        self.step_count = step

@@ -1,0 +1,60 @@
+"""Backend discovery: every backend is a plugin found through the entry-point group ``llmc.backends``.
+
+The engine never imports a backend by name; a third party can ship `llmc-metal` with one entry point and it
+shows up in `llmc backends` and `--backend metal`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from .kernels import Backend, BackendPlugin, BackendUnavailable
+
+GROUP = "llmc.backends"
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    plugin: BackendPlugin | None
+    usable: bool
+    reason: str          # the device found, or why it cannot run here
+    distribution: str
+
+
+def discover() -> list[PluginInfo]:
+    """Every installed backend with whether it can run here, highest priority first."""
+    found = []
+    for ep in entry_points(group=GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        try:
+            obj = ep.load()
+            plugin = obj() if isinstance(obj, type) else obj
+        except Exception as e:  # a broken plugin must not take the others down
+            found.append(PluginInfo(ep.name, None, False, f"failed to load: {type(e).__name__}: {e}", dist))
+            continue
+        try:
+            usable, reason = plugin.probe()
+        except Exception as e:
+            usable, reason = False, f"probe failed: {type(e).__name__}: {e}"
+        found.append(PluginInfo(ep.name, plugin, usable, reason, dist))
+    found.sort(key=lambda p: (-(p.plugin.priority if p.plugin else -1), p.name))
+    return found
+
+
+def create_backend(name: str = "auto", device: str | None = None, dtype: str | None = None) -> Backend:
+    """The backend called `name` (or the best usable one for "auto"); BackendUnavailable says why not."""
+    plugins = discover()
+    if name == "auto":
+        usable = [p for p in plugins if p.usable and p.plugin is not None]
+        if not usable:
+            raise BackendUnavailable("no usable backend installed (see `llmc backends`)")
+        return usable[0].plugin.create(device=device, dtype=dtype)
+    for p in plugins:
+        if p.name == name:
+            if p.plugin is None or not p.usable:
+                raise BackendUnavailable(f"backend '{name}' is installed but cannot run here: {p.reason}")
+            return p.plugin.create(device=device, dtype=dtype)
+    names = ", ".join(p.name for p in plugins) or "none"
+    raise BackendUnavailable(f"unknown backend '{name}' (installed: {names})")

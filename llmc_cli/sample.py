@@ -1,0 +1,73 @@
+"""Autoregressive sampling: temperature, top-k and top-p over the model's last-position logits."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from .gpt2 import GPT2
+
+
+def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0) -> int:
+    """One token id from logits (V,): greedy at temperature 0, else softmax(logits / temperature) restricted
+    to the top_k most likely (0 = all) and to the smallest set whose mass reaches top_p."""
+    logits = logits.astype(np.float64)
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    logits = logits / temperature
+    if 0 < top_k < logits.size:
+        kth = np.partition(logits, -top_k)[-top_k]
+        logits = np.where(logits < kth, -np.inf, logits)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        cut = int(np.searchsorted(cum, top_p)) + 1
+        keep = np.zeros_like(probs, dtype=bool)
+        keep[order[:cut]] = True
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum()
+    return int(rng.choice(probs.size, p=probs))
+
+
+def generate(model: GPT2, prompt: list[int], max_new_tokens: int, rng: np.random.Generator,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_token: int | None = None,
+             kv_cache: bool | None = None) -> Iterator[int]:
+    """Yields new token ids one at a time from a model planned for B=1, T=window; past the window the oldest
+    tokens are dropped. With a KV cache (`kv_cache` None = whenever the backend announces CAP_KV_CACHE) the
+    prefix is computed once and each new token costs one position; otherwise the whole window is rerun per
+    token (left-aligned). Both give the same logits, so the same tokens for the same rng."""
+    if model.B != 1:
+        raise ValueError("generate needs a model planned for B=1")
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    from .generate import decoder_for, has_kv_cache
+    if kv_cache is None:
+        kv_cache = has_kv_cache(model)
+    window = model.T
+    tokens = list(prompt)
+    if kv_cache:
+        dec = decoder_for(model)
+        dec.reset()
+        start = 0  # tokens[start:start + dec.pos] are in the cache
+    buf = np.zeros((1, window), dtype=np.int32)
+    for _ in range(max_new_tokens):
+        if kv_cache:
+            if len(tokens) - start > window:  # positions shift: the window starts again from position 0
+                start = len(tokens) - window
+                dec.reset()
+            logits = dec.feed(np.asarray(tokens[start + dec.pos:], dtype=np.int32))[0]
+        else:
+            ctx = tokens[-window:]
+            buf[0, :len(ctx)] = ctx
+            buf[0, len(ctx):] = 0
+            model.forward(buf)
+            logits = model.logits_host(len(ctx) - 1)[0]
+        nxt = choose_token(logits, rng, temperature, top_k, top_p)
+        if stop_token is not None and nxt == stop_token:
+            return
+        tokens.append(nxt)
+        yield nxt

@@ -1,0 +1,290 @@
+"""Tokenizers: GPT-2 BPE (and Llama 3) through tiktoken, built offline; llm.c's tokenizer .bin.
+
+Nothing here touches the network. The GPT-2 ranks file comes from the installed ``openai-whisper``
+distribution (``whisper/assets/gpt2.tiktoken``, the same merges tiktoken's own ``gpt2`` encoding
+downloads); it is located on disk without importing ``whisper`` (whose ``__init__`` imports torch).
+
+    tok = load_tokenizer("gpt2")            # or load_tokenizer("gpt2", "path/to/gpt2.tiktoken")
+    tok.encode("Hello world")               # [15496, 995]
+    tok.decode([15496, 995])                # 'Hello world'
+    write_tokenizer_bin(tok, "gpt2_tokenizer.bin")   # llm.c's decoder file (magic 20240328, v2)
+
+A Llama 3 tokenizer (tiktoken-format ``tokenizer.model`` from Meta, 128,000 ranks + 256 specials) is
+``load_tokenizer("llama3", path)``; it needs a path because the ranks are not shipped in any package.
+New tokenizers register a builder in ``TOKENIZERS``.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from llmc_cli.dataloader import DataError
+
+__all__ = [
+    "Tokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
+    "write_tokenizer_bin", "read_tokenizer_bin", "TOKENIZER_MAGIC", "TOKENIZER_VERSION",
+]
+
+TOKENIZER_MAGIC = 20240328
+TOKENIZER_VERSION = 2
+HEADER_INTS = 256
+
+# GPT-2's split pattern, as in the original release; tiktoken's gpt2 encoding uses an equivalent,
+# faster spelling (tiktoken_ext.openai_public.r50k_pat_str), preferred when importable.
+GPT2_PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _gpt2_pat() -> str:
+    try:
+        from tiktoken_ext.openai_public import r50k_pat_str
+        return r50k_pat_str
+    except Exception:  # pragma: no cover - older / trimmed tiktoken
+        return GPT2_PAT_STR
+GPT2_EOT = "<|endoftext|>"
+
+LLAMA3_PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
+] + [f"<|reserved_special_token_{i}|>" for i in range(5, 256 - 5)]
+
+
+class TokenizerError(DataError):
+    """A tokenizer file is missing, unreadable or not in the expected format."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the encoder
+
+
+class Tokenizer:
+    """A BPE tokenizer (tiktoken underneath) with the small interface the engine uses.
+
+    Attributes: ``name`` ("gpt2", "llama3"), ``vocab_size`` (number of token ids, specials included;
+    50257 for GPT-2), ``eot`` (end-of-text id), ``doc_prefix`` (ids put before every document in a
+    shard: GPT-2 ``[eot]`` like llm.c, Llama 3 ``[<|begin_of_text|>]``), ``path`` (the ranks file).
+    """
+
+    def __init__(self, name: str, encoding, eot: int, doc_prefix: Sequence[int], path: str | None):
+        self.name = name
+        self.enc = encoding
+        self.eot = int(eot)
+        self.doc_prefix = [int(t) for t in doc_prefix]
+        self.path = path
+        self.vocab_size = int(encoding.n_vocab)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eot={self.eot})"
+
+    def __getstate__(self):  # picklable for worker processes: rebuilt from (name, path)
+        return {"name": self.name, "path": self.path}
+
+    def __setstate__(self, state):
+        other = load_tokenizer(state["name"], state["path"])
+        self.__dict__.update(other.__dict__)
+
+    # -- encoding
+    def encode(self, text: str, allowed_special="all") -> list[int]:
+        """Text -> ids (prompts). Special-token text such as ``<|endoftext|>`` becomes its id; restrict
+        that with ``allowed_special`` (a set of specials, as in tiktoken). Documents for shards use
+        :meth:`encode_ordinary`, where special-token text is just text."""
+        return self.enc.encode(text, allowed_special=allowed_special, disallowed_special=())
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Text -> ids, special-token text encoded as plain text (what documents in shards use)."""
+        return self.enc.encode_ordinary(text)
+
+    def encode_document(self, text: str) -> list[int]:
+        """A document as it goes into a shard: ``doc_prefix`` then its ordinary encoding."""
+        return self.doc_prefix + self.enc.encode_ordinary(text)
+
+    # -- decoding
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return self.enc.decode_bytes([int(i) for i in ids])
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors=errors)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.enc.decode_single_token_bytes(int(i))
+
+
+class TokenTable:
+    """Decode-only tokenizer read from llm.c's tokenizer .bin (what ``llmc sample`` needs)."""
+
+    def __init__(self, tokens: list[bytes], eot: int, path: str | None = None, name: str = "bin"):
+        self.tokens = tokens
+        self.vocab_size = len(tokens)
+        self.eot = int(eot)
+        self.path = path
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"TokenTable(vocab_size={self.vocab_size}, eot={self.eot}, path={self.path!r})"
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.tokens[int(i)]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise TokenizerError(f"token id {i} out of range for a vocabulary of {self.vocab_size}")
+            out.append(self.tokens[i])
+        return b"".join(out)
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors=errors)
+
+
+# ----------------------------------------------------------------------------------------------
+# builders
+
+
+def gpt2_ranks_path() -> Path:
+    """Path of ``whisper/assets/gpt2.tiktoken`` in the installed openai-whisper, without importing it."""
+    candidates: list[Path] = []
+    try:
+        spec = importlib.util.find_spec("whisper")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(p) / "assets" / "gpt2.tiktoken" for p in spec.submodule_search_locations]
+    try:
+        for f in importlib.metadata.files("openai-whisper") or []:
+            if str(f).replace("\\", "/").endswith("whisper/assets/gpt2.tiktoken"):
+                candidates.append(Path(f.locate()))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise TokenizerError(
+        "GPT-2 ranks file whisper/assets/gpt2.tiktoken not found: install it with "
+        "`pip install --no-deps openai-whisper` (or pass the path of a gpt2.tiktoken file)")
+
+
+def _load_ranks(path: str | os.PathLike, what: str) -> dict[bytes, int]:
+    import tiktoken.load
+
+    p = Path(path)
+    if not p.is_file():
+        raise TokenizerError(f"{what} ranks file {p} not found")
+    try:
+        return tiktoken.load.load_tiktoken_bpe(str(p))
+    except Exception as e:  # base64 / format errors
+        raise TokenizerError(f"{p}: not a tiktoken ranks file ({type(e).__name__}: {e})") from None
+
+
+def _build_gpt2(path: str | None) -> Tokenizer:
+    import tiktoken
+
+    p = Path(path) if path else gpt2_ranks_path()
+    ranks = _load_ranks(p, "GPT-2")
+    if len(ranks) != 50256:
+        raise TokenizerError(f"{p}: expected 50,256 GPT-2 BPE ranks, found {len(ranks):,}")
+    enc = tiktoken.Encoding(name="gpt2", pat_str=_gpt2_pat(), mergeable_ranks=ranks,
+                            special_tokens={GPT2_EOT: 50256}, explicit_n_vocab=50257)
+    return Tokenizer("gpt2", enc, eot=50256, doc_prefix=[50256], path=str(p))
+
+
+def _build_llama3(path: str | None) -> Tokenizer:
+    import tiktoken
+
+    if not path:
+        raise TokenizerError(
+            "the llama3 tokenizer needs its tiktoken-format ranks file (Meta's tokenizer.model): "
+            "pass --tokenizer-path PATH")
+    ranks = _load_ranks(path, "Llama 3")
+    n = len(ranks)
+    specials = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIALS)}
+    enc = tiktoken.Encoding(name="llama3", pat_str=LLAMA3_PAT_STR, mergeable_ranks=ranks,
+                            special_tokens=specials)
+    return Tokenizer("llama3", enc, eot=specials["<|end_of_text|>"],
+                     doc_prefix=[specials["<|begin_of_text|>"]], path=str(path))
+
+
+TOKENIZERS: dict[str, Callable[[str | None], Tokenizer]] = {
+    "gpt2": _build_gpt2,
+    "llama3": _build_llama3,
+}
+_CACHE: dict[tuple[str, str | None], Tokenizer] = {}
+
+
+def load_tokenizer(name: str = "gpt2", path: str | os.PathLike | None = None) -> Tokenizer:
+    """Build (once per process) the tokenizer ``name`` from its ranks file (``path`` or the default)."""
+    key = (name, str(path) if path else None)
+    if key not in _CACHE:
+        if name not in TOKENIZERS:
+            raise TokenizerError(f"unknown tokenizer {name!r}; known: {', '.join(sorted(TOKENIZERS))}")
+        _CACHE[key] = TOKENIZERS[name](key[1])
+    return _CACHE[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# llm.c tokenizer .bin: 256 int32 header (magic 20240328, version 2, vocab_size, eot), then per token
+# one uint8 length and that many bytes (llm.c's train_gpt2.py write_tokenizer / llmc/tokenizer.h)
+
+
+def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
+    """Write llm.c's tokenizer file for ``tok`` (anything with vocab_size, eot, token_bytes)."""
+    path = Path(path)
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2], header[3] = TOKENIZER_MAGIC, TOKENIZER_VERSION, tok.vocab_size, tok.eot
+    parts = [header.tobytes()]
+    for i in range(tok.vocab_size):
+        b = tok.token_bytes(i)
+        if not 0 < len(b) < 256:
+            raise TokenizerError(f"token {i} is {len(b)} bytes long; llm.c's format holds 1..255")
+        parts.append(struct.pack("<B", len(b)))
+        parts.append(b)
+    from llmc_cli.dataloader import atomic_write_bytes
+
+    atomic_write_bytes(path, b"".join(parts))
+    return path
+
+
+def read_tokenizer_bin(path: str | os.PathLike) -> TokenTable:
+    """Read llm.c's tokenizer file (versions 1 and 2) into a decode-only :class:`TokenTable`."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TokenizerError(f"tokenizer file {path} not found") from None
+    if len(data) < HEADER_INTS * 4:
+        raise TokenizerError(f"{path}: truncated tokenizer file ({len(data)} bytes, header alone is 1024)")
+    header = np.frombuffer(data, dtype="<i4", count=HEADER_INTS)
+    if header[0] != TOKENIZER_MAGIC:
+        raise TokenizerError(f"{path}: bad magic {int(header[0])}, expected {TOKENIZER_MAGIC} "
+                             "(an llm.c tokenizer .bin)")
+    version, n = int(header[1]), int(header[2])
+    if version == 1:
+        eot = 50256  # version 1 predates the eot field; llm.c assumes GPT-2
+    elif version == 2:
+        eot = int(header[3])
+    else:
+        raise TokenizerError(f"{path}: unsupported tokenizer version {version} (expected 1 or 2)")
+    tokens: list[bytes] = []
+    off = HEADER_INTS * 4
+    for i in range(n):
+        if off >= len(data):
+            raise TokenizerError(f"{path}: truncated after {i} of {n} tokens")
+        ln = data[off]
+        if ln == 0 or off + 1 + ln > len(data):
+            raise TokenizerError(f"{path}: token {i} has bad length {ln} or is cut off")
+        tokens.append(data[off + 1: off + 1 + ln])
+        off += 1 + ln
+    if off != len(data):
+        raise TokenizerError(f"{path}: {len(data) - off} trailing bytes after {n} tokens")
+    return TokenTable(tokens, eot, str(path))

@@ -1,0 +1,352 @@
+"""The training loop: data -> forward/backward -> clip -> AdamW, with validation, sampling, checkpoints, resume."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .dataloader import DataLoader, ValLoader
+from .evaluate import evaluate_loss  # noqa: F401  (lives in evaluate.py; still importable from here)
+from .kernels import BFLOAT16, Backend
+from .models import family_for, family_of_config
+from .optim import AdamW, AdamWConfig, lr_at
+from .comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
+from .distributed import make_optimizer, reshard_loader_state
+from .reliability import OutlierDetector, is_out_of_memory, out_of_memory_message, trim_log
+from .sample import generate
+
+
+class TrainError(ValueError):
+    """A problem with the run's options or files; the message names the option or file."""
+
+
+class TrainDiverged(TrainError):
+    """--max-bad-steps consecutive steps were non-finite or skipped as outliers: the run stops."""
+
+
+SHARD_VOCAB = {"gpt2": 50257, "llama3": 128256}  # the vocabulary a shard format records (dataloader.SHARD_FORMATS)
+
+# options that fix the model's shape or the meaning of a step: a resumed run must not change them
+RESUME_FIXED = ("model", "n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "vocab_size", "init",
+                "batch_size", "seq_len", "total_batch_size")
+
+
+@dataclass
+class TrainArgs:
+    data: str
+    val_data: str | None = None
+    model: str = "d12"
+    init: str | None = None
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    n_kv_head: int | None = None           # Llama: key/value heads (grouped-query attention)
+    block_size: int | None = None          # None = the preset's (GPT-2: 1024)
+    vocab_size: int | None = None          # None = the preset's (GPT-2: 50257)
+    batch_size: int = 4
+    seq_len: int = 64
+    recompute: str = "none"               # GPT-2: none | gelu | gelu+layernorm (activation memory vs compute)
+    total_batch_size: int | None = None   # tokens per optimizer step; None = B*T (no accumulation)
+    steps: int = 20
+    optim: AdamWConfig = field(default_factory=AdamWConfig)
+    warmup: int = 0
+    lr_decay_frac: float = 1.0
+    seed: int = 1337
+    overfit_batch: bool = False
+    shuffle: bool = False
+    val_every: int = 20
+    val_batches: int = 20
+    sample_every: int = 20
+    sample_tokens: int = 64
+    checkpoint_every: int = 0
+    keep: int = 0
+    skip_loss_z: float = 0.0              # skip the update when the loss z-score exceeds this (0 = off)
+    skip_grad_z: float = 0.0              # same for the grad norm (llm.c's -sl / -sg)
+    max_bad_steps: int = 5                # stop after this many consecutive non-finite / skipped steps (0 = never)
+    outlier_window: int = 128             # values the outlier detectors remember (llm.c: 128)
+    out: str | None = None
+    resume: bool = False
+    log: str | None = None
+    hellaswag: str | None = None          # llm.c HellaSwag eval file, scored every hellaswag_every steps
+    hellaswag_every: int = 0
+    zero: int = 0                         # data parallel: 1 = ZeRO-1 (optimizer state sharded over the ranks)
+
+
+def model_config(a: TrainArgs):
+    """The config of --model with the command line's overrides (GPT2Config or Llama3Config)."""
+    family = family_for(a.model)
+    over = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd),
+                               ("n_kv_head", a.n_kv_head), ("block_size", a.block_size),
+                               ("vocab_size", a.vocab_size)) if v}
+    if "n_kv_head" in over and family.name != "llama3":
+        raise ValueError(f"--n-kv-head applies to Llama models, not {a.model}")
+    cfg = family.preset(a.model, **over)
+    cfg.validate()
+    return cfg
+
+
+class Trainer:
+    def __init__(self, a: TrainArgs, backend: Backend, say: Callable[[str], None] = print,
+                 decode: Callable[[list[int]], str] | None = None, eot: int | None = None, comm=None):
+        self.a, self.backend, self.say, self.decode, self.eot = a, backend, say, decode, eot
+        self.comm = comm or SingleProcess()  # this process's place among data-parallel ranks (llmc_cli.comm)
+        B, T = a.batch_size, a.seq_len
+        if B <= 0 or T <= 0:
+            raise TrainError(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
+        self.start_step = 0
+        resume_state = None
+        if a.resume:
+            if not a.out:
+                raise TrainError("--resume needs --out DIR (the run directory to continue)")
+            try:
+                cfg, params, opt_state, resume_state = ckpt.read_run_checkpoint(a.out)
+            except ckpt.CheckpointError as e:
+                raise TrainError(str(e)) from None
+            expected = resume_state.get("config")
+            if expected and expected != asdict(cfg):
+                raise TrainError(f"{a.out}: model file and state.json disagree about the model shape")
+            old_args = resume_state["args"]
+            for key in RESUME_FIXED:
+                val = getattr(a, key, None)
+                if key in old_args and old_args[key] != val and not (val is None and key != "batch_size"):
+                    opt = "--" + key.replace("_", "-")
+                    raise TrainError(f"--resume: {opt} is {val} but the run in {a.out} was trained with "
+                                     f"{old_args[key]} (give the same options, or start a new --out)")
+        elif a.init:
+            try:
+                cfg, params, _ = ckpt.read_model(a.init)
+            except ckpt.CheckpointError as e:
+                raise TrainError(str(e)) from None
+        else:
+            cfg = model_config(a)
+            params = family_for(a.model).module.init_parameters(cfg, a.seed)
+        if T > cfg.block_size:
+            raise TrainError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+        self.cfg = cfg
+        self.family = family_of_config(cfg)
+        if self.family.name != "gpt2" and (a.out or a.resume):
+            raise TrainError(f"--out/--resume: run-directory checkpoints hold llm.c GPT-2 model files; "
+                             f"{a.model} ({self.family.name}) cannot be checkpointed yet")
+        tokens_per_micro = B * T * self.comm.world_size  # one micro-step reads B*T tokens on every rank
+        total = a.total_batch_size or tokens_per_micro
+        if total % tokens_per_micro:
+            what = "B*T*ranks" if self.comm.world_size > 1 else "B*T"
+            raise TrainError(f"--total-batch-size {total} is not a multiple of {what} = {tokens_per_micro}")
+        self.grad_accum = total // tokens_per_micro
+        self.tokens_per_step = total
+
+        try:
+            self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute)
+            self.model.load_parameters(params)
+            self.opt = make_optimizer(backend, self.model, a.optim, self.comm, a.zero)
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise TrainError(out_of_memory_message(e, backend, cfg, B, T)) from None
+            raise
+        self.opt.sync_master_from_params()
+        for opt, z in (("--skip-loss-z", a.skip_loss_z), ("--skip-grad-z", a.skip_grad_z)):
+            if not z >= 0:
+                raise TrainError(f"{opt} must be >= 0 (got {z}; 0 = off)")
+        self.loss_outliers = OutlierDetector(a.outlier_window)
+        self.norm_outliers = OutlierDetector(a.outlier_window)
+        self.bad_streak = 0
+        self.stop_requested: Callable[[], str | None] = lambda: None
+        self.stopped: dict | None = None  # set by run() when it returns early on a stop request
+
+        # token ids are checked against the model's vocabulary as each shard is first opened
+        self.train_loader = DataLoader(a.data, B, T, rank=self.comm.rank, world_size=self.comm.world_size,
+                                       shuffle=a.shuffle, seed=a.seed, vocab_size=cfg.vocab_size)
+        self.val_loader = ValLoader(a.val_data, B, T, vocab_size=cfg.vocab_size) if a.val_data else None
+        for opt, loader in (("--data", self.train_loader), ("--val-data", self.val_loader)):
+            need = SHARD_VOCAB.get(loader.tokenizer) if loader is not None else None
+            if need and cfg.vocab_size < need:
+                raise TrainError(f"{opt}: the shards were tokenized with the {loader.tokenizer} vocabulary "
+                                 f"({need:,} ids) but the model's vocab size is {cfg.vocab_size:,}; use a "
+                                 f"{loader.tokenizer} model or re-tokenize the data")
+        self.rng = np.random.default_rng(a.seed)
+        if resume_state is not None:
+            self.opt.load_state(opt_state, resume_state["step"])
+            self.opt.step_count = int(resume_state.get("optimizer_steps", resume_state["step"]))
+            self.start_step = resume_state["step"]
+            old_total = resume_state.get("tokens_per_step")
+            if old_total and old_total != self.tokens_per_step:
+                raise TrainError(f"--resume: the run in {a.out} took {old_total} tokens per step, now "
+                                 f"{self.tokens_per_step} ({self.comm.world_size} rank(s) x B*T); give "
+                                 f"--total-batch-size {old_total}")
+            self.train_loader.load_state(reshard_loader_state(resume_state["dataloader"], self.comm.world_size))
+            try:
+                self.rng.bit_generator.state = resume_state["rng"]
+                outl = resume_state.get("outliers", {})
+                self.loss_outliers.load_state(outl.get("loss", []))
+                self.norm_outliers.load_state(outl.get("norm", []))
+                self.bad_streak = int(outl.get("bad_streak", 0))
+            except (TypeError, ValueError, KeyError, AttributeError) as e:
+                raise TrainError(f"{a.out}: state.json has a damaged RNG / outlier state ({e})") from None
+        self.sampler = None
+
+    def memory_line(self) -> str:
+        r = self.backend.memory_report()
+        parts = [f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(r.by_tag.items())]
+        line = f"memory: {', '.join(parts)}; total {r.allocated / 2**20:.1f} MiB"
+        if r.device_total:
+            free = f", free {r.device_free / 2**30:.1f} GiB" if r.device_free is not None else ""
+            line += f" (device {r.device_total / 2**30:.1f} GiB{free})"
+        return line
+
+    def _batch(self):
+        if self.a.overfit_batch:
+            self.train_loader.reset()
+        x, y = self.train_loader.next_batch()
+        return x, y
+
+    def train_step(self, step: int) -> dict:
+        a, model = self.a, self.model
+        timer = self.backend.timer()
+        timer.start()
+        model.zero_grad()
+        loss = 0.0
+        dloss = 1.0 / (a.batch_size * a.seq_len * self.grad_accum)
+        for _ in range(self.grad_accum):
+            x, y = self._batch()
+            model.forward(x, y, dloss=dloss)
+            model.backward()
+            loss += model.mean_loss() / self.grad_accum
+        if self.comm.world_size > 1:  # data parallel: the step's loss and gradients are the ranks' average
+            loss = self.comm.all_reduce_value(loss, AVG)
+        self.opt.reduce_grads()
+        norm = self.opt.grad_norm()
+        lr = lr_at(step, a.optim.lr, a.warmup, a.steps, a.lr_decay_frac)
+        # llm.c's rule: z-scores against the last 128 steps; a spike skips the update (never a non-finite step)
+        zloss, znorm = self.loss_outliers.update(loss), self.norm_outliers.update(norm)
+        reason = None
+        if not np.isfinite(loss) or not np.isfinite(norm):
+            reason = "non-finite loss" if not np.isfinite(loss) else "non-finite grad norm"
+        elif a.skip_loss_z > 0 and zloss > a.skip_loss_z:
+            reason = f"loss z-score {zloss:.1f} > --skip-loss-z {a.skip_loss_z:g}"
+        elif a.skip_grad_z > 0 and znorm > a.skip_grad_z:
+            reason = f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"
+        if reason is None:
+            self.opt.step(lr, norm, seed=a.seed + step)
+        seconds = timer.stop()
+        finite = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731  (JSON has no NaN / inf)
+        rec = {"step": step + 1, "loss": finite(loss), "norm": finite(norm), "lr": lr, "ms": seconds * 1e3,
+               "tok_per_s": self.tokens_per_step / seconds}
+        if reason is not None:
+            rec |= {"skipped": True, "reason": reason}
+        return rec
+
+    def validate(self) -> float:
+        return evaluate_loss(self.model, self.val_loader, self.a.val_batches)
+
+    def hellaswag_eval(self) -> dict:
+        """HellaSwag acc / acc_norm of the current weights (the eval file is read on first use)."""
+        from .evaluate import HellaSwag
+        if getattr(self, "hellaswag", None) is None:
+            self.hellaswag = HellaSwag(self.a.hellaswag)
+        return self.hellaswag.evaluate(self.model).as_dict()
+
+    def sample_text(self) -> str:
+        if self.decode is None or self.eot is None:
+            return ""
+        if self.sampler is None:
+            window = min(self.cfg.block_size, max(self.a.seq_len, 64))
+            self.sampler = self.family.model_class(self.cfg, self.backend, 1, window, training=False,
+                                                   share_params=self.model)
+        ids = list(generate(self.sampler, [self.eot], self.a.sample_tokens, self.rng, temperature=1.0,
+                            stop_token=self.eot))
+        return self.decode(ids)
+
+    def save(self, step: int) -> Path:
+        opt_state = self.opt.state_host()  # collective under ZeRO (gathers the whole state to rank 0)
+        if self.comm.rank != 0:  # only rank 0 writes
+            return Path(self.a.out) / ckpt.step_dir_name(step)
+        state = {"step": step, "config": asdict(self.cfg), "dataloader": self.train_loader.state(),
+                 "rng": self.rng.bit_generator.state, "dtype": self.backend.dtype, "backend": self.backend.name,
+                 "args": {k: v for k, v in asdict(self.a).items() if k != "optim"} | {"optim": asdict(self.a.optim)}}
+        state |= {"version": ckpt.RUN_STATE_VERSION, "optimizer_steps": self.opt.step_count,
+                  "outliers": {"loss": self.loss_outliers.state(), "norm": self.norm_outliers.state(),
+                               "bad_streak": self.bad_streak}}
+        state |= {"world_size": self.comm.world_size, "tokens_per_step": self.tokens_per_step}
+        return ckpt.write_run_checkpoint(self.a.out, step, self.cfg, self.model.parameters_host(),
+                                         bf16=self.backend.dtype == BFLOAT16, optimizer=opt_state,
+                                         state=state, keep=self.a.keep)
+
+    def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
+        a = self.a
+        log = None
+        lead = self.comm.rank == 0  # only rank 0 logs, validates, samples and writes checkpoints
+        if a.log and lead:
+            Path(a.log).parent.mkdir(parents=True, exist_ok=True)
+            if a.resume:  # drop what the dead run logged past its checkpoint (and a torn last line)
+                trim_log(a.log, self.start_step)
+            log = open(a.log, "a" if a.resume else "w")
+        saved = self.start_step
+        records = []
+        try:
+            for step in range(self.start_step, a.steps + 1):
+                last = step == a.steps
+                rec = None
+                if lead and self.val_loader is not None and a.val_every > 0 and (step % a.val_every == 0 or last):
+                    rec = {"step": step, "val_loss": self.validate()}
+                    self.say(f"step {step}: val loss {rec['val_loss']:.6f}")
+                if lead and a.hellaswag and a.hellaswag_every > 0 and (step % a.hellaswag_every == 0 or last):
+                    rec = (rec or {"step": step}) | self.hellaswag_eval()
+                    self.say(f"step {step}: HellaSwag acc_norm {rec['hellaswag_acc_norm']:.4f} "
+                             f"acc {rec['hellaswag_acc']:.4f} ({rec['hellaswag_examples']} examples)")
+                if lead and a.sample_every > 0 and step > 0 and (step % a.sample_every == 0 or last):
+                    text = self.sample_text()
+                    if text:
+                        self.say(f"sample at step {step}:\n{text}\n---")
+                if a.out and step > self.start_step and (last or (a.checkpoint_every > 0 and
+                                                                  step % a.checkpoint_every == 0)):
+                    path = self.save(step)
+                    saved = step
+                    self.say(f"checkpoint: {path}")
+                if rec is not None:
+                    records.append(rec)
+                    if log:
+                        log.write(json.dumps(rec) + "\n")
+                if last:
+                    break
+                rec = self.train_step(step)
+                records.append(rec)
+                if log:
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                if on_step:
+                    on_step(rec)
+                if rec.get("skipped"):
+                    self.bad_streak += 1
+                    self.say(f"step {rec['step']}: update skipped ({rec['reason']}); "
+                             f"{self.bad_streak} bad step(s) in a row")
+                    if a.max_bad_steps and self.bad_streak >= a.max_bad_steps:
+                        where = f"; the last good checkpoint is in {a.out}" if a.out and saved else ""
+                        raise TrainDiverged(
+                            f"step {rec['step']}: {self.bad_streak} consecutive bad steps (last: {rec['reason']}), "
+                            f"stopping rather than training on garbage{where}; lower --lr, raise --warmup or "
+                            f"check the data (--max-bad-steps sets the limit)")
+                else:
+                    self.bad_streak = 0
+                signame = self.stop_requested()
+                if self.comm.world_size > 1:  # every rank stops after the same step, or none does
+                    anyone = self.comm.all_reduce_value(1.0 if signame else 0.0, MAX)
+                    signame = signame or ("a stop request on another rank" if anyone else None)
+                if signame and step + 1 < a.steps:
+                    path = None
+                    if a.out and saved != step + 1:
+                        path = self.save(step + 1)
+                        self.say(f"checkpoint: {path}")
+                    elif a.out:
+                        path = Path(a.out) / ckpt.step_dir_name(step + 1)
+                    self.stopped = {"signal": signame, "step": step + 1, "checkpoint": path}
+                    break
+        finally:
+            if log:
+                log.close()
+        return records

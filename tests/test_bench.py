@@ -1,0 +1,161 @@
+"""`llmc bench`: the kernel and training harness on the cpu and OpenCL backends with tiny shapes, a deliberately
+wrong kernel flagged as a mismatch, and the CLI plumbing (JSON, plugin injection, --plot without matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import make_backend
+
+from llmc_cli import bench, registry
+from llmc_cli.cli import main
+from llmc_cli.gpt2 import preset
+from llmc_cli.kernels import BackendPlugin
+
+TINY = ["--model", "d2", "--n-embd", "64", "-b", "2", "-t", "16"]
+ALL_KERNELS = {c.name for c in bench.kernel_cases(preset("d2", n_embd=64), 2, 16)}
+
+
+def _cpu_class():
+    return type(make_backend("cpu"))
+
+
+def _bad_cpu():
+    """The cpu backend with gelu_forward 1% too large (the fused matmul+GELU inherits the error)."""
+    class OffByOnePercent(_cpu_class()):
+        name = "bad"
+
+        def gelu_forward(self, out, inp):
+            super().gelu_forward(out, inp)
+            out *= 1.01
+    return OffByOnePercent()
+
+
+def _backends(*names):
+    return [(n, make_backend(n)) for n in names]
+
+
+def _sane(r):
+    assert r["min_ms"] > 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"], r
+    assert all(t > 0 for t in r["times_ms"])
+    rate = r["tflop_s"] if r["kind"] == "compute" else r["gb_s"]
+    assert rate is not None and rate > 0 and math.isfinite(rate), r
+
+
+def test_kernels_cpu_and_opencl_agree():
+    cfg = preset("d2", n_embd=64, vocab_size=1000)
+    backends = _backends("cpu", "opencl")
+    res = bench.run_kernels(backends, cfg, 2, 16, repeat=2, warmup=1, seed=0,
+                            reference=bench.reference_backend(backends))
+    names = {c.name for c in bench.kernel_cases(cfg, 2, 16)}
+    assert {r["kernel"] for r in res["results"]} == names == ALL_KERNELS
+    assert {"matmul_fwd qkv", "matmul_bwd fcproj +gelu'", "matmul_fwd classifier", "attention_bwd", "adamw",
+            "global_norm", "classifier_fwd_bwd", "encoder_bwd", "fused_residual_layernorm_fwd"} <= names
+    assert len(res["results"]) == 2 * len(names)
+    for r in res["results"]:
+        _sane(r)
+        if r["backend"] == "cpu":
+            assert r["max_rel_err"] == 0.0, r
+        else:
+            assert r["max_rel_err"] < 1e-4, r
+        assert r["ok"] is True
+    assert res["mismatches"] == []
+
+
+def test_wrong_kernel_is_flagged():
+    cfg = preset("d2", n_embd=64, vocab_size=1000)
+    cpu = make_backend("cpu")
+    res = bench.run_kernels([("cpu", cpu), ("bad", _bad_cpu())], cfg, 2, 16, repeat=1, warmup=0,
+                            reference=cpu, only=["gelu", "matmul_fwd", "layernorm_fwd"])
+    flagged = {(m["kernel"], m["backend"]) for m in res["mismatches"]}
+    assert flagged == {("gelu_fwd", "bad"), ("matmul_fwd fc +gelu", "bad")}
+    by = {(r["kernel"], r["backend"]): r for r in res["results"]}
+    assert by[("gelu_fwd", "bad")]["max_rel_err"] == pytest.approx(0.01, rel=0.05)
+    assert by[("gelu_bwd", "bad")]["ok"] and by[("matmul_fwd qkv", "bad")]["ok"]
+    table = bench.kernels_table(res)
+    from rich.console import Console
+    con = Console(width=200, record=True)
+    con.print(table)
+    assert "MISMATCH" in con.export_text()
+
+
+class _FakePlugin(BackendPlugin):
+    name = "bad"
+
+    def probe(self):
+        return True, "the cpu backend with a 1% GELU error (test)"
+
+    def create(self, device=None, dtype=None):
+        return _bad_cpu()
+
+
+def test_cli_kernels_json_flags_injected_plugin(monkeypatch):
+    real = registry.discover()
+    fake = registry.PluginInfo("bad", _FakePlugin(), True, "test plugin", "test")
+    monkeypatch.setattr(registry, "discover", lambda: real + [fake])
+    r = CliRunner().invoke(main, ["bench", "kernels", "--backend", "cpu", "--backend", "bad", *TINY,
+                                  "--repeat", "1", "--warmup", "0", "--only", "gelu", "--json"])
+    assert r.exit_code == 1, r.output
+    out = json.loads(r.stdout)
+    assert [(m["kernel"], m["backend"]) for m in out["mismatches"]] == [("gelu_fwd", "bad")]
+    assert out["machine"]["cpu"] and [b["label"] for b in out["machine"]["backends"]] == ["cpu", "bad"]
+    assert "differ from the cpu reference" in r.stderr
+
+
+def test_cli_kernels_table_and_errors(monkeypatch):
+    r = CliRunner().invoke(main, ["bench", "kernels", "--backend", "cpu", *TINY, "--repeat", "1", "--warmup", "0",
+                                  "--only", "residual", "--only", "attention"])
+    assert r.exit_code == 0, r.output
+    assert "attention_bwd" in r.stdout and "residual_fwd" in r.stdout and "machine:" in r.stdout
+    r = CliRunner().invoke(main, ["bench", "kernels", "--backend", "nope", *TINY])
+    assert r.exit_code == 2 and "--backend nope: not installed" in r.stderr
+    r = CliRunner().invoke(main, ["bench", "kernels", "--backend", "cpu", *TINY, "--only", "zzz"])
+    assert r.exit_code == 2 and "matches no kernel" in r.stderr
+    # --plot without matplotlib fails at once, with one line
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", *TINY, "--plot", "x.png"])
+    assert r.exit_code == 2 and "--plot needs matplotlib" in r.stderr and "Traceback" not in r.output
+
+
+def test_train_cpu_opencl_and_torch():
+    """Every backend trains the same model from the same weights on the same data: first losses agree; MFU
+    appears only where the backend reports its peak FLOP/s."""
+    class Peak(_cpu_class()):
+        def peak_flops(self, dtype=None):
+            return 1e12
+
+    cfg = preset("d2", n_embd=64)  # the gpt2 vocabulary: the data loader checks shards against it
+    res = bench.run_train([("cpu", Peak()), ("opencl", make_backend("opencl"))], cfg, 2, 16, steps=1, warmup=1,
+                          seed=5, compare=["torch-eager"])
+    rs = {r["name"]: r for r in res["results"]}
+    assert {"cpu", "opencl"} <= set(rs)
+    for r in res["results"]:
+        assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["tok_s"] == pytest.approx(32 / (r["median_ms"] / 1e3))
+        assert np.isfinite(r["loss_first"]) and r["loss_first"] == pytest.approx(math.log(50257), rel=0.02)
+        assert r["loss_first"] == pytest.approx(rs["cpu"]["loss_first"], rel=1e-4)
+    assert rs["cpu"]["mfu"] == pytest.approx(rs["cpu"]["tflop_s"])  # peak 1 TFLOP/s
+    assert rs["opencl"]["mfu"] is None
+    assert rs["cpu"]["allocated_bytes"] > 0 and rs["cpu"]["host_rss_peak_bytes"] > 0
+    try:
+        import torch  # noqa: F401
+        assert "torch eager" in rs and rs["torch eager"]["loss_last"] == pytest.approx(rs["cpu"]["loss_last"],
+                                                                                       rel=1e-3)
+    except ImportError:
+        assert any("not installed" in n for n in res["notes"])
+
+
+def test_cli_train_json(tmp_path):
+    from llmc_cli.dataloader import write_shard
+    data = write_shard(tmp_path / "d_train_000000.bin", np.arange(2000) % 50257)
+    r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", *TINY, "--steps", "1", "--warmup", "0",
+                                  "--data", str(data), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["config"]["data"] == str(data) and out["results"][0]["name"] == "cpu"
+    assert out["results"][0]["median_ms"] > 0 and out["config"]["flops_per_step"] > 0

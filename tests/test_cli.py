@@ -1,0 +1,181 @@
+"""`llmc train / eval / sample / backends` end to end on the CPU backend: resume bit-exactness, determinism,
+llm.c file compatibility, and bad input answered by one clear line and a non-zero exit."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmc_cli import checkpoint as ckpt
+from llmc_cli.cli import main
+from llmc_cli.dataloader import write_shard
+from llmc_cli.gpt2 import GPT2Config, init_parameters, num_parameters
+
+TINY = ["train", "--backend", "cpu", "--model", "d2", "--n-embd", "64", "-b", "2", "-t", "32", "--val-every", "0",
+        "--sample-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    # a little structure (repeating phrases) so the loss can fall
+    phrase = rng.integers(0, 50257, 40)
+    tokens = np.concatenate([np.roll(phrase, k) for k in range(120)])
+    write_shard(d / "tiny_val_000000.bin", tokens[:2000])
+    write_shard(d / "tiny_train_000001.bin", tokens)
+    return d
+
+
+def run(*args, ok=True):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if ok and r.exit_code != 0:
+        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
+    return r
+
+
+def losses(log):
+    return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]
+
+
+def test_train_resume_is_bit_exact(shards, tmp_path):
+    """20 steps == 10 steps, resume, 10 steps: identical losses (schedule, weight decay and clipping on)."""
+    common = [*TINY, "--data", shards / "*train*.bin", "--steps", 20, "--lr", "1e-3", "--warmup", 3,
+              "--lr-decay-frac", "0.1", "--weight-decay", "0.1", "--shuffle"]
+    run(*common, "--out", tmp_path / "a", "--log", tmp_path / "a.jsonl")
+    run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 10)
+    # pretend the run died after step 10: drop the final checkpoint, point latest back
+    import shutil
+    shutil.rmtree(tmp_path / "b" / "step_00000020")
+    (tmp_path / "b" / "latest").write_text("step_00000010\n")
+    lines = open(tmp_path / "b.jsonl").read().splitlines()[:10]
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    r = run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--resume")
+    assert "resumed" in r.output
+    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+    assert len(a) == 20 and a == b
+    assert a[-1] < a[0]
+
+
+def test_two_runs_are_identical_and_log_has_fields(shards, tmp_path):
+    for name in ("x", "y"):
+        r = run(*TINY, "--data", shards / "*train*.bin", "--val-data", shards / "*val*.bin", "--steps", 4,
+                "--val-every", 2, "--log", tmp_path / f"{name}.jsonl")
+    assert "tok/s" in r.output and "val loss" in r.output
+    recs = [json.loads(line) for line in open(tmp_path / "x.jsonl")]
+    steps = [r for r in recs if "loss" in r]
+    assert {"step", "loss", "norm", "lr", "ms", "tok_per_s"} <= set(steps[0])
+    assert any("val_loss" in r for r in recs)
+    assert losses(tmp_path / "x.jsonl") == losses(tmp_path / "y.jsonl")
+
+
+def test_overfit_batch_drives_loss_down(shards, tmp_path):
+    run(*TINY, "--data", shards / "*train*.bin", "--steps", 20, "--lr", "3e-3", "--overfit-batch",
+        "--log", tmp_path / "o.jsonl")
+    ls = losses(tmp_path / "o.jsonl")
+    assert ls[-1] < 0.6 * ls[0]
+
+
+def test_gradient_accumulation_option(shards, tmp_path):
+    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--total-batch-size", 256)
+    assert "grad accumulation 4" in r.output
+    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--total-batch-size", 100, ok=False)
+    assert r.exit_code != 0 and "--total-batch-size" in r.output
+
+
+def test_eval_and_sample_from_run_dir_and_bin(shards, tmp_path):
+    run(*TINY, "--data", shards / "*train*.bin", "--steps", 3, "--out", tmp_path / "run")
+    r = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "run", "--data", shards / "*val*.bin",
+            "--batches", 3, "-b", 2, "-t", 32, "--json")
+    loss = json.loads(r.output)["loss"]
+    assert 5 < loss < 12
+    model_bin = tmp_path / "run" / "step_00000003" / "model.bin"
+    r2 = run("eval", "--backend", "cpu", "--checkpoint", model_bin, "--data", shards / "*val*.bin",
+             "--batches", 3, "-b", 2, "-t", 32, "--json")
+    assert json.loads(r2.output)["loss"] == loss
+    s1 = run("sample", "--backend", "cpu", "--checkpoint", tmp_path / "run", "--prompt", "Hello",
+             "--max-new-tokens", 8, "--seed", 5, "--top-k", 20).stdout  # stderr: tokens/s
+    s2 = run("sample", "--backend", "cpu", "--checkpoint", model_bin, "--prompt", "Hello",
+             "--max-new-tokens", 8, "--seed", 5, "--top-k", 20).stdout
+    assert s1 == s2 and s1.startswith("Hello") and len(s1) > len("Hello")
+
+
+def test_llmc_model_file_layout(tmp_path):
+    """Headers byte for byte as llm.c writes them; fp32 round trip exact, bf16 rounds to nearest even."""
+    cfg = GPT2Config(block_size=32, vocab_size=300, n_layer=2, n_head=2, n_embd=16)
+    p = init_parameters(cfg, 0)
+    ckpt.write_model(tmp_path / "m.bin", cfg, p)
+    raw = np.fromfile(tmp_path / "m.bin", dtype=np.int32, count=256)
+    assert list(raw[:8]) == [20240326, 3, 32, 300, 2, 2, 16, 384] and not raw[8:].any()
+    assert (tmp_path / "m.bin").stat().st_size == 1024 + 4 * num_parameters(cfg)
+    cfg2, p2, v = ckpt.read_model(tmp_path / "m.bin")
+    assert cfg2 == cfg and v == 3 and np.array_equal(p, p2)
+    ckpt.write_model(tmp_path / "h.bin", cfg, p, bf16=True)
+    assert list(np.fromfile(tmp_path / "h.bin", dtype=np.int32, count=2)) == [20240326, 5]
+    assert (tmp_path / "h.bin").stat().st_size == 1024 + 2 * num_parameters(cfg)
+    _, ph, v = ckpt.read_model(tmp_path / "h.bin")
+    assert v == 5 and np.allclose(ph, p, rtol=2 ** -8, atol=0)
+    # ties to even: 1 + 2^-8 is halfway between two bf16 values and must round down to 1.0
+    assert ckpt.bf16_bits_to_float32(ckpt.float32_to_bf16_bits(np.array([1 + 2 ** -8], np.float32)))[0] == 1.0
+
+
+def test_train_from_llmc_bin_init(shards, tmp_path):
+    cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=32)
+    ckpt.write_model(tmp_path / "init.bin", cfg, init_parameters(cfg, 4))
+    r = run("train", "--backend", "cpu", "--init", tmp_path / "init.bin", "-b", 2, "-t", 32, "--steps", 2,
+            "--data", shards / "*train*.bin", "--val-every", 0, "--sample-every", 0)
+    assert "L=1 NH=2 C=32" in r.output
+
+
+@pytest.mark.parametrize("case", ["magic", "truncated", "vocab", "missing", "backend", "block", "model_bin",
+                                  "resume_shape"])
+def test_bad_input_one_line_error(case, shards, tmp_path):
+    data = shards / "*train*.bin"
+    args = [*TINY, "--data", data, "--steps", 1]
+    if case == "magic":
+        bad = tmp_path / "bad.bin"
+        bad.write_bytes(np.zeros(300, np.int32).tobytes())
+        args[args.index(data)] = bad
+    elif case == "truncated":
+        bad = tmp_path / "trunc.bin"
+        bad.write_bytes((shards / "tiny_train_000001.bin").read_bytes()[:2000])
+        args[args.index(data)] = bad
+    elif case == "vocab":
+        bad = tmp_path / "big.bin"
+        write_shard(bad, np.full(500, 50300))
+        args[args.index(data)] = bad
+    elif case == "missing":
+        args[args.index(data)] = tmp_path / "nothing_*.bin"
+    elif case == "backend":
+        args[args.index("cpu")] = "nosuchbackend"
+    elif case == "block":
+        args[args.index("-t") + 1] = "2048"
+    elif case == "model_bin":
+        (tmp_path / "m.bin").write_bytes(b"\0" * 2000)
+        args = ["sample", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin"]
+    elif case == "resume_shape":
+        run(*args, "--out", tmp_path / "r")
+        args[args.index("-b") + 1] = "3"
+        args += ["--out", tmp_path / "r", "--resume"]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    r = run(*args, ok=False)
+    assert r.exit_code == 2, r.output
+    msg = r.output.strip()
+    assert msg.startswith("error:") and "\n" not in msg and "Traceback" not in msg, msg
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written or lost
+
+
+def test_backends_and_help():
+    r = run("backends", "--json")
+    found = {b["name"]: b for b in json.loads(r.output)}
+    assert found["cpu"]["usable"] is True
+    for cmd in ("train", "sample", "eval", "backends"):
+        assert "Example:" in run(cmd, "--help").output
+
+
+def test_console_script_installed():
+    out = subprocess.run([sys.executable, "-m", "llmc_cli.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and "llmc" in out.stdout

@@ -1,0 +1,358 @@
+"""CUDA-backend specific checks (the kernel conformance suite in test_kernels.py runs on it too):
+NVRTC build and on-disk cache, cuBLASLt epilogue paths vs plain products + own kernels, cuDNN attention vs the
+own attention kernels, fp32 kernels vs the CPU backend at 1e-5, bf16 kernels within bf16 bounds, determinism of
+the backward kernels, and whole tiny GPT-2 training runs vs the CPU backend.
+
+Everything skips, with the plugin's own reason, where the CUDA backend cannot run."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from llmc_cli import registry
+from llmc_cli.kernels import BFLOAT16, FLOAT32
+
+pytestmark = pytest.mark.cuda
+
+
+def _cuda_plugin():
+    for p in registry.discover():
+        if p.name == "cuda":
+            return p
+    return None
+
+
+_INFO = _cuda_plugin()
+_BACKENDS: dict = {}
+
+
+def cuda(dtype):
+    if _INFO is None:
+        pytest.skip("llmc-cuda is not installed (pip install -e backends/cuda)")
+    if _INFO.plugin is None or not _INFO.usable:
+        pytest.skip(f"cuda backend not usable here: {_INFO.reason}")
+    if dtype not in _BACKENDS:
+        _BACKENDS[dtype] = _INFO.plugin.create(dtype=dtype)
+    return _BACKENDS[dtype]
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    from llmc_cpu import CpuBackend
+    return CpuBackend()
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30))
+
+
+def up(b, x, dtype=None):
+    x = np.asarray(x)
+    dt = dtype or ("int32" if np.issubdtype(x.dtype, np.integer) else b.dtype)
+    buf = b.alloc(x.shape, dt)
+    b.upload(buf, x.astype(np.int32 if dt == "int32" else np.float32))
+    return buf
+
+
+def down(b, buf):
+    b.synchronize()
+    return np.asarray(b.download(buf), dtype=np.float64)
+
+
+def held(b, x):
+    """What `x` becomes on backend b (bf16 rounding)."""
+    return down(b, up(b, np.asarray(x, np.float32)))
+
+
+def poisoned(b, shape, dtype=None):
+    buf = b.alloc(shape, dtype or b.dtype)
+    b.fill(buf, math.nan)
+    return buf
+
+
+# =============================================================================================================
+# plugin
+
+def test_probe_reports_device():
+    if _INFO is None:
+        pytest.skip("llmc-cuda is not installed")
+    ok, reason = _INFO.plugin.probe()
+    assert isinstance(ok, bool) and reason.strip()
+    if not ok:
+        pytest.skip(f"cuda backend not usable here: {reason}")
+    assert "sm_" in reason
+
+
+# =============================================================================================================
+# NVRTC build and cache
+
+def test_nvrtc_build_and_disk_cache():
+    """The kernels compile through NVRTC for this device, the cubin lands in CuPy's on-disk cache, and a fresh
+    process loads it from there instead of compiling again."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+    b = cuda(BFLOAT16)
+    import cupy as cp
+    from llmc_cuda.backend import KERNEL_SOURCE
+    cache = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+    src = KERNEL_SOURCE.read_text() + f"\n// cache probe {uuid.uuid4().hex}\n"
+    before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
+    t0 = time.perf_counter()
+    cp.RawModule(code=src, options=b.compile_options(True)).get_function("gelu_forward")
+    cold = time.perf_counter() - t0
+    after = set(os.listdir(cache))
+    assert after - before, f"NVRTC output was not cached in {cache}"
+    code = ("import sys, time, cupy as cp; src = open(sys.argv[1]).read(); t0 = time.perf_counter(); "
+            "cp.RawModule(code=src, options=tuple(sys.argv[2:])).get_function('gelu_forward'); "
+            "print(time.perf_counter() - t0)")
+    probe = os.path.join(cache, "..", "llmc_cache_probe.cu")
+    with open(probe, "w") as f:
+        f.write(src)
+    warm = float(subprocess.check_output([sys.executable, "-c", code, probe, *b.compile_options(True)]).split()[-1])
+    assert set(os.listdir(cache)) == after, "a second process compiled again instead of loading the cached cubin"
+    print(f"nvrtc: cold build {cold * 1e3:.0f} ms, another process from the disk cache {warm * 1e3:.1f} ms, "
+          f"arch sm_{b.cc}")
+    assert warm < cold
+
+
+# =============================================================================================================
+# fp32 kernels vs the CPU backend at 1e-5
+
+def test_fp32_kernels_match_cpu(cpu):
+    b = cuda(FLOAT32)
+    rng = np.random.default_rng(0)
+    B, T, C, OC, NH = 2, 33, 96, 160, 4
+    N = B * T
+    x = rng.standard_normal((B, T, C)).astype(np.float32)
+    w = (rng.standard_normal((OC, C)) / math.sqrt(C)).astype(np.float32)
+    bias = rng.standard_normal(OC).astype(np.float32)
+    lw, lb = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    # layernorm
+    out_c, m_c, r_c = np.empty_like(x), np.empty(N, np.float32), np.empty(N, np.float32)
+    cpu.layernorm_forward(out_c, m_c, r_c, x, lw, lb)
+    out_g, m_g, r_g = poisoned(b, x.shape), poisoned(b, N, FLOAT32), poisoned(b, N, FLOAT32)
+    b.layernorm_forward(out_g, m_g, r_g, up(b, x), up(b, lw), up(b, lb))
+    assert rel(down(b, out_g), out_c) < 1e-5 and rel(down(b, r_g), r_c) < 1e-5
+    # matmul with bias and gelu (epilogue path)
+    pre_c, o_c = np.empty((B, T, OC), np.float32), np.empty((B, T, OC), np.float32)
+    cpu.matmul_forward(o_c, x, w, bias, pre_gelu=pre_c)
+    pre_g, o_g = poisoned(b, (B, T, OC)), poisoned(b, (B, T, OC))
+    b.matmul_forward(o_g, up(b, x), up(b, w), up(b, bias), pre_gelu=pre_g)
+    assert rel(down(b, pre_g), pre_c) < 1e-5
+    assert rel(down(b, o_g), o_c) < 1e-5
+    # attention (own kernels in fp32)
+    W = 3 * C
+    qkv = rng.standard_normal((B, T, W)).astype(np.float32)
+    ao_c, lse_c = np.empty((B, T, C), np.float32), np.empty((B, NH, T), np.float32)
+    cpu.attention_forward(ao_c, lse_c, qkv, NH, NH)
+    ao_g, lse_g = poisoned(b, (B, T, C)), poisoned(b, (B, NH, T), FLOAT32)
+    b.attention_forward(ao_g, lse_g, up(b, qkv), NH, NH)
+    assert rel(down(b, ao_g), ao_c) < 1e-5 and rel(down(b, lse_g), lse_c) < 1e-5
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    d_c = np.empty_like(qkv)
+    cpu.attention_backward(d_c, dout, qkv, ao_c, lse_c, NH, NH)
+    d_g = poisoned(b, qkv.shape)
+    b.attention_backward(d_g, up(b, dout), up(b, qkv), up(b, ao_c), up(b, lse_c), NH, NH)
+    assert rel(down(b, d_g), d_c) < 1e-5
+    # classifier
+    V, Vp = 1000, 1024
+    logits = rng.standard_normal((N, Vp)).astype(np.float32) * 3
+    tg = rng.integers(0, V, N).astype(np.int32)
+    l_c, loss_c = logits.copy(), np.empty(N, np.float32)
+    cpu.classifier_forward_backward(l_c, loss_c, tg, V, 1.0 / N)
+    l_g, loss_g = up(b, logits), poisoned(b, N, FLOAT32)
+    b.classifier_forward_backward(l_g, loss_g, up(b, tg), V, 1.0 / N)
+    assert rel(down(b, loss_g), loss_c) < 1e-5 and rel(down(b, l_g), l_c) < 1e-5
+
+
+# =============================================================================================================
+# cuBLASLt epilogues vs plain products + own kernels
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+def test_cublaslt_epilogues_match_unfused(dtype):
+    b = cuda(dtype)
+    rng = np.random.default_rng(1)
+    B, T, C, OC = 4, 64, 128, 512
+    x = held(b, rng.standard_normal((B, T, C)))
+    w = held(b, rng.standard_normal((OC, C)) / math.sqrt(C))
+    bias = held(b, rng.standard_normal(OC))
+    dout = held(b, rng.standard_normal((B, T, C)))
+    w2h = held(b, rng.standard_normal((C, OC)) / math.sqrt(OC))
+    results = {}
+    for fused in (True, False):
+        b.use_epilogues = fused
+        try:
+            pre, out = poisoned(b, (B, T, OC)), poisoned(b, (B, T, OC))
+            b.matmul_forward(out, up(b, x), up(b, w), up(b, bias), pre_gelu=pre)
+            # backward of the projection that follows: (B,T,OC)->(B,T,C), input gelu(pre)
+            w2 = up(b, w2h)
+            dinp, dw, db = poisoned(b, (B, T, OC)), up(b, np.zeros((C, OC))), up(b, np.zeros(C))
+            b.matmul_backward(dinp, dw, db, up(b, dout), out, w2, pre_gelu=pre)
+            results[fused] = [down(b, t) for t in (pre, out, dinp, dw, db)]
+        finally:
+            b.use_epilogues = True
+    tolerance = 1e-5 if dtype == FLOAT32 else 2e-2
+    for name, f, u in zip(("pre_gelu", "out", "dinp", "dweight", "dbias"), results[True], results[False]):
+        assert np.all(np.isfinite(f)), name
+        assert rel(f, u) < tolerance, f"{name}: fused epilogue vs unfused {rel(f, u):.2e}"
+    used = [k for k, p in b.lt.plans.items() if p is not None]
+    print("cuBLASLt plans with epilogues:", sorted({(k[0], k[5]) for k, p in b.lt.plans.items() if p is not None}))
+    assert used, "no cuBLASLt plan was made"
+
+
+# =============================================================================================================
+# cuDNN attention vs own kernels
+
+def test_cudnn_attention_matches_own_kernels():
+    b = cuda(BFLOAT16)
+    if not b._cudnn_ready():
+        pytest.skip(f"cuDNN not available: {b.cudnn_reason}")
+    rng = np.random.default_rng(2)
+    for (B, T, NH, NKV, hd) in [(2, 128, 4, 4, 64), (1, 70, 4, 2, 32)]:
+        W = (NH + 2 * NKV) * hd
+        qkv = up(b, rng.standard_normal((B, T, W)))
+        out1, lse1 = poisoned(b, (B, T, NH * hd)), poisoned(b, (B, NH, T), FLOAT32)
+        b.attention_forward(out1, lse1, qkv, NH, NKV)
+        assert b.attention_path[("fwd", B, T, NH, NKV, hd)] == "cudnn", b._cudnn.failed
+        out2, lse2 = poisoned(b, (B, T, NH * hd)), poisoned(b, (B, NH, T), FLOAT32)
+        b.attention_forward_own(out2, lse2, qkv, NH, NKV)
+        assert rel(down(b, out1), down(b, out2)) < 1e-2
+        assert rel(down(b, lse1), down(b, lse2)) < 1e-3
+        dout = up(b, rng.standard_normal((B, T, NH * hd)))
+        d1, d2 = poisoned(b, (B, T, W)), poisoned(b, (B, T, W))
+        b.attention_backward(d1, dout, qkv, out2, lse2, NH, NKV)
+        assert b.attention_path[("bwd", B, T, NH, NKV, hd)] == "cudnn", b._cudnn.failed
+        b.attention_backward_own(d2, dout, qkv, out2, lse2, NH, NKV)
+        assert rel(down(b, d1), down(b, d2)) < 2e-2
+
+
+# =============================================================================================================
+# bf16 kernels vs the CPU backend (fp32) within bf16 bounds
+
+def test_bf16_kernels_within_bounds(cpu):
+    b = cuda(BFLOAT16)
+    rng = np.random.default_rng(3)
+    B, T, C, OC = 4, 64, 256, 768
+    N = B * T
+    x = held(b, rng.standard_normal((B, T, C))).astype(np.float32)
+    w = held(b, rng.standard_normal((OC, C)) / math.sqrt(C)).astype(np.float32)
+    bias = held(b, rng.standard_normal(OC)).astype(np.float32)
+    o_c = np.empty((B, T, OC), np.float32)
+    cpu.matmul_forward(o_c, x, w, bias)
+    o_g = poisoned(b, (B, T, OC))
+    b.matmul_forward(o_g, up(b, x), up(b, w), up(b, bias))
+    assert rel(down(b, o_g), o_c) < 1e-2
+    lw, lb = held(b, rng.standard_normal(C)).astype(np.float32), held(b, rng.standard_normal(C)).astype(np.float32)
+    ln_c, m_c, r_c = np.empty_like(x), np.empty(N, np.float32), np.empty(N, np.float32)
+    cpu.layernorm_forward(ln_c, m_c, r_c, x, lw, lb)
+    ln_g, m_g, r_g = poisoned(b, x.shape), poisoned(b, N, FLOAT32), poisoned(b, N, FLOAT32)
+    b.layernorm_forward(ln_g, m_g, r_g, up(b, x), up(b, lw), up(b, lb))
+    assert rel(down(b, ln_g), ln_c) < 1e-2 and rel(down(b, r_g), r_c) < 1e-5
+    V, Vp = 50257, 50304
+    logits = held(b, rng.standard_normal((64, Vp)) * 2).astype(np.float32)
+    tg = rng.integers(0, V, 64).astype(np.int32)
+    l_c, loss_c = logits.copy(), np.empty(64, np.float32)
+    cpu.classifier_forward_backward(l_c, loss_c, tg, V, 1.0 / 64)
+    l_g, loss_g = up(b, logits), poisoned(b, 64, FLOAT32)
+    b.classifier_forward_backward(l_g, loss_g, up(b, tg), V, 1.0 / 64)
+    assert rel(down(b, loss_g), loss_c) < 1e-4
+    assert rel(down(b, l_g), l_c) < 1e-2
+
+
+# =============================================================================================================
+# determinism of backward kernels
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+def test_backward_kernels_bit_identical(dtype):
+    b = cuda(dtype)
+    rng = np.random.default_rng(4)
+    B, T, C, NH, V, Vp = 4, 128, 128, 4, 500, 512
+    N = B * T
+    inp = up(b, rng.integers(0, 20, (B, T)).astype(np.int32))  # many repeated tokens
+    dout = up(b, rng.standard_normal((B, T, C)))
+    x = up(b, rng.standard_normal((B, T, C)))
+    lw = up(b, rng.standard_normal(C))
+    mean, rstd, ln = b.alloc(N, FLOAT32), b.alloc(N, FLOAT32), b.alloc((B, T, C), b.dtype)
+    b.layernorm_forward(ln, mean, rstd, x, lw, lw)
+    W = 3 * C
+    qkv = up(b, rng.standard_normal((B, T, W)))
+    ao, lse = b.alloc((B, T, C), b.dtype), b.alloc((B, NH, T), FLOAT32)
+    b.attention_forward(ao, lse, qkv, NH, NH)
+    w = up(b, rng.standard_normal((W, C)) / math.sqrt(C))
+    dqkv_in = up(b, rng.standard_normal((B, T, W)))
+
+    def run():
+        dwte, dwpe = up(b, np.zeros((Vp, C))), up(b, np.zeros((T, C)))
+        b.encoder_backward(dwte, dwpe, dout, inp)
+        dinp, dw, db = up(b, np.zeros((B, T, C))), up(b, np.zeros(C)), up(b, np.zeros(C))
+        b.layernorm_backward(dinp, dw, db, dout, x, lw, mean, rstd)
+        dqkv = poisoned(b, (B, T, W))
+        b.attention_backward(dqkv, dout, qkv, ao, lse, NH, NH)
+        mi, mw, mb = poisoned(b, (B, T, C)), up(b, np.zeros((W, C))), up(b, np.zeros(W))
+        b.matmul_backward(mi, mw, mb, dqkv_in, x, w)
+        norm = b.alloc(1, FLOAT32)
+        b.global_norm_squared(norm, [mw, mb, dwte])
+        return [down(b, t) for t in (dwte, dwpe, dinp, dw, db, dqkv, mi, mw, mb, norm)]
+
+    r1, r2 = run(), run()
+    for name, a1, a2 in zip(("dwte", "dwpe", "ln dinp", "ln dw", "ln db", "dqkv", "mm dinp", "mm dw", "mm db",
+                             "norm"), r1, r2):
+        assert np.all(np.isfinite(a1)), name
+        assert np.array_equal(a1, a2), f"{name} differs between two identical runs"
+
+
+# =============================================================================================================
+# whole tiny GPT-2 vs the CPU backend
+
+def _train(backend, steps=10):
+    from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters
+    from llmc_cli.optim import AdamW, AdamWConfig
+    cfg = GPT2Config(block_size=64, vocab_size=250, n_layer=2, n_head=4, n_embd=64)
+    B, T = 4, 32
+    model = GPT2(cfg, backend, B, T)
+    flat = init_parameters(cfg, 7)
+    model.load_parameters(flat)
+    ocfg = AdamWConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
+    opt = AdamW(backend, model.params, model.grads, model.tensor_names(), ocfg)
+    opt.sync_master_from_params()
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+             rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)) for _ in range(3)]
+    losses, norms = [], []
+    for s in range(steps):
+        x, y = data[s % 3]
+        model.zero_grad()
+        model.forward(x, y, dloss=1.0 / (B * T))
+        model.backward()
+        losses.append(model.mean_loss())
+        n = opt.grad_norm()
+        norms.append(n)
+        opt.step(ocfg.lr, n, seed=s)
+    return np.array(losses), np.array(norms)
+
+
+def test_tiny_gpt2_fp32_matches_cpu(cpu):
+    b = cuda(FLOAT32)
+    lc, nc = _train(cpu)
+    lg, ng = _train(b)
+    print("cpu ", lc, "\ncuda", lg)
+    np.testing.assert_allclose(lg, lc, rtol=1e-4)
+    np.testing.assert_allclose(ng, nc, rtol=1e-2)
+
+
+def test_tiny_gpt2_bf16_close_to_cpu(cpu):
+    b = cuda(BFLOAT16)
+    lc, nc = _train(cpu)
+    lg, ng = _train(b)
+    print("cpu ", lc, "\nbf16", lg)
+    np.testing.assert_allclose(lg, lc, atol=2e-2)
+    np.testing.assert_allclose(ng, nc, rtol=5e-2)
+    l2, n2 = _train(b)
+    assert np.array_equal(lg, l2), "bf16 training is not deterministic"

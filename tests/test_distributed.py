@@ -1,0 +1,214 @@
+"""Data parallel on the CPU backend through MPI (issue 7): 2 ranks x B=2 == 1 rank x B=4, ZeRO-1 == plain
+all-reduce, a ZeRO checkpoint resumes on 1 rank, a failing rank takes the launcher down naming it; plus the
+communicator and launcher pieces that need no second process (rank discovery, NCCL id rendezvous, supervisor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from llmc_cli import checkpoint as ckpt
+from llmc_cli import comm as comm_mod
+from llmc_cli.dataloader import write_shard
+from llmc_cli.distributed import reshard_loader_state
+from llmc_cli.launch import find_mpiexec, supervise
+
+try:
+    import mpi4py  # noqa: F401
+    HAVE_MPI = find_mpiexec() is not None
+except ImportError:
+    HAVE_MPI = False
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs MPI: pip install mpich mpi4py (llmc[mpi])")
+
+TINY = ["train", "--backend", "cpu", "--model", "d2", "--n-layer", "1", "--n-embd", "32", "-t", "16",
+        "--val-every", "0", "--sample-every", "0", "--lr", "1e-3", "--weight-decay", "0.1", "--warmup", "2"]
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpdata")
+    rng = np.random.default_rng(0)
+    phrase = rng.integers(0, 50257, 40)
+    write_shard(d / "tiny_train_000001.bin", np.concatenate([np.roll(phrase, k) for k in range(120)]))
+    return str(d / "*train*.bin")
+
+
+def llmc(*args, env=None, check=True, timeout=120):
+    e = dict(os.environ, **(env or {}))
+    r = subprocess.run([sys.executable, "-m", "llmc_cli", *map(str, args)], capture_output=True, text=True,
+                       env=e, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"exit {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def losses(log):
+    return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]
+
+
+def assert_close(a, b, rtol=RTOL):
+    assert len(a) == len(b) and len(a) > 0
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=rtol, atol=0)
+
+
+@needs_mpi
+def test_two_ranks_match_one_rank_and_zero_matches_allreduce(data, tmp_path):
+    """1 rank x B=4 == 2 MPI ranks x B=2 (all-reduce) == 2 ranks x B=2 with ZeRO-1, step by step (fp32)."""
+    common = [*TINY, "--data", data, "--steps", 5]
+    llmc(*common, "-b", 4, "--log", tmp_path / "one.jsonl")
+    r = llmc(*common, "-b", 2, "--procs", 2, "--log", tmp_path / "dp.jsonl")
+    assert "data parallel: 2 ranks" in r.stdout
+    assert r.stdout.count("step     1/5") == 1, "only rank 0 prints"
+    llmc(*common, "-b", 2, "--procs", 2, "--zero", 1, "--log", tmp_path / "zero.jsonl")
+    one, dp, zero = (losses(tmp_path / f"{n}.jsonl") for n in ("one", "dp", "zero"))
+    assert len(one) == 5
+    assert_close(dp, one)
+    assert_close(zero, dp)
+    assert one[-1] < one[0]
+
+
+@needs_mpi
+def test_zero_checkpoint_is_whole_and_resumes_on_one_rank(data, tmp_path):
+    """A ZeRO-1 run on 2 ranks writes the whole optimizer state; resumed on 1 rank (gradient accumulation makes
+    up the same total batch) it continues with the same losses as the 2-rank run."""
+    common = [*TINY, "--data", data, "--steps", 6, "-b", 2, "--total-batch-size", 64]
+    llmc(*common, "--procs", 2, "--zero", 1, "--out", tmp_path / "run", "--checkpoint-every", 3,
+         "--log", tmp_path / "ref.jsonl")
+    ref = losses(tmp_path / "ref.jsonl")
+    _, params, opt, state = ckpt.read_run_checkpoint(tmp_path / "run" / "step_00000003")
+    assert opt["m"].shape == params.shape == opt["v"].shape and np.abs(opt["v"]).sum() > 0
+    assert state["world_size"] == 2 and state["args"]["zero"] == 1
+
+    shutil.copytree(tmp_path / "run", tmp_path / "one")
+    shutil.rmtree(tmp_path / "one" / "step_00000006")
+    (tmp_path / "one" / "latest").write_text("step_00000003\n")
+    lines = open(tmp_path / "ref.jsonl").read().splitlines()[:3]
+    (tmp_path / "one.jsonl").write_text("\n".join(lines) + "\n")
+    r = llmc(*common, "--out", tmp_path / "one", "--log", tmp_path / "one.jsonl", "--resume")
+    assert "grad accumulation 2" in r.stdout and "resumed" in r.stdout
+    assert_close(losses(tmp_path / "one.jsonl"), ref)
+
+    # and the other way: a 1-rank checkpoint continues on 2 ranks with ZeRO (state sliced into shards)
+    shutil.rmtree(tmp_path / "one" / "step_00000006")
+    (tmp_path / "one" / "latest").write_text("step_00000003\n")
+    (tmp_path / "two.jsonl").write_text("\n".join(lines) + "\n")
+    llmc(*common, "--procs", 2, "--zero", 1, "--out", tmp_path / "one", "--log", tmp_path / "two.jsonl", "--resume")
+    assert_close(losses(tmp_path / "two.jsonl"), ref)
+
+
+@needs_mpi
+def test_failing_rank_stops_the_run_and_is_named(data, tmp_path):
+    r = llmc(*TINY, "--data", data, "--steps", 50, "-b", 2, "--procs", 2, check=False,
+             env={"LLMC_FAULT_RANK": "1:2"}, timeout=90)
+    assert r.returncode != 0
+    err = r.stdout + r.stderr
+    assert "rank 1 of 2" in err and "injected failure" in err
+    assert "step    50/50" not in r.stdout
+
+
+def test_resume_on_more_ranks_than_the_total_batch_allows_is_refused(data, tmp_path):
+    llmc(*TINY, "--data", data, "--steps", 2, "-b", 2, "--out", tmp_path / "run")
+    # the run took B*T = 32 tokens per step; 1 rank x B=4 would take 64: a different run, refused by name
+    r = llmc(*TINY, "--data", data, "--steps", 4, "-b", 2, "--total-batch-size", 64, "--out", tmp_path / "run",
+             "--resume", check=False)
+    assert r.returncode != 0 and "--total-batch-size" in r.stderr
+
+
+# ---- pieces that need no second process ----------------------------------------------------------------------
+
+def test_rank_discovery_from_each_launcher():
+    def d(env):  # (rank, world, local) and which launcher's variables said so
+        i = comm_mod.discover(env)
+        return (i.rank, i.world_size, i.local_rank, i.source) if env else i
+
+    assert d({}) == comm_mod.RankInfo()
+    assert d({"LLMC_RANK": "1", "LLMC_WORLD_SIZE": "4", "LLMC_LOCAL_RANK": "1"})[:3] == (1, 4, 1)
+    assert d({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+              "OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == (5, 8, 1, "Open MPI")
+    assert d({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3"})[:3] == (3, 4, 3)
+    s = d({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1"})
+    assert s == (9, 16, 1, "Slurm")
+    # mpirun inside a Slurm allocation: MPI's own variables win
+    assert d({"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})[:2] == (1, 2)
+    with pytest.raises(comm_mod.CommError, match="rank 4 is not in 0..3"):
+        d({"LLMC_RANK": "4", "LLMC_WORLD_SIZE": "4"})
+
+
+def test_pin_local_device():
+    info = comm_mod.RankInfo(rank=5, world_size=8, local_rank=1)
+    env = {}
+    assert comm_mod.pin_local_device(info, env) == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert comm_mod.pin_local_device(info, env) == "5"
+    env = {"CUDA_VISIBLE_DEVICES": "3"}  # the launcher already gave this rank its GPU
+    assert comm_mod.pin_local_device(info, env) == "3" and env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert comm_mod.pin_local_device(comm_mod.RankInfo(), {}) is None
+
+
+def test_nccl_id_rendezvous_file_and_tcp(tmp_path):
+    uid = bytes(range(128))
+    got = {}
+    path = tmp_path / "nccl_id"
+    t = threading.Thread(target=lambda: got.update(f=comm_mod._share_id_file(None, 1, str(path), 10)))
+    t.start()
+    assert comm_mod._share_id_file(uid, 0, str(path), 10) == uid
+    t.join()
+    assert got["f"] == uid
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    ts = [threading.Thread(target=lambda r=r: got.update({r: comm_mod._share_id_tcp(None, r, 3, addr, 20)}))
+          for r in (1, 2)]
+    for t in ts:
+        t.start()
+    assert comm_mod._share_id_tcp(uid, 0, 3, addr, 20) == uid
+    for t in ts:
+        t.join()
+    assert got[1] == got[2] == uid
+    with pytest.raises(comm_mod.CommError, match="HOST:PORT"):
+        comm_mod._share_id_tcp(None, 1, 2, "nohostport", 1)
+
+
+def test_loader_state_moves_between_world_sizes():
+    st = {"sample": 3, "world_size": 2, "shuffle": False, "B": 2}
+    assert reshard_loader_state(st, 1)["sample"] == 6
+    assert reshard_loader_state(st, 2) is st
+    with pytest.raises(ValueError, match="window"):
+        reshard_loader_state(st, 4)
+    with pytest.raises(ValueError, match="shuffled"):
+        reshard_loader_state(dict(st, shuffle=True), 1)
+
+
+def test_single_process_zero_equals_plain_adamw(data, tmp_path):
+    """--zero 1 on one process is the plain optimizer (same code path as many ranks, one shard)."""
+    common = [*TINY, "--data", data, "--steps", 3, "-b", 2]
+    llmc(*common, "--log", tmp_path / "a.jsonl")
+    llmc(*common, "--zero", 1, "--log", tmp_path / "b.jsonl")
+    assert_close(losses(tmp_path / "b.jsonl"), losses(tmp_path / "a.jsonl"), rtol=1e-6)
+
+
+def test_supervisor_stops_all_ranks_and_names_the_failed_one(tmp_path, capfd):
+    """The --gpus launcher's process supervision, with stand-in ranks: rank 1 fails, rank 0 (which would wait
+    forever in a collective) is stopped, the exit status is rank 1's and the message names it."""
+    sleeper = [sys.executable, "-c", "import time; print('rank 0 up', flush=True); time.sleep(60)"]
+    failer = [sys.executable, "-c", "import sys, time; time.sleep(0.5); print('boom on rank 1'); sys.exit(5)"]
+    env = dict(os.environ)
+    import time
+    t0 = time.monotonic()
+    rc = supervise([sleeper, failer], [env, env], tmp_path, grace=2.0)
+    assert rc == 5 and time.monotonic() - t0 < 20
+    err = capfd.readouterr().err
+    assert "rank 1 exited with status 5" in err and "boom on rank 1" in err
+    ok = [sys.executable, "-c", "pass"]
+    assert supervise([ok, ok], [env, env], tmp_path) == 0

@@ -1,0 +1,230 @@
+"""Issue 9: HellaSwag scoring (checked by hand against PyTorch per-token losses), sampling (determinism, top-p,
+KV cache == full recomputation), and the eval / sample / train command-line surface."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from llmc_cli import checkpoint as ckpt
+from llmc_cli.cli import main
+from llmc_cli.dataloader import write_evalfile, write_shard
+from llmc_cli.evaluate import HellaSwag, render_example
+from llmc_cli.generate import KVDecoder
+from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters
+from llmc_cli.sample import choose_token, generate
+
+import torch_gpt2
+
+SMALL = GPT2Config(block_size=40, vocab_size=97, n_layer=2, n_head=4, n_embd=32)
+
+
+def params_for(cfg: GPT2Config, seed: int, sharpen: float = 20.0) -> np.ndarray:
+    """GPT-2 init plus noise, so biases and layernorms are not trivial and the model has opinions."""
+    p = init_parameters(cfg, seed)
+    rng = np.random.default_rng(seed + 100)
+    n = cfg.padded_vocab_size * cfg.n_embd
+    p[n:] += rng.normal(0, 0.05, p.size - n).astype(np.float32)
+    p[:cfg.vocab_size * cfg.n_embd] *= sharpen  # sharper logits: per-token losses differ clearly between endings
+    return p
+
+
+def run(*args, ok=True):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if ok and r.exit_code != 0:
+        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
+    return r
+
+
+# ---- HellaSwag ------------------------------------------------------------------------------------------------
+def examples(cfg: GPT2Config, n: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        ctx = rng.integers(0, cfg.vocab_size, rng.integers(2, 9)).tolist()
+        ends = [rng.integers(0, cfg.vocab_size, rng.integers(1, 7)).tolist() for _ in range(4)]
+        out.append({"label": 0, "ctx_tokens": ctx, "ending_tokens": ends})
+    return out
+
+
+def oracle_ending_losses(flat: np.ndarray, cfg: GPT2Config, ex: dict) -> list[list[float]]:
+    """Per-token losses of each ending, one unpadded row at a time, by the PyTorch reference model."""
+    out = []
+    for end in ex["ending_tokens"]:
+        row = torch.tensor([ex["ctx_tokens"] + end])
+        logits, _ = torch_gpt2.forward(torch.tensor(flat, dtype=torch.float64), cfg, row[:, :-1])
+        logp = torch.log_softmax(logits[0, :, :cfg.vocab_size], dim=-1)
+        n = len(ex["ctx_tokens"])
+        out.append([-logp[t - 1, row[0, t]].item() for t in range(n, row.shape[1])])
+    return out
+
+
+def test_render_example_masks_the_ending_targets():
+    ex = {"label": 1, "ctx_tokens": [1, 2, 3], "ending_tokens": [[4, 5], [6], [7, 8, 9], [10]]}
+    x, y, mask = render_example(ex, 6)
+    assert x[0].tolist() == [1, 2, 3, 4, 0, 0] and y[0].tolist() == [2, 3, 4, 5, 0, 0]
+    assert mask[0].tolist() == [False, False, True, True, False, False]
+    assert mask[1].tolist() == [False, False, True, False, False, False]
+    assert mask[2].tolist() == [False, False, True, True, True, False]
+    # rows longer than T+1 lose context from the left
+    x, y, mask = render_example(ex, 3)
+    assert x[2].tolist() == [3, 7, 8] and y[2].tolist() == [7, 8, 9] and mask[2].all()
+
+
+def test_hellaswag_acc_norm_by_hand(cpu, tmp_path):
+    cfg = SMALL
+    flat = params_for(cfg, 1)
+    exs = examples(cfg, 6, 2)
+    # expected scores, by hand from the oracle's per-token losses
+    sums, means = [], []
+    for ex in exs:
+        per_token = oracle_ending_losses(flat, cfg, ex)
+        sums.append([sum(t) for t in per_token])
+        means.append([sum(t) / len(t) for t in per_token])
+    # labels chosen so that the two scores disagree somewhere (where they can): acc != acc_norm
+    for i, ex in enumerate(exs):
+        ex["label"] = int(np.argmin(means[i])) if i % 2 == 0 else int(np.argmin(sums[i]))
+    want = sum(int(np.argmin(s)) == ex["label"] for s, ex in zip(sums, exs))
+    want_norm = sum(int(np.argmin(m)) == ex["label"] for m, ex in zip(means, exs))
+    assert want != want_norm or all(np.argmin(s) == np.argmin(m) for s, m in zip(sums, means))
+
+    path = write_evalfile(tmp_path / "hs.bin", exs)
+    hs = HellaSwag(path)
+    model = GPT2(cfg, cpu, 1, 8, training=False)
+    model.load_parameters(flat)
+    for ex, s, m in zip(exs, sums, means):
+        got_s, got_m = hs.score(model, ex)
+        np.testing.assert_allclose(got_s, s, rtol=1e-5)
+        np.testing.assert_allclose(got_m, m, rtol=1e-5)
+    r = hs.evaluate(model)
+    assert (r.n, r.correct, r.correct_norm) == (6, want, want_norm)
+    assert r.acc_norm == want_norm / 6
+
+    # the command line: --hellaswag with --json, alone and with --data
+    ckpt.write_model(tmp_path / "m.bin", cfg, flat)
+    out = json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--hellaswag", path,
+                         "--json").stdout)
+    assert out == {"hellaswag_acc": want / 6, "hellaswag_acc_norm": want_norm / 6, "hellaswag_examples": 6}
+    write_shard(tmp_path / "v_val_000000.bin", np.arange(400) % cfg.vocab_size)
+    out = json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--hellaswag", path,
+                         "--hellaswag-limit", 2, "--data", tmp_path / "v_val_*.bin", "-t", 16, "--json").stdout)
+    assert set(out) == {"loss", "hellaswag_acc", "hellaswag_acc_norm", "hellaswag_examples"}
+    assert out["hellaswag_examples"] == 2 and out["loss"] > 0
+    text = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--hellaswag", path).output
+    assert "acc_norm" in text
+
+
+def test_hellaswag_during_training_is_logged(tmp_path):
+    cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
+    ckpt.write_model(tmp_path / "init.bin", cfg, init_parameters(cfg, 0))
+    write_shard(tmp_path / "t_train_000000.bin", np.random.default_rng(0).integers(0, 50257, 3000))
+    hs = write_evalfile(tmp_path / "hs.bin", examples(GPT2Config(vocab_size=50257), 3, 5))
+    run("train", "--backend", "cpu", "--init", tmp_path / "init.bin", "-b", 2, "-t", 16, "--steps", 4,
+        "--data", tmp_path / "t_train_*.bin", "--val-every", 0, "--sample-every", 0, "--hellaswag", hs,
+        "--hellaswag-every", 2, "--log", tmp_path / "log.jsonl")
+    recs = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    hs_recs = [r for r in recs if "hellaswag_acc_norm" in r]
+    assert [r["step"] for r in hs_recs] == [0, 2, 4]
+    assert all(0 <= r["hellaswag_acc_norm"] <= 1 and r["hellaswag_examples"] == 3 for r in hs_recs)
+    assert len([r for r in recs if "loss" in r]) == 4
+
+
+# ---- sampling -------------------------------------------------------------------------------------------------
+def small_model(backend, T: int, seed: int = 3) -> GPT2:
+    m = GPT2(SMALL, backend, 1, T, training=False)
+    m.load_parameters(params_for(SMALL, seed, sharpen=3.0))
+    return m
+
+
+def test_top_p_and_top_k_restrict_the_support():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    assert {choose_token(logits, rng, top_p=0.5) for _ in range(200)} == {0}
+    assert {choose_token(logits, rng, top_p=0.7) for _ in range(400)} == {0, 1}
+    assert {choose_token(logits, rng, top_p=0.9) for _ in range(400)} == {0, 1, 2}
+    assert {choose_token(logits, rng, top_k=2) for _ in range(400)} == {0, 1}
+    assert choose_token(logits, rng, temperature=0) == 0
+
+
+def test_sampling_is_deterministic_with_a_seed(cpu):
+    m = small_model(cpu, 32)
+    a = list(generate(m, [1, 2, 3], 20, np.random.default_rng(7), top_k=10, top_p=0.9))
+    b = list(generate(m, [1, 2, 3], 20, np.random.default_rng(7), top_k=10, top_p=0.9))
+    c = list(generate(m, [1, 2, 3], 20, np.random.default_rng(8), top_k=10, top_p=0.9))
+    assert a == b and len(a) == 20 and a != c
+
+
+@pytest.mark.parametrize("prompt_len,new", [(1, 30), (7, 20), (20, 40)])  # the last runs past the window
+def test_kv_cache_generation_equals_full_recomputation(cpu, prompt_len, new):
+    m = small_model(cpu, 24)
+    prompt = np.random.default_rng(prompt_len).integers(0, SMALL.vocab_size, prompt_len).tolist()
+    for temperature in (0.0, 1.0):
+        full = list(generate(m, prompt, new, np.random.default_rng(1), temperature, kv_cache=False))
+        kv = list(generate(m, prompt, new, np.random.default_rng(1), temperature, kv_cache=True))
+        assert kv == full and len(kv) == new
+
+
+def test_kv_cache_logits_match_full_forward(cpu):
+    m = small_model(cpu, 32)
+    seq = np.random.default_rng(4).integers(0, SMALL.vocab_size, 30).astype(np.int32)
+    dec = KVDecoder(m, chunk=8)
+    got = {}
+    got[10] = dec.feed(seq[:10])           # a prompt in two chunks
+    for n in range(11, 31):                # then one token at a time
+        got[n] = dec.feed(seq[n - 1:n])
+    buf = np.zeros((1, 32), np.int32)
+    buf[0, :30] = seq
+    m.forward(buf)
+    logits = cpu.download(m.acts["logits"])[0, :, :SMALL.vocab_size]
+    for n, g in got.items():
+        ref = logits[n - 1]
+        assert np.abs(g[0] - ref).max() <= 1e-5 * np.abs(ref).max(), n
+    with pytest.raises(ValueError):
+        dec.feed(seq[:3])  # 33 positions overrun the 32-position cache
+
+
+def test_sample_command(tmp_path):
+    cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=16)
+    p = init_parameters(cfg, 0)
+    p[cfg.padded_vocab_size * cfg.n_embd:] += np.random.default_rng(0).normal(0, 0.05, p.size - cfg.padded_vocab_size
+                                                                               * cfg.n_embd).astype(np.float32)
+    ckpt.write_model(tmp_path / "m.bin", cfg, p)
+    (tmp_path / "prompt.txt").write_text("Hello there")
+    common = ["sample", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--max-new-tokens", 12,
+              "--seed", 3, "--top-p", 0.95, "--num-samples", 2]
+    r = run(*common, "--prompt-file", tmp_path / "prompt.txt")
+    assert r.stdout.count("--- sample") == 2 and r.stdout.count("Hello there") == 2
+    assert "tok/s" in r.stderr and "KV cache" in r.stderr and "tok/s" not in r.stdout
+    r2 = run(*common, "--prompt", "Hello there", "--no-kv-cache")
+    assert r2.stdout == r.stdout and "full recomputation" in r2.stderr
+    # the Hugging Face export of the same model samples the same text
+    run("convert", tmp_path / "m.bin", tmp_path / "hf")
+    r3 = run(*[a if a != tmp_path / "m.bin" else tmp_path / "hf" for a in common], "--prompt", "Hello there")
+    assert r3.stdout == r.stdout
+    bad = run(*common, "--prompt", "x", "--prompt-file", tmp_path / "prompt.txt", ok=False)
+    assert bad.exit_code == 2 and bad.output.startswith("error:")
+    bad = run(*common, "--prompt-file", tmp_path / "missing.txt", ok=False)
+    assert bad.exit_code == 2 and bad.output.strip().startswith("error:") and "\n" not in bad.output.strip()
+
+
+def test_bad_hellaswag_file_is_one_line_error(tmp_path):
+    cfg = GPT2Config(block_size=32, vocab_size=97, n_layer=1, n_head=2, n_embd=16)
+    ckpt.write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
+    write_shard(tmp_path / "shard.bin", np.arange(100))  # a token shard, not an eval file
+    for args in (["--hellaswag", tmp_path / "shard.bin"], ["--hellaswag", tmp_path / "none.bin"], []):
+        r = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", *args, ok=False)
+        msg = r.output.strip()
+        assert r.exit_code == 2 and msg.startswith("error:") and "\n" not in msg, msg
+    # token ids beyond the model's vocabulary
+    hs = write_evalfile(tmp_path / "hs.bin", examples(GPT2Config(vocab_size=50257), 2, 1))
+    r = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--hellaswag", hs, ok=False)
+    assert r.exit_code == 2 and "vocabulary" in r.output
+
+
+def test_new_commands_show_an_example():
+    for cmd in ("eval", "sample", "convert", "plot"):
+        assert "Example:" in run(cmd, "--help").output

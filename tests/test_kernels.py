@@ -1,0 +1,803 @@
+"""Kernel conformance: every kernel of `llmc_cli.kernels.Backend` on every installed backend, checked against a
+float64 PyTorch reference (autograd for the backward passes).
+
+Conventions of the suite:
+* inputs are random (seeded per test), never zero, and the reference is computed from the values the backend
+  actually holds after the upload (so bf16 rounding of inputs is not counted as kernel error);
+* buffers a kernel overwrites are poisoned with NaN first, so an element it forgets to write fails the test;
+* gradients that accumulate are pre-filled with random values and checked as prefill + delta (the delta is
+  compared, so an error in it is not hidden under the prefill);
+* shapes are small and odd (T=7, C=48, V=50 inside Vp=64...), with a larger case where GPU kernels tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import (assert_close, bf16_neighbours, bf16_round, empty, from_device, poison, to_device, tol)
+from llmc_cli.kernels import BFLOAT16, FLOAT32, INT32, MemoryReport
+
+torch.set_num_threads(1)
+
+
+def t64(x, grad: bool = False) -> torch.Tensor:
+    return torch.tensor(np.asarray(x, dtype=np.float64), dtype=torch.float64, requires_grad=grad)
+
+
+def np64(x: torch.Tensor) -> np.ndarray:
+    return x.detach().numpy().astype(np.float64)
+
+
+def randn(rng, *shape, scale=1.0, shift=0.0):
+    """Random normal values with no exact zeros."""
+    x = rng.standard_normal(shape) * scale + shift
+    x[x == 0] = 0.5
+    return x
+
+
+def prefill(backend, rng, shape, scale=1.0):
+    """An accumulated-into buffer pre-filled with random values: (buffer, values held)."""
+    return to_device(backend, randn(rng, *shape, scale=scale))
+
+
+def check_accumulated(backend, buf, before, delta_ref, rtol, what):
+    """buf must now hold before + delta_ref: compare the delta so errors in it are not masked."""
+    got = from_device(backend, buf)
+    assert_close(got - before, delta_ref, rtol, what + " (accumulated delta)")
+
+
+# =============================================================================================================
+# memory
+
+def test_alloc_shapes_and_dtypes(backend):
+    a = backend.alloc(37, FLOAT32, tag="test")
+    assert tuple(a.shape) == (37,) and a.size == 37
+    assert np.dtype(a.dtype) == np.float32
+    b = backend.alloc((3, 5, 7), INT32, tag="test")
+    assert tuple(b.shape) == (3, 5, 7) and b.size == 105
+    assert np.dtype(b.dtype) == np.int32
+    c = backend.alloc([4, 6], backend.dtype)
+    assert tuple(c.shape) == (4, 6) and c.size == 24
+
+
+def test_upload_download_roundtrip(backend, rng):
+    x = randn(rng, 5, 7, 3).astype(np.float32)
+    buf = backend.alloc(x.shape, FLOAT32)
+    backend.upload(buf, x)
+    got = backend.download(buf)
+    assert got.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(got, dtype=np.float32), x)
+    # int32, including negative and large ids
+    ids = rng.integers(-2**31, 2**31 - 1, size=(4, 9), dtype=np.int64).astype(np.int32)
+    ibuf = backend.alloc(ids.shape, INT32)
+    backend.upload(ibuf, ids)
+    np.testing.assert_array_equal(np.asarray(backend.download(ibuf)), ids)
+    # a download is a copy, not a view of the buffer
+    got[...] = 0
+    np.testing.assert_array_equal(np.asarray(backend.download(buf), dtype=np.float32), x)
+    # float64 host data is converted to the buffer's dtype
+    x64 = randn(rng, 33)
+    f64buf = backend.alloc(33, FLOAT32)
+    backend.upload(f64buf, x64)
+    np.testing.assert_array_equal(np.asarray(backend.download(f64buf)), x64.astype(np.float32))
+    # the compute dtype: float32 exactly, bfloat16 rounded to nearest
+    abuf = backend.alloc(x.shape, backend.dtype)
+    backend.upload(abuf, x)
+    expect = x if backend.dtype == FLOAT32 else bf16_round(x)
+    np.testing.assert_array_equal(np.asarray(backend.download(abuf), dtype=np.float32), expect)
+
+
+def test_upload_bf16_rounds_to_nearest_even(bf16_backend, rng):
+    b = bf16_backend
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x3F80C000, 0x3F807FFF, 0x40490FDB],
+                    dtype=np.uint32).view(np.float32)
+    x = np.concatenate([ties, randn(rng, 200).astype(np.float32) * 100])
+    buf = b.alloc(x.shape, BFLOAT16)
+    b.upload(buf, x)
+    got = b.download(buf)
+    assert np.dtype(got.dtype) == np.float32, "bfloat16 must come back as float32"
+    np.testing.assert_array_equal(got, bf16_round(x))
+    # copy float32 -> bfloat16 rounds the same way, bfloat16 -> float32 is exact
+    src = b.alloc(x.shape, FLOAT32)
+    b.upload(src, x)
+    dst = empty(b, x.shape, BFLOAT16)
+    b.copy(dst, src)
+    np.testing.assert_array_equal(np.asarray(b.download(dst), dtype=np.float32), bf16_round(x))
+    back = empty(b, x.shape, FLOAT32)
+    b.copy(back, dst)
+    np.testing.assert_array_equal(np.asarray(b.download(back), dtype=np.float32), bf16_round(x))
+
+
+def test_view_shares_memory(backend, rng):
+    parent, _ = to_device(backend, np.arange(1, 101, dtype=np.float32), FLOAT32)
+    v = backend.view(parent, 13, (3, 5))
+    assert tuple(v.shape) == (3, 5) and v.size == 15
+    np.testing.assert_array_equal(from_device(backend, v), np.arange(14, 29).reshape(3, 5))
+    x = randn(rng, 3, 5).astype(np.float32)
+    backend.upload(v, x)
+    expect = np.arange(1, 101, dtype=np.float64)
+    expect[13:28] = x.ravel()
+    np.testing.assert_array_equal(from_device(backend, parent), expect)
+    backend.fill(v, -2.5)  # a kernel writing through a view
+    expect[13:28] = -2.5
+    np.testing.assert_array_equal(from_device(backend, parent), expect)
+    # a view of a view, and of a multi-dimensional buffer
+    vv = backend.view(v, 4, 6)
+    backend.fill(vv, 7.0)
+    expect[17:23] = 7.0
+    np.testing.assert_array_equal(from_device(backend, parent), expect)
+    two = backend.alloc((4, 25), FLOAT32)
+    backend.copy(two, parent)
+    w = backend.view(two, 50, (2, 25))
+    np.testing.assert_array_equal(from_device(backend, w), expect[50:].reshape(2, 25))
+
+
+def test_fill_and_copy(backend, rng):
+    for dt in (FLOAT32, backend.dtype):
+        buf = backend.alloc((7, 13), dt)
+        for value in (0.0, -1.25, 3.0, 1e-3):
+            backend.fill(buf, value)
+            expect = np.float32(value) if dt == FLOAT32 else bf16_round(np.float32(value))
+            np.testing.assert_array_equal(from_device(backend, buf), np.full((7, 13), expect, dtype=np.float64))
+    ibuf = backend.alloc(11, INT32)
+    backend.fill(ibuf, 42)
+    np.testing.assert_array_equal(from_device(backend, ibuf), np.full(11, 42))
+    # copy: same number of elements, any shapes; same dtype is exact
+    src, x = to_device(backend, randn(rng, 4, 6), FLOAT32)
+    dst = empty(backend, 24, FLOAT32)
+    backend.copy(dst, src)
+    np.testing.assert_array_equal(from_device(backend, dst), x.ravel())
+    isrc, ix = to_device(backend, rng.integers(-1000, 1000, (5, 3)).astype(np.int32))
+    idst = empty(backend, (15,), INT32)
+    backend.copy(idst, isrc)
+    np.testing.assert_array_equal(from_device(backend, idst), ix.ravel())
+    # the compute dtype to float32 and back
+    asrc, ax = to_device(backend, randn(rng, 9, 5))
+    f = empty(backend, (9, 5), FLOAT32)
+    backend.copy(f, asrc)
+    np.testing.assert_array_equal(from_device(backend, f), ax)
+    a2 = empty(backend, (45,), backend.dtype)
+    backend.copy(a2, f)
+    np.testing.assert_array_equal(from_device(backend, a2), ax.ravel())
+
+
+def test_memory_report(backend):
+    before = backend.memory_report()
+    assert isinstance(before, MemoryReport)
+    tag = "conformance-test-tag"
+    a = backend.alloc((123, 45), FLOAT32, tag=tag)
+    b = backend.alloc(77, INT32, tag=tag)
+    after = backend.memory_report()
+    nbytes = 123 * 45 * 4 + 77 * 4
+    assert after.allocated - before.allocated >= nbytes
+    assert after.by_tag.get(tag, 0) - before.by_tag.get(tag, 0) >= nbytes
+    assert sum(after.by_tag.values()) == after.allocated
+    if after.device_total is not None:
+        assert after.device_total > 0
+    if after.device_free is not None and after.device_total is not None:
+        assert 0 <= after.device_free <= after.device_total
+    del a, b
+
+
+def test_synchronize_timer_describe(backend, rng):
+    x, _ = to_device(backend, randn(rng, 64, 64))
+    out = empty(backend, (64, 64))
+    timer = backend.timer()
+    timer.start()
+    backend.gelu_forward(out, x)
+    dt = timer.stop()
+    assert isinstance(dt, float) and dt >= 0.0
+    backend.synchronize()
+    d = backend.describe()
+    assert isinstance(d, str) and d.strip()
+
+
+# =============================================================================================================
+# encoder
+
+ENC_SHAPES = [(2, 7, 48, 50, 64, 11), (3, 5, 32, 17, 17, 5), (4, 33, 64, 100, 128, 40)]  # B,T,C,V,Vp,maxT
+
+
+def _tokens(rng, B, T, V):
+    inp = rng.integers(0, V, (B, T))
+    inp[0, 0] = inp[-1, -1] = inp[0, -1]  # repeated tokens: their gradients must add up
+    inp[-1, 0] = V - 1
+    return inp.astype(np.int32)
+
+
+@pytest.mark.parametrize("B,T,C,V,Vp,maxT", ENC_SHAPES)
+def test_encoder_forward(backend, rng, B, T, C, V, Vp, maxT):
+    inp, inp_h = to_device(backend, _tokens(rng, B, T, V))
+    wte, wte_h = to_device(backend, randn(rng, Vp, C))
+    wpe, wpe_h = to_device(backend, randn(rng, maxT, C))
+    out = empty(backend, (B, T, C))
+    backend.encoder_forward(out, inp, wte, wpe)
+    ref = F.embedding(torch.tensor(inp_h), t64(wte_h)) + t64(wpe_h)[:T]
+    assert_close(from_device(backend, out), np64(ref), tol(backend), "encoder out")
+
+
+@pytest.mark.parametrize("with_wpe", [True, False], ids=["wpe", "no-wpe"])
+@pytest.mark.parametrize("B,T,C,V,Vp,maxT", ENC_SHAPES)
+def test_encoder_backward(backend, rng, B, T, C, V, Vp, maxT, with_wpe):
+    inp, inp_h = to_device(backend, _tokens(rng, B, T, V))
+    dout, dout_h = to_device(backend, randn(rng, B, T, C))
+    wte_t, wpe_t = t64(np.zeros((Vp, C)), True), t64(np.zeros((maxT, C)), True)
+    ref = F.embedding(torch.tensor(inp_h), wte_t) + wpe_t[:T]
+    ref.backward(t64(dout_h))
+    dwte_prefill = randn(rng, Vp, C)
+    dwpe_prefill = randn(rng, maxT, C)
+    results = []
+    for _ in range(2):  # twice from the same prefill: must be bit-identical (deterministic)
+        dwte, dwte0 = to_device(backend, dwte_prefill)
+        dwpe, dwpe0 = to_device(backend, dwpe_prefill) if with_wpe else (None, None)
+        backend.encoder_backward(dwte, dwpe, dout, inp)
+        check_accumulated(backend, dwte, dwte0, np64(wte_t.grad), tol(backend, "reduction"), "dwte")
+        got_wte = from_device(backend, dwte)
+        unused = np.setdiff1d(np.arange(Vp), inp_h.ravel())
+        np.testing.assert_array_equal(got_wte[unused], dwte0[unused], err_msg="dwte rows of unused tokens changed")
+        got = [got_wte]
+        if with_wpe:
+            check_accumulated(backend, dwpe, dwpe0, np64(wpe_t.grad), tol(backend, "reduction"), "dwpe")
+            got_wpe = from_device(backend, dwpe)
+            np.testing.assert_array_equal(got_wpe[T:], dwpe0[T:], err_msg="dwpe rows >= T changed")
+            got.append(got_wpe)
+        results.append(got)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b, err_msg="encoder_backward is not deterministic")
+
+
+# =============================================================================================================
+# layernorm, residual, rmsnorm
+
+NORM_SHAPES = [(2, 7, 48, 2.0), (3, 5, 96, 1.0), (1, 1, 64, 1.0), (4, 9, 768, 1.0),
+               (2, 3, 48, 3e-3)]  # B,T,C, input scale (small: eps matters)
+
+
+def _ln_inputs(backend, rng, B, T, C, s):
+    inp, x = to_device(backend, randn(rng, B, T, C, scale=s, shift=0.35 * s))
+    w, w_h = to_device(backend, randn(rng, C, shift=1.0))
+    b, b_h = to_device(backend, randn(rng, C))
+    return inp, x, w, w_h, b, b_h
+
+
+def _ln_ref(x, w, b):
+    xt = t64(x)
+    out = F.layer_norm(xt, (x.shape[-1],), t64(w), t64(b), eps=1e-5)
+    mean = xt.mean(-1)
+    rstd = 1.0 / torch.sqrt(xt.var(-1, unbiased=False) + 1e-5)
+    return np64(out), np64(mean), np64(rstd)
+
+
+@pytest.mark.parametrize("B,T,C,s", NORM_SHAPES)
+def test_layernorm_forward(backend, rng, B, T, C, s):
+    inp, x, w, w_h, b, b_h = _ln_inputs(backend, rng, B, T, C, s)
+    out, mean, rstd = empty(backend, (B, T, C)), empty(backend, (B, T), FLOAT32), empty(backend, (B, T), FLOAT32)
+    backend.layernorm_forward(out, mean, rstd, inp, w, b)
+    ro, rm, rr = _ln_ref(x, w_h, b_h)
+    assert_close(from_device(backend, out), ro, tol(backend, "reduction"), "out")
+    assert_close(from_device(backend, mean), rm, tol(backend, "reduction"), "mean")
+    assert_close(from_device(backend, rstd), rr, tol(backend, "reduction"), "rstd")
+
+
+@pytest.mark.parametrize("B,T,C,s", NORM_SHAPES)
+def test_layernorm_backward(backend, rng, B, T, C, s):
+    inp, x, w, w_h, b, b_h = _ln_inputs(backend, rng, B, T, C, s)
+    _, rm, rr = _ln_ref(x, w_h, b_h)
+    mean, _ = to_device(backend, rm, FLOAT32)
+    rstd, _ = to_device(backend, rr, FLOAT32)
+    dout, dout_h = to_device(backend, randn(rng, B, T, C))
+    xt, wt, bt = t64(x, True), t64(w_h, True), t64(b_h, True)
+    F.layer_norm(xt, (C,), wt, bt, eps=1e-5).backward(t64(dout_h))
+    dinp, dinp0 = prefill(backend, rng, (B, T, C))
+    dw, dw0 = prefill(backend, rng, (C,))
+    db, db0 = prefill(backend, rng, (C,))
+    backend.layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd)
+    r = tol(backend, "reduction")
+    check_accumulated(backend, dinp, dinp0, np64(xt.grad), r, "dinp")
+    check_accumulated(backend, dw, dw0, np64(wt.grad), r, "dweight")
+    check_accumulated(backend, db, db0, np64(bt.grad), r, "dbias")
+
+
+@pytest.mark.parametrize("B,T,C,s", NORM_SHAPES[:3])
+def test_fused_residual_layernorm_forward(backend, rng, B, T, C, s):
+    in1, x1 = to_device(backend, randn(rng, B, T, C, scale=2.0, shift=0.3))
+    in2, x2 = to_device(backend, randn(rng, B, T, C, shift=0.2))
+    w, w_h = to_device(backend, randn(rng, C, shift=1.0))
+    b, b_h = to_device(backend, randn(rng, C))
+    residual, out = empty(backend, (B, T, C)), empty(backend, (B, T, C))
+    mean, rstd = empty(backend, (B, T), FLOAT32), empty(backend, (B, T), FLOAT32)
+    backend.fused_residual_layernorm_forward(residual, out, mean, rstd, in1, in2, w, b)
+    ro, rm, rr = _ln_ref(x1 + x2, w_h, b_h)
+    assert_close(from_device(backend, residual), x1 + x2, tol(backend), "residual")
+    assert_close(from_device(backend, out), ro, tol(backend, "reduction"), "out")
+    assert_close(from_device(backend, mean), rm, tol(backend, "reduction"), "mean")
+    assert_close(from_device(backend, rstd), rr, tol(backend, "reduction"), "rstd")
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 48), (91,), (3, 1, 33), (5, 4099)])
+def test_residual_forward(backend, rng, shape):
+    a, xa = to_device(backend, randn(rng, *shape))
+    b, xb = to_device(backend, randn(rng, *shape))
+    out = empty(backend, shape)
+    backend.residual_forward(out, a, b)
+    assert_close(from_device(backend, out), xa + xb, tol(backend), "out")
+    backend.residual_forward(a, a, b)  # out aliasing inp1
+    assert_close(from_device(backend, a), xa + xb, tol(backend), "out aliasing inp1")
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+@pytest.mark.parametrize("B,T,C,s", NORM_SHAPES)
+def test_rmsnorm_forward(backend, rng, B, T, C, s, eps):
+    inp, x = to_device(backend, randn(rng, B, T, C, scale=s, shift=0.2 * s))
+    w, w_h = to_device(backend, randn(rng, C, shift=1.0))
+    out, rstd = empty(backend, (B, T, C)), empty(backend, (B, T), FLOAT32)
+    backend.rmsnorm_forward(out, rstd, inp, w, eps)
+    xt = t64(x)
+    rr = torch.rsqrt(xt.pow(2).mean(-1) + eps)
+    ref = xt * rr[..., None] * t64(w_h)
+    if hasattr(F, "rms_norm"):  # cross-check the reference itself
+        assert np.allclose(np64(F.rms_norm(xt, (C,), t64(w_h), eps=eps)), np64(ref), rtol=1e-12, atol=1e-12)
+    assert_close(from_device(backend, out), np64(ref), tol(backend, "reduction"), "out")
+    assert_close(from_device(backend, rstd), np64(rr), tol(backend, "reduction"), "rstd")
+
+
+@pytest.mark.parametrize("B,T,C,s", NORM_SHAPES)
+def test_rmsnorm_backward(backend, rng, B, T, C, s):
+    eps = 1e-5
+    inp, x = to_device(backend, randn(rng, B, T, C, scale=s, shift=0.2 * s))
+    w, w_h = to_device(backend, randn(rng, C, shift=1.0))
+    xt, wt = t64(x, True), t64(w_h, True)
+    rr = torch.rsqrt(xt.pow(2).mean(-1) + eps)
+    rstd, _ = to_device(backend, np64(rr), FLOAT32)
+    dout, dout_h = to_device(backend, randn(rng, B, T, C))
+    (xt * rr[..., None] * wt).backward(t64(dout_h))
+    dinp, dinp0 = prefill(backend, rng, (B, T, C))
+    dw, dw0 = prefill(backend, rng, (C,))
+    backend.rmsnorm_backward(dinp, dw, dout, inp, w, rstd)
+    r = tol(backend, "reduction")
+    check_accumulated(backend, dinp, dinp0, np64(xt.grad), r, "dinp")
+    check_accumulated(backend, dw, dw0, np64(wt.grad), r, "dweight")
+
+
+# =============================================================================================================
+# matmul
+
+MM_SHAPES = [(2, 7, 48, 40), (1, 5, 96, 144), (3, 17, 128, 200)]  # B,T,C,OC
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["plain", "gelu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("B,T,C,OC", MM_SHAPES)
+def test_matmul_forward(backend, rng, B, T, C, OC, bias, gelu):
+    inp, x = to_device(backend, randn(rng, B, T, C))
+    w, w_h = to_device(backend, randn(rng, OC, C, scale=1 / math.sqrt(C)))
+    b, b_h = to_device(backend, randn(rng, OC)) if bias else (None, None)
+    out = empty(backend, (B, T, OC))
+    pre = empty(backend, (B, T, OC)) if gelu else None
+    backend.matmul_forward(out, inp, w, b, pre_gelu=pre)
+    ref = F.linear(t64(x), t64(w_h), t64(b_h) if bias else None)
+    r = tol(backend, "reduction")
+    if gelu:
+        pre_h = from_device(backend, pre)
+        assert_close(pre_h, np64(ref), r, "pre_gelu")
+        assert_close(from_device(backend, out), np64(F.gelu(ref, approximate="tanh")), r, "out = gelu(pre_gelu)")
+    else:
+        assert_close(from_device(backend, out), np64(ref), r, "out")
+
+
+@pytest.mark.parametrize("variant", ["full", "no-dinp", "no-dbias", "gelu"])
+@pytest.mark.parametrize("B,T,C,OC", MM_SHAPES)
+def test_matmul_backward(backend, rng, B, T, C, OC, variant):
+    use_gelu = variant == "gelu"
+    want_dinp = variant != "no-dinp"
+    want_dbias = variant != "no-dbias"
+    r = tol(backend, "reduction")
+    w, w_h = to_device(backend, randn(rng, OC, C, scale=1 / math.sqrt(C)))
+    dout, dout_h = to_device(backend, randn(rng, B, T, OC))
+    pre, pre_h = None, None
+    if use_gelu:  # the matmul's input was gelu(pre_gelu); dinp is the gradient w.r.t. pre_gelu
+        pre, pre_h = to_device(backend, randn(rng, B, T, C, scale=1.5))
+        inp, x = to_device(backend, np64(F.gelu(t64(pre_h), approximate="tanh")))
+    else:
+        inp, x = to_device(backend, randn(rng, B, T, C))
+    xt, wt, bt = t64(x, True), t64(w_h, True), t64(randn(rng, OC), True)
+    F.linear(xt, wt, bt).backward(t64(dout_h))
+    dinp_ref = xt.grad
+    if use_gelu:
+        pt = t64(pre_h, True)
+        F.gelu(pt, approximate="tanh").backward(dinp_ref)
+        dinp_ref = pt.grad
+    dinp = empty(backend, (B, T, C)) if want_dinp else None
+    dw, dw0 = prefill(backend, rng, (OC, C))
+    db, db0 = prefill(backend, rng, (OC,)) if want_dbias else (None, None)
+    backend.matmul_backward(dinp, dw, db, dout, inp, w, pre_gelu=pre)
+    if want_dinp:
+        assert_close(from_device(backend, dinp), np64(dinp_ref), r, "dinp (overwritten)")
+    check_accumulated(backend, dw, dw0, np64(wt.grad), r, "dweight")
+    if want_dbias:
+        check_accumulated(backend, db, db0, np64(bt.grad), r, "dbias")
+    # the inputs are left alone
+    np.testing.assert_array_equal(from_device(backend, dout), dout_h)
+    np.testing.assert_array_equal(from_device(backend, inp), x)
+
+
+# =============================================================================================================
+# gelu, swiglu
+
+ELT_SHAPES = [(2, 7, 48), (91,), (3, 5, 4099)]
+
+
+@pytest.mark.parametrize("shape", ELT_SHAPES)
+def test_gelu_forward(backend, rng, shape):
+    inp, x = to_device(backend, randn(rng, *shape, scale=2.0))
+    out = empty(backend, shape)
+    backend.gelu_forward(out, inp)
+    assert_close(from_device(backend, out), np64(F.gelu(t64(x), approximate="tanh")), tol(backend), "out")
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["separate", "dinp-is-dout"])
+@pytest.mark.parametrize("shape", ELT_SHAPES)
+def test_gelu_backward(backend, rng, shape, alias):
+    inp, x = to_device(backend, randn(rng, *shape, scale=2.0))
+    dout, g = to_device(backend, randn(rng, *shape))
+    xt = t64(x, True)
+    F.gelu(xt, approximate="tanh").backward(t64(g))
+    dinp = dout if alias else empty(backend, shape)
+    backend.gelu_backward(dinp, inp, dout)
+    assert_close(from_device(backend, dinp), np64(xt.grad), tol(backend), "dinp")
+
+
+SWIGLU_SHAPES = [(2, 7, 40), (1, 3, 17), (3, 11, 1376)]  # B,T,H
+
+
+@pytest.mark.parametrize("B,T,H", SWIGLU_SHAPES)
+def test_swiglu_forward(backend, rng, B, T, H):
+    inp, x = to_device(backend, randn(rng, B, T, 2 * H, scale=2.0))
+    out = empty(backend, (B, T, H))
+    backend.swiglu_forward(out, inp)
+    xt = t64(x)
+    ref = F.silu(xt[..., :H]) * xt[..., H:]
+    assert_close(from_device(backend, out), np64(ref), tol(backend), "out")
+
+
+@pytest.mark.parametrize("B,T,H", SWIGLU_SHAPES)
+def test_swiglu_backward(backend, rng, B, T, H):
+    inp, x = to_device(backend, randn(rng, B, T, 2 * H, scale=2.0))
+    dout, g = to_device(backend, randn(rng, B, T, H))
+    xt = t64(x, True)
+    (F.silu(xt[..., :H]) * xt[..., H:]).backward(t64(g))
+    dinp = empty(backend, (B, T, 2 * H))
+    backend.swiglu_backward(dinp, dout, inp)
+    assert_close(from_device(backend, dinp), np64(xt.grad), tol(backend), "dinp [dgate | dup]")
+
+
+# =============================================================================================================
+# rope
+
+ROPE_CASES = [(2, 7, 4, 4, 8, 12), (1, 9, 4, 2, 16, 9), (2, 5, 6, 1, 32, 20), (1, 33, 8, 2, 64, 40)]  # B,T,NH,NKV,hd,maxT
+
+
+def freqs_cis_host(hd: int, maxT: int, theta: float = 500000.0) -> np.ndarray:
+    """(maxT, hd/2, 2) = (cos, sin), as Meta's precompute_freqs_cis."""
+    freqs = 1.0 / theta ** (np.arange(0, hd, 2)[: hd // 2] / hd)
+    ang = np.outer(np.arange(maxT), freqs)
+    return np.stack([np.cos(ang), np.sin(ang)], axis=-1)
+
+
+def rope_ref(qkv: torch.Tensor, fc: np.ndarray, NH: int, NKV: int) -> torch.Tensor:
+    """Meta's apply_rotary_emb: interleaved pairs as complex numbers, times cis; v passes through."""
+    B, T, W = qkv.shape
+    hd = W // (NH + 2 * NKV)
+    qk = qkv[..., :(NH + NKV) * hd].reshape(B, T, NH + NKV, hd // 2, 2).contiguous()
+    z = torch.view_as_complex(qk)
+    cis = torch.view_as_complex(t64(fc[:T]).contiguous())  # (T, hd/2)
+    rot = torch.view_as_real(z * cis[None, :, None, :]).reshape(B, T, (NH + NKV) * hd)
+    return torch.cat([rot, qkv[..., (NH + NKV) * hd:]], dim=-1)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hd,maxT", ROPE_CASES)
+def test_rope_forward(backend, rng, B, T, NH, NKV, hd, maxT):
+    W = (NH + 2 * NKV) * hd
+    fc, fc_h = to_device(backend, freqs_cis_host(hd, maxT), FLOAT32)
+    qkv, x = to_device(backend, randn(rng, B, T, W))
+    backend.rope_forward(qkv, fc, NH, NKV)
+    got = from_device(backend, qkv)
+    ref = np64(rope_ref(t64(x), fc_h, NH, NKV))
+    split = (NH + NKV) * hd
+    assert_close(got[..., :split], ref[..., :split], tol(backend), "rotated q, k")
+    np.testing.assert_array_equal(got[..., split:], x[..., split:], err_msg="v must be untouched")
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hd,maxT", ROPE_CASES)
+def test_rope_backward(backend, rng, B, T, NH, NKV, hd, maxT):
+    W = (NH + 2 * NKV) * hd
+    fc, fc_h = to_device(backend, freqs_cis_host(hd, maxT), FLOAT32)
+    x = t64(randn(rng, B, T, W), True)
+    dqkv, g = to_device(backend, randn(rng, B, T, W))
+    rope_ref(x, fc_h, NH, NKV).backward(t64(g))
+    backend.rope_backward(dqkv, fc, NH, NKV)
+    got = from_device(backend, dqkv)
+    split = (NH + NKV) * hd
+    assert_close(got[..., :split], np64(x.grad)[..., :split], tol(backend), "dq, dk")
+    np.testing.assert_array_equal(got[..., split:], g[..., split:], err_msg="dv must be untouched")
+
+
+def test_rope_backward_inverts_forward(backend, rng):
+    B, T, NH, NKV, hd = 2, 7, 4, 2, 16
+    fc, _ = to_device(backend, freqs_cis_host(hd, T), FLOAT32)
+    qkv, x = to_device(backend, randn(rng, B, T, (NH + 2 * NKV) * hd))
+    backend.rope_forward(qkv, fc, NH, NKV)
+    backend.rope_backward(qkv, fc, NH, NKV)  # rotation is orthogonal: backward = inverse
+    assert_close(from_device(backend, qkv), x, 2 * tol(backend), "rope_backward(rope_forward(x))")
+
+
+# =============================================================================================================
+# attention
+
+ATT_CASES = [  # B, T, NH, NKV, hd
+    (2, 7, 3, 3, 8),      # multi-head
+    (1, 13, 4, 2, 16),    # grouped-query
+    (2, 9, 4, 1, 8),      # multi-query
+    (1, 1, 2, 2, 8),      # a single position
+    (1, 70, 4, 4, 32),    # several tiles
+    (2, 67, 6, 2, 64),    # GQA, several tiles, GPT-2's head size
+]
+ATT_IDS = [f"B{b}T{t}NH{nh}NKV{nkv}hd{hd}" for b, t, nh, nkv, hd in ATT_CASES]
+
+
+def attention_ref(qkv: torch.Tensor, NH: int, NKV: int):
+    """Explicit causal softmax attention: (out (B,T,NH*hd), lse (B,NH,T))."""
+    B, T, W = qkv.shape
+    hd = W // (NH + 2 * NKV)
+    q = qkv[..., :NH * hd].reshape(B, T, NH, hd).transpose(1, 2)
+    k = qkv[..., NH * hd:(NH + NKV) * hd].reshape(B, T, NKV, hd).transpose(1, 2)
+    v = qkv[..., (NH + NKV) * hd:].reshape(B, T, NKV, hd).transpose(1, 2)
+    k = k.repeat_interleave(NH // NKV, dim=1)  # query head h uses kv head h // (NH/NKV)
+    v = v.repeat_interleave(NH // NKV, dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(hd)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    y = torch.softmax(s, dim=-1) @ v
+    return y.transpose(1, 2).reshape(B, T, NH * hd), lse, (q, k, v)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hd", ATT_CASES, ids=ATT_IDS)
+def test_attention_forward(backend, rng, B, T, NH, NKV, hd):
+    W = (NH + 2 * NKV) * hd
+    qkv, x = to_device(backend, randn(rng, B, T, W))
+    out, lse = empty(backend, (B, T, NH * hd)), empty(backend, (B, NH, T), FLOAT32)
+    backend.attention_forward(out, lse, qkv, NH, NKV)
+    ref, ref_lse, (q, k, v) = attention_ref(t64(x), NH, NKV)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, NH * hd)
+    assert np.allclose(np64(sdpa), np64(ref), atol=1e-10), "the reference disagrees with torch's SDPA"
+    r = tol(backend, "reduction")
+    assert_close(from_device(backend, out), np64(ref), r, "out")
+    assert_close(from_device(backend, lse), np64(ref_lse), r, "lse")
+    np.testing.assert_array_equal(from_device(backend, qkv), x, err_msg="qkv must be left alone")
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hd", ATT_CASES, ids=ATT_IDS)
+def test_attention_backward(backend, rng, B, T, NH, NKV, hd):
+    W = (NH + 2 * NKV) * hd
+    qkv, x = to_device(backend, randn(rng, B, T, W))
+    xt = t64(x, True)
+    ref, ref_lse, _ = attention_ref(xt, NH, NKV)
+    out, _ = to_device(backend, np64(ref))
+    lse, _ = to_device(backend, np64(ref_lse), FLOAT32)
+    dout, g = to_device(backend, randn(rng, B, T, NH * hd))
+    ref.backward(t64(g))
+    dqkv = empty(backend, (B, T, W))
+    backend.attention_backward(dqkv, dout, qkv, out, lse, NH, NKV)
+    got = from_device(backend, dqkv)
+    want = np64(xt.grad)
+    r = tol(backend, "reduction")
+    for name, lo, hi in (("dq", 0, NH * hd), ("dk", NH * hd, (NH + NKV) * hd), ("dv", (NH + NKV) * hd, W)):
+        assert_close(got[..., lo:hi], want[..., lo:hi], r, name)
+
+
+# =============================================================================================================
+# fused classifier
+
+CLS_CASES = [(2, 7, 50, 64), (1, 5, 37, 37), (3, 11, 1000, 1024), (1, 3, 50257, 50304)]  # B, T, V, Vp
+
+
+@pytest.mark.parametrize("dloss", [None, "mean", 0.37], ids=["no-dloss", "dloss-1/N", "dloss-0.37"])
+@pytest.mark.parametrize("B,T,V,Vp", CLS_CASES)
+def test_classifier_forward_backward(backend, rng, B, T, V, Vp, dloss):
+    N = B * T
+    if dloss == "mean":
+        dloss = 1.0 / N
+    logits_h = randn(rng, B, T, Vp, scale=3.0)
+    logits_h[..., V:] += 8.0  # padded columns hold large garbage: they must not enter the softmax
+    tgt = rng.integers(0, V, (B, T))
+    tgt[0, 0], tgt[-1, -1] = V - 1, 0
+    logits, L = to_device(backend, logits_h)
+    targets, tgt = to_device(backend, tgt.astype(np.int32))
+    losses = empty(backend, (B, T), FLOAT32)
+    backend.classifier_forward_backward(logits, losses, targets, V, dloss)
+    Lt = t64(L, True)
+    loss = F.cross_entropy(Lt[..., :V].reshape(N, V), torch.tensor(tgt).reshape(N), reduction="none")
+    assert_close(from_device(backend, losses), np64(loss).reshape(B, T), tol(backend, "reduction"), "losses")
+    got = from_device(backend, logits)
+    if dloss is None:
+        np.testing.assert_array_equal(got, L, err_msg="without dloss the logits must be kept")
+        return
+    (loss.sum() * dloss).backward()
+    want = np64(Lt.grad)
+    assert_close(got[..., :V], want[..., :V], tol(backend, "reduction"), "dlogits")
+    np.testing.assert_array_equal(got[..., V:], np.zeros((B, T, Vp - V)), err_msg="padded dlogits must be 0")
+
+
+def test_classifier_flat_layout(backend, rng):
+    """(N, Vp) logits with (N,) losses and targets, as the contract writes the shapes."""
+    N, V, Vp = 13, 50, 64
+    logits, L = to_device(backend, randn(rng, N, Vp, scale=2.0))
+    targets, tgt = to_device(backend, rng.integers(0, V, N).astype(np.int32))
+    losses = empty(backend, N, FLOAT32)
+    backend.classifier_forward_backward(logits, losses, targets, V, 1.0 / N)
+    Lt = t64(L, True)
+    loss = F.cross_entropy(Lt[:, :V], torch.tensor(tgt), reduction="none")
+    (loss.sum() / N).backward()
+    assert_close(from_device(backend, losses), np64(loss), tol(backend, "reduction"), "losses")
+    got = from_device(backend, logits)
+    assert_close(got[:, :V], np64(Lt.grad)[:, :V], tol(backend, "reduction"), "dlogits")
+    np.testing.assert_array_equal(got[:, V:], 0.0)
+
+
+# =============================================================================================================
+# optimizer: global norm, AdamW, scale
+
+def test_global_norm_squared(backend, rng):
+    shapes = [(7, 13), (48,), (3, 5, 32), (1,), (100003,)]
+    bufs, hosts = zip(*(to_device(backend, randn(rng, *s)) for s in shapes))
+    # one more gradient that is a view into a larger buffer, as the engine's per-tensor views are
+    big, big_h = to_device(backend, randn(rng, 1000))
+    bufs = list(bufs) + [backend.view(big, 101, (17, 9))]
+    hosts = list(hosts) + [big_h[101:101 + 153]]
+    ref = sum(float(np.sum(h.astype(np.float64) ** 2)) for h in hosts)
+    out = empty(backend, (1,), FLOAT32)
+    backend.global_norm_squared(out, bufs)
+    first = from_device(backend, out)
+    assert_close(first, [ref], tol(backend, "reduction"), "sum of squares")
+    poison(backend, out)
+    backend.global_norm_squared(out, bufs)
+    np.testing.assert_array_equal(from_device(backend, out), first, err_msg="global_norm_squared not deterministic")
+    backend.global_norm_squared(out, bufs[:1])
+    assert_close(from_device(backend, out), [np.sum(hosts[0] ** 2)], tol(backend, "reduction"), "one tensor")
+
+
+ADAM_SHAPES = [(7, 13), (1031,), (2, 131133)]
+
+
+def _torch_adamw(p0, grads, lrs, beta1, beta2, eps, wd, grad_scale):
+    p = t64(p0, True)
+    opt = torch.optim.AdamW([p], lr=lrs[0], betas=(beta1, beta2), eps=eps, weight_decay=wd)
+    for g, lr in zip(grads, lrs):
+        opt.param_groups[0]["lr"] = lr
+        p.grad = t64(g * grad_scale)
+        opt.step()
+    st = opt.state[p]
+    return np64(p), np64(st["exp_avg"]), np64(st["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("wd,grad_scale", [(0.1, 1.0), (0.0, 0.37), (0.05, 2.5)])
+@pytest.mark.parametrize("shape", ADAM_SHAPES)
+def test_adamw_update(backend, rng, shape, wd, grad_scale):
+    beta1, beta2, eps = 0.9, 0.95, 1e-8
+    lrs = [3e-3, 1e-2, 6e-3, 2e-3]
+    param, p0 = to_device(backend, randn(rng, *shape), FLOAT32)
+    m, v = backend.alloc(shape, FLOAT32), backend.alloc(shape, FLOAT32)
+    backend.fill(m, 0.0)
+    backend.fill(v, 0.0)
+    grads = []
+    for step, lr in enumerate(lrs, start=1):
+        grad, g = to_device(backend, randn(rng, *shape, scale=0.1 * step), FLOAT32)
+        grads.append(g)
+        backend.adamw_update(param, grad, m, v, None, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                             step=step, grad_scale=grad_scale, seed=1234 + step)
+    rp, rm, rv = _torch_adamw(p0, grads, lrs, beta1, beta2, eps, wd, grad_scale)
+    assert_close(from_device(backend, m), rm, 1e-5, "m")
+    assert_close(from_device(backend, v), rv, 1e-5, "v")
+    assert_close(from_device(backend, param) - p0, rp - p0, 1e-4, "param update")
+
+
+def test_adamw_master_weights(bf16_backend, rng):
+    """bf16 params with float32 master weights: master follows torch's AdamW, param is master stochastically
+    rounded to one of its two bf16 neighbours (seeded: same seed, same bits)."""
+    b = bf16_backend
+    shape = (64, 129)
+    beta1, beta2, eps, wd, grad_scale = 0.9, 0.95, 1e-8, 0.1, 0.5
+    lrs = [1e-2, 5e-3, 2e-3]
+    master, p0 = to_device(b, randn(rng, *shape), FLOAT32)
+    param, _ = to_device(b, p0, BFLOAT16)
+    m, v = b.alloc(shape, FLOAT32), b.alloc(shape, FLOAT32)
+    b.fill(m, 0.0)
+    b.fill(v, 0.0)
+    grads = []
+    for step, lr in enumerate(lrs, start=1):
+        grad, g = to_device(b, randn(rng, *shape, scale=0.1), BFLOAT16)
+        grads.append(g)
+        b.adamw_update(param, grad, m, v, master, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                       step=step, grad_scale=grad_scale, seed=77 + step)
+    rp, rm, rv = _torch_adamw(p0, grads, lrs, beta1, beta2, eps, wd, grad_scale)
+    assert_close(from_device(b, m), rm, 1e-5, "m")
+    assert_close(from_device(b, v), rv, 1e-5, "v")
+    got_master = from_device(b, master)
+    assert_close(got_master - p0, rp - p0, 1e-4, "master update")
+    got = from_device(b, param).astype(np.float32)
+    lo, hi = bf16_neighbours(got_master.astype(np.float32))
+    assert np.all((got == lo) | (got == hi)), "param is not a bf16 neighbour of master"
+    inexact = lo != hi
+    nearest = bf16_round(got_master.astype(np.float32))
+    far = (got != nearest) & inexact
+    frac = far.sum() / inexact.sum()
+    assert 0.1 < frac < 0.4, f"{frac:.3f} of params rounded away from nearest: not stochastic rounding"
+    ulp = np.where(inexact, np.abs(hi.astype(np.float64) - lo), 1.0)
+    bias = np.mean(((got - got_master) / ulp)[inexact])
+    assert abs(bias) < 0.05, f"stochastic rounding is biased: mean error {bias:.3f} ulp"
+
+    # seeded: replaying the last step from the same state with the same seed gives the same bits
+    def replay(seed):
+        ms, _ = to_device(b, got_master, FLOAT32)
+        ps = empty(b, shape, BFLOAT16)
+        mm, _ = to_device(b, from_device(b, m), FLOAT32)
+        vv, _ = to_device(b, from_device(b, v), FLOAT32)
+        gg, _ = to_device(b, grads[-1], BFLOAT16)
+        b.adamw_update(ps, gg, mm, vv, ms, lr=1e-3, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                       step=len(lrs) + 1, grad_scale=grad_scale, seed=seed)
+        return from_device(b, ps)
+    r1, r2, r3 = replay(5), replay(5), replay(6)
+    np.testing.assert_array_equal(r1, r2, err_msg="same seed, different rounding")
+    assert np.any(r1 != r3), "the seed does not change the rounding"
+
+
+@pytest.mark.parametrize("shape,factor", [((7, 13), 0.37), ((1000,), 1.0 / 3.0), ((3, 4099), -2.0)])
+def test_scale(backend, rng, shape, factor):
+    buf, x = to_device(backend, randn(rng, *shape))
+    backend.scale(buf, factor)
+    assert_close(from_device(backend, buf), x * factor, tol(backend), "buf * factor")
+    fbuf, fx = to_device(backend, randn(rng, *shape), FLOAT32)
+    backend.scale(fbuf, factor)
+    assert_close(from_device(backend, fbuf), fx * factor, 1e-6, "float32 buf * factor")
+
+
+# =============================================================================================================
+# determinism of the kernels that reduce across rows (the engine promises bit-identical runs)
+
+def test_backward_kernels_are_deterministic(backend, rng):
+    B, T, C, OC, NH, NKV, hd = 2, 33, 64, 96, 4, 2, 16
+
+    def twice(run, outs_shapes):
+        results = []
+        for _ in range(2):
+            outs = [to_device(backend, v)[0] for v in outs_shapes]
+            run(*outs)
+            results.append([from_device(backend, o) for o in outs])
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+
+    inp, x = to_device(backend, randn(rng, B, T, C))
+    dout, _ = to_device(backend, randn(rng, B, T, C))
+    w, _ = to_device(backend, randn(rng, C, shift=1.0))
+    _, rm, rr = _ln_ref(x, np.ones(C), np.zeros(C))
+    mean, _ = to_device(backend, rm, FLOAT32)
+    rstd, _ = to_device(backend, rr, FLOAT32)
+    pre = [randn(rng, B, T, C), randn(rng, C), randn(rng, C)]
+    twice(lambda di, dw, db: backend.layernorm_backward(di, dw, db, dout, inp, w, mean, rstd), pre)
+    twice(lambda di, dw: backend.rmsnorm_backward(di, dw, dout, inp, w, rstd), pre[:2])
+    mw, _ = to_device(backend, randn(rng, OC, C, scale=0.1))
+    mdout, _ = to_device(backend, randn(rng, B, T, OC))
+    twice(lambda di, dw, db: backend.matmul_backward(di, dw, db, mdout, inp, mw),
+          [randn(rng, B, T, C), randn(rng, OC, C), randn(rng, OC)])
+    W = (NH + 2 * NKV) * hd
+    qkv, q = to_device(backend, randn(rng, B, T, W))
+    ref, ref_lse, _ = attention_ref(t64(q), NH, NKV)
+    out, _ = to_device(backend, np64(ref))
+    lse, _ = to_device(backend, np64(ref_lse), FLOAT32)
+    adout, _ = to_device(backend, randn(rng, B, T, NH * hd))
+    twice(lambda dq: backend.attention_backward(dq, adout, qkv, out, lse, NH, NKV), [randn(rng, B, T, W)])

@@ -1,0 +1,278 @@
+"""OpenCL-specific tests: the plugin probe, device selection, the SGEMM autotune cache and the SGEMM itself on
+awkward sizes (every layout, both kernel families) against numpy. Kernel conformance against the CPU backend is
+tests/test_kernels.py, which runs over every installed backend."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from llmc_cli.kernels import BackendUnavailable
+
+llmc_opencl = pytest.importorskip("llmc_opencl", reason="llmc-opencl is not installed")
+from llmc_opencl import tune  # noqa: E402
+
+PLUGIN = llmc_opencl.OpenCLPlugin()
+USABLE, REASON = PLUGIN.probe()
+needs_device = pytest.mark.skipif(not USABLE, reason=f"no usable OpenCL device: {REASON}")
+
+_BE = {}
+
+
+def get_backend():
+    if "be" not in _BE:
+        _BE["be"] = PLUGIN.create()
+    return _BE["be"]
+
+
+# ---- probe ---------------------------------------------------------------------------------------------------
+def test_probe_returns_a_line():
+    ok, reason = PLUGIN.probe()
+    assert isinstance(ok, bool) and isinstance(reason, str) and reason and "\n" not in reason
+
+
+def test_probe_without_pyopencl(monkeypatch):
+    monkeypatch.setattr(llmc_opencl, "cl", None)
+    monkeypatch.setattr(llmc_opencl, "_IMPORT_ERROR", ImportError("No module named 'pyopencl'"))
+    ok, reason = PLUGIN.probe()
+    assert not ok and "pyopencl" in reason
+    assert PLUGIN.devices() == []
+    with pytest.raises(BackendUnavailable, match="pyopencl"):
+        PLUGIN.create()
+
+
+def test_probe_without_platform(monkeypatch):
+    if llmc_opencl.cl is None:
+        pytest.skip("pyopencl missing")
+
+    def no_platform():
+        raise llmc_opencl.cl.LogicError("clGetPlatformIDs failed: PLATFORM_NOT_FOUND_KHR")
+    monkeypatch.setattr(llmc_opencl, "_all_devices", no_platform)
+    ok, reason = PLUGIN.probe()
+    assert not ok and "platform" in reason.lower()
+    monkeypatch.setattr(llmc_opencl, "_all_devices", lambda: [])
+    ok, reason = PLUGIN.probe()
+    assert not ok and "no OpenCL device" in reason
+    with pytest.raises(BackendUnavailable):
+        PLUGIN.create()
+
+
+# ---- device selection ----------------------------------------------------------------------------------------
+def _fake(name, kind, cus, mhz):
+    cl = llmc_opencl.cl
+    t = {"gpu": cl.device_type.GPU, "cpu": cl.device_type.CPU}[kind]
+    return types.SimpleNamespace(name=name, type=t, max_compute_units=cus, max_clock_frequency=mhz)
+
+
+def test_default_device_is_fastest_gpu_else_cpu(monkeypatch):
+    if llmc_opencl.cl is None:
+        pytest.skip("pyopencl missing")
+    p0, p1 = types.SimpleNamespace(name="CPU platform"), types.SimpleNamespace(name="GPU platform")
+    cpu = _fake("some cpu", "cpu", 64, 3000)
+    small, big = _fake("small gpu", "gpu", 8, 1000), _fake("big gpu", "gpu", 80, 1500)
+    monkeypatch.setattr(llmc_opencl, "_all_devices",
+                        lambda: [(0, 0, p0, cpu), (1, 0, p1, small), (1, 1, p1, big)])
+    monkeypatch.setattr(llmc_opencl.cl.device_type, "to_string", lambda t: "GPU" if t == big.type else "CPU",
+                        raising=False)
+    assert llmc_opencl.select_device(None)[1] is big
+    assert llmc_opencl.select_device("1:0")[1] is small
+    assert llmc_opencl.select_device("0:0")[1] is cpu
+    assert llmc_opencl.select_device("SMALL")[1] is small   # substring, case-insensitive
+    assert llmc_opencl.select_device("cpu")[1] is cpu
+    with pytest.raises(BackendUnavailable, match="no OpenCL device 2:0"):
+        llmc_opencl.select_device("2:0")
+    with pytest.raises(BackendUnavailable, match="matches"):
+        llmc_opencl.select_device("no such thing")
+    monkeypatch.setattr(llmc_opencl, "_all_devices", lambda: [(0, 0, p0, cpu)])
+    assert llmc_opencl.select_device(None)[1] is cpu
+
+
+@needs_device
+def test_devices_listed_and_selectable():
+    devs = PLUGIN.devices()
+    assert devs and all(d.split(" ")[0].count(":") == 1 for d in devs)
+    be = PLUGIN.create(device=devs[0].split(" ")[0])          # "P:D"
+    assert be.device.name.strip() in devs[0]
+    assert be.describe().startswith("OpenCL ") and "SGEMM" in be.describe()
+    with pytest.raises(BackendUnavailable):
+        PLUGIN.create(device="no-such-device-anywhere")
+    with pytest.raises(BackendUnavailable, match="float32"):
+        PLUGIN.create(dtype="bfloat16")
+
+
+def test_entry_point_registered():
+    from llmc_cli import registry
+    names = {p.name: p for p in registry.discover()}
+    assert "opencl" in names and names["opencl"].distribution == "llmc-opencl"
+
+
+# ---- autotune cache ------------------------------------------------------------------------------------------
+@needs_device
+def test_autotune_cache_written_and_reused(tmp_path, monkeypatch):
+    be = get_backend()
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("LLMC_OPENCL_TUNE_CACHE", str(path))
+    monkeypatch.delenv("LLMC_OPENCL_TUNE", raising=False)
+    small = tune.candidates(be.device)[:2]
+    monkeypatch.setattr(tune, "candidates", lambda device: small)
+    cfg = tune.get_config(be)
+    assert cfg["source"] == "autotuned"
+    data = json.loads(path.read_text())
+    key = tune.device_key(be.platform, be.device)
+    assert be.device.name.strip() in key and set(data[key]["config"]) == set(tune.LAYOUTS)
+    assert all(len(v) == len(small) for v in data[key]["gflops"].values())
+
+    def boom(_be):
+        raise AssertionError("the cached result must be reused")
+    monkeypatch.setattr(tune, "autotune", boom)
+    again = tune.get_config(be)
+    assert again["source"] == "autotuned, cached"
+    assert all(again[lay] == cfg[lay] for lay in tune.LAYOUTS)
+    monkeypatch.setenv("LLMC_OPENCL_TUNE", "0")
+    assert tune.get_config(be)["source"] == "default"
+
+
+@needs_device
+def test_autotune_cache_survives_garbage(tmp_path, monkeypatch):
+    be = get_backend()
+    path = tmp_path / "tune.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("LLMC_OPENCL_TUNE_CACHE", str(path))
+    monkeypatch.delenv("LLMC_OPENCL_TUNE", raising=False)
+    monkeypatch.setattr(tune, "candidates", lambda device: [tune.default_config(device)["NT"]])
+    assert tune.get_config(be)["source"] == "autotuned"
+    assert tune.device_key(be.platform, be.device) in json.loads(path.read_text())
+
+
+# ---- SGEMM on awkward sizes ------------------------------------------------------------------------------------
+SIZES = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (130, 67, 129), (3, 200, 1), (64, 64, 64), (97, 1, 300)]
+CONFIGS = {"direct": tune.DIRECT[0], "tiled": tune.TILED[0], "direct-4x16": tune.DIRECT[2],
+           "direct-8x16": tune.DIRECT[3], "tiled-128": tune.TILED[1], "tiled-128-k8": tune.TILED[6],
+           "tiled-prefetch": tune.TILED[9], "tiled-prefetch-64x128": tune.TILED[11]}
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@needs_device
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("layout", ["NT", "NN", "TN"])
+def test_sgemm_awkward_sizes(kind, layout):
+    import pyopencl.array as cla
+    be = get_backend()
+    c = CONFIGS[kind]
+    if not tune.fits(be.device, c):
+        pytest.skip(f"{kind} does not fit this device")
+    rng = np.random.default_rng(1)
+    a_t, b_t = int(layout[0] == "T"), int(layout[1] == "T")
+    for M, N, K in SIZES:
+        a = rng.standard_normal((K, M) if a_t else (M, K)).astype(np.float32)
+        b = rng.standard_normal((N, K) if b_t else (K, N)).astype(np.float32)
+        c0 = rng.standard_normal((M, N)).astype(np.float32)
+        A, B = cla.to_device(be.queue, a), cla.to_device(be.queue, b)
+        C = cla.to_device(be.queue, np.full((M, N), np.nan, np.float32))
+        ref = (a.T if a_t else a).astype(np.float64) @ (b.T if b_t else b).astype(np.float64)
+        be.gemm(a_t, b_t, M, N, K, A.data, 0, M if a_t else K, B.data, 0, K if b_t else N, C.data, 0, N,
+                config=c)
+        got = C.get().astype(np.float64)
+        assert rel(got, ref) <= 1e-5, (layout, kind, M, N, K)
+        C.set(c0)  # accumulate: C += alpha * AB
+        be.gemm(a_t, b_t, M, N, K, A.data, 0, M if a_t else K, B.data, 0, K if b_t else N, C.data, 0, N,
+                config=c, alpha=0.5, accumulate=True)
+        assert rel(C.get().astype(np.float64), c0 + 0.5 * ref) <= 1e-5, (layout, kind, M, N, K, "acc")
+
+
+@needs_device
+def test_matmul_on_views_at_odd_offsets():
+    """The engine carves one parameter buffer into tensors: kernels must honour arbitrary element offsets."""
+    be = get_backend()
+    rng = np.random.default_rng(2)
+    N, C, OC = 19, 23, 29
+    pool = be.alloc(3 + OC * C + OC + 1)
+    w, bias = be.view(pool, 3, (OC, C)), be.view(pool, 3 + OC * C, (OC,))
+    wh, bh = rng.standard_normal((OC, C)).astype(np.float32), rng.standard_normal(OC).astype(np.float32)
+    be.upload(w, wh)
+    be.upload(bias, bh)
+    acts = be.alloc(5 + N * C + N * OC)
+    x, out = be.view(acts, 5, (N, C)), be.view(acts, 5 + N * C, (N, OC))
+    xh = rng.standard_normal((N, C)).astype(np.float32)
+    be.upload(x, xh)
+    be.matmul_forward(out, x, w, bias)
+    ref = xh.astype(np.float64) @ wh.T.astype(np.float64) + bh
+    assert rel(be.download(out).astype(np.float64), ref) <= 1e-5
+    np.testing.assert_array_equal(be.download(x), xh)  # neighbours untouched
+
+
+@needs_device
+def test_sgemm_faster_than_naive_numpy_baseline_is_reported():
+    """Not a speed requirement: measures GFLOP/s of the tuned SGEMM so `pytest -s` shows it."""
+    be = get_backend()
+    n = 256
+    g = {lay: tune.measure(be, be.gemm_config[lay], n, n, n, reps=1, layout=lay) for lay in tune.LAYOUTS}
+    print(f"\nSGEMM {n}^3 GFLOP/s on {be.device.name.strip()}: {g}")
+    assert all(v > 0 for v in g.values())
+
+
+@needs_device
+def test_classifier_rejects_out_of_range_targets():
+    """Like the CPU backend: a ValueError, not NaN losses, checked against the uploaded host ids (no read-back);
+    targets written on the device (no host record) are read back and checked too."""
+    from llmc_cli.kernels import FLOAT32, INT32
+    be = get_backend()
+    V, Vp, N = 10, 16, 4
+    logits = be.alloc((N, Vp), FLOAT32)
+    losses = be.alloc((N,), FLOAT32)
+    targets = be.alloc((N,), INT32)
+    be.upload(logits, np.zeros((N, Vp), np.float32))
+    for bad in ([0, 1, 2, V], [0, -1, 2, 3]):
+        be.upload(targets, np.array(bad, np.int32))
+        with pytest.raises(ValueError, match="out of range"):
+            be.classifier_forward_backward(logits, losses, targets, V, 1.0 / N)
+    be.upload(targets, np.array([0, 1, 2, V - 1], np.int32))
+    be.classifier_forward_backward(logits, losses, targets, V, 1.0 / N)
+    assert np.allclose(be.download(losses), np.log(V))
+    be.fill(targets, V + 3)  # device-side write: the record is dropped, the check reads the ids back
+    with pytest.raises(ValueError, match="out of range"):
+        be.classifier_forward_backward(logits, losses, targets, V, None)
+
+
+@needs_device
+@pytest.mark.parametrize("epi", [0, 1, 2])
+def test_splitk_matches_plain_sgemm(epi):
+    """The split-K path (long-K NN products on CPU devices) against float64, with accumulate/alpha, bias and the
+    GELU epilogues, K not a multiple of the chunk."""
+    import pyopencl.array as cla
+    be = get_backend()
+    rng = np.random.default_rng(3)
+    M, N, K = 37, 29, 211
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    aux0 = rng.standard_normal((M, N)).astype(np.float32)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    saved = be._splitk
+    try:
+        outs = []
+        for sk in (0, 16):
+            be._splitk = sk
+            A, B, Bi = (cla.to_device(be.queue, x) for x in (a, b, bias))
+            C, X = cla.to_device(be.queue, c0), cla.to_device(be.queue, aux0)
+            be.gemm(0, 0, M, N, K, A.data, 0, K, B.data, 0, N, C.data, 0, N, alpha=0.5, accumulate=epi == 0,
+                    bias=Bi if epi != 2 else None, aux=X if epi else None, epi=epi)
+            outs.append((C.get().astype(np.float64), X.get().astype(np.float64)))
+    finally:
+        be._splitk = saved
+    v = 0.5 * ref + (c0 if epi == 0 else 0) + (bias if epi != 2 else 0)
+    if epi == 2:
+        x = aux0.astype(np.float64)
+        t = np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3))
+        v = v * (0.5 * (1 + t) + x * 0.5 * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * x * x))
+    for C, X in outs:
+        assert rel(C, v) <= 1e-5
+        if epi == 1:
+            assert rel(X, 0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))) <= 1e-5

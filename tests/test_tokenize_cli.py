@@ -1,0 +1,316 @@
+"""`llmc tokenize`: every source format -> shards checked byte for byte against a direct tiktoken encoding."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+import tiktoken.load
+from click.testing import CliRunner
+
+from llmc_cli import tokenize as tz
+from llmc_cli.tokenize import tokenize
+
+EOT = 50256
+
+
+@pytest.fixture(scope="module")
+def enc():
+    """tiktoken's gpt2 encoding, built here straight from the ranks file (no llmc code involved)."""
+    spec = importlib.util.find_spec("whisper")
+    ranks = Path(spec.submodule_search_locations[0]) / "assets" / "gpt2.tiktoken"
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(ranks)),
+                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+
+
+def stream(enc, docs) -> list[int]:
+    out = []
+    for d in docs:
+        out.append(EOT)
+        out += enc.encode_ordinary(d)
+    return out
+
+
+def shard_bytes(tokens) -> bytes:
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, len(tokens)]
+    return header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes()
+
+
+def expected_layout(tokens, val, shard_size):
+    """[(split, tokens)] for the first `val` tokens as val and the rest in shards of shard_size."""
+    out = [("val", tokens[:val])]
+    rest = tokens[val:]
+    for i in range(0, len(rest), shard_size):
+        out.append(("train", rest[i:i + shard_size]))
+    return out
+
+
+def check_dir(out: Path, name: str, layout):
+    files = sorted(p.name for p in out.glob("*.bin"))
+    want = [f"{name}_{split}_{k:06d}.bin" for k, (split, _) in enumerate(layout)]
+    assert files == sorted(want)
+    for fname, (_, toks) in zip(want, layout):
+        assert (out / fname).read_bytes() == shard_bytes(toks), fname
+
+
+def run(args, cwd=None, ok=True):
+    r = CliRunner().invoke(tokenize, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert r.exit_code == 0, r.output
+    return r
+
+
+DOCS = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n",
+    "All:\nSpeak, speak.\n",
+    "naïve café — 日本語 😀 <|endoftext|> is just text here",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 20,
+    "x",
+]
+
+
+def test_text_txt_files(tmp_path, enc):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, d in enumerate(DOCS):
+        (src / f"doc{i}.txt").write_text(d, encoding="utf-8")
+    out = tmp_path / "out"
+    r = run(["text", src, "--out-dir", out, "--shard-size", "100", "--val-tokens", "30", "--workers", "1"])
+    toks = stream(enc, DOCS)
+    layout = expected_layout(toks, 30, 100)
+    check_dir(out, "src", layout)
+    assert f"{len(layout)} shards (1 val, {len(layout) - 1} train), {len(toks):,} tokens (30 val)" in r.output
+
+
+def test_text_small_corpus_val_fraction(tmp_path, enc):
+    f = tmp_path / "book.txt"
+    f.write_text(DOCS[3], encoding="utf-8")
+    out = tmp_path / "o"
+    run(["text", f, "--out-dir", out, "--workers", "1"])  # default 100M shard: small corpus -> 10% val
+    toks = stream(enc, [DOCS[3]])
+    val = -(-len(toks) // 10)
+    check_dir(out, "book", expected_layout(toks, val, 10**8))
+
+
+def test_text_jsonl_parquet_json_and_workers(tmp_path, enc):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "mix"
+    d.mkdir()
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS[:3])),
+                               encoding="utf-8")
+    pq.write_table(pa.table({"text": DOCS[3:], "n": [1, 2]}), d / "b.parquet")
+    (d / "c.json").write_text(json.dumps([{"text": "json doc one"}, "json doc two"]), encoding="utf-8")
+    all_docs = DOCS + ["json doc one", "json doc two"]
+    toks = stream(enc, all_docs)
+    layout = expected_layout(toks, 50, 64)
+    for w in ("1", "2"):  # parallel workers give the same bytes
+        out = tmp_path / f"out{w}"
+        run(["text", d, "--name", "mix", "--out-dir", out, "--shard-size", "64", "--val-tokens", "50", "--workers", w])
+        check_dir(out, "mix", layout)
+
+
+def test_fineweb_like_parquet(tmp_path, enc):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "sample" / "10BT"
+    d.mkdir(parents=True)
+    docs = [f"Document {i}: " + "web text about things. " * (i % 7 + 1) for i in range(40)]
+    pq.write_table(pa.table({"text": docs[:25], "id": [str(i) for i in range(25)]}), d / "000_00000.parquet")
+    pq.write_table(pa.table({"text": docs[25:], "id": [str(i) for i in range(25, 40)]}), d / "001_00000.parquet")
+    out = tmp_path / "fw"
+    run(["fineweb", "--edu", "--local", tmp_path / "sample", "--out-dir", out, "--shard-size", "200", "--workers", "2"])
+    toks = stream(enc, docs)
+    check_dir(out, "edu_fineweb", expected_layout(toks, 200, 200))  # first shard is val, like llm.c
+
+
+def test_tinystories_like_json(tmp_path, enc):
+    d = tmp_path / "TinyStories_all_data"
+    d.mkdir()
+    files = []
+    for k in range(3):
+        stories = [{"story": f"  Once upon a time {k}-{i}, a little cat sat. The end.\n", "instruction": {}}
+                   for i in range(6)]
+        (d / f"data{k:02d}.json").write_text(json.dumps(stories), encoding="utf-8")
+        files.append([s["story"] for s in stories])
+    out = tmp_path / "ts"
+    run(["tinystories", "--local", d, "--out-dir", out, "--shard-size", "80", "--workers", "1"])
+
+    def prepared(stories, i):  # llm.c's tinystories.py: shuffle with Random(1337 + index in split), strip
+        s = list(stories)
+        random.Random(1337 + i).shuffle(s)
+        return [x.strip() for x in s]
+
+    val = stream(enc, prepared(files[0], 0))
+    train = stream(enc, prepared(files[1], 0) + prepared(files[2], 1))
+    layout = [("val", val[i:i + 80]) for i in range(0, len(val), 80)]
+    layout += [("train", train[i:i + 80]) for i in range(0, len(train), 80)]
+    check_dir(out, "tinystories", layout)
+
+
+def test_tinyshakespeare_local_matches_llmc_recipe(tmp_path, enc):
+    text = "First Citizen:\nBefore we proceed.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved.\n"
+    f = tmp_path / "input.txt"
+    f.write_text(text * 5, encoding="utf-8")
+    out = tmp_path / "tsh"
+    run(["tinyshakespeare", "--local", f, "--out-dir", out, "--val-tokens", "40", "--workers", "1"])
+    # llm.c: encode("<|endoftext|>" + text.replace("\n\n", "\n\n<|endoftext|>")), first N tokens val
+    t = "<|endoftext|>" + (text * 5).replace("\n\n", "\n\n<|endoftext|>")
+    toks = enc.encode(t, allowed_special={"<|endoftext|>"})
+    check_dir(out, "tinyshakespeare", expected_layout(toks, 40, 10**8))
+
+
+def test_hellaswag_eval_file(tmp_path, enc):
+    exs = [{"ind": 24, "ctx": "A man is sitting on a roof. he", "label": 3,
+            "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                        "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
+           {"ind": 92, "ctx": "Then, the man writes over the snow.", "label": 0,
+            "endings": ["a", "b c", "déjà vu", "the end"]}]
+    src = tmp_path / "hellaswag_val.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in exs), encoding="utf-8")
+    out = tmp_path / "hs"
+    r = run(["hellaswag", "--local", src, "--out-dir", out])
+    assert "2 examples" in r.output
+    stream_, longest = [], 0
+    for i, e in enumerate(exs):
+        body = [i, e["label"], 4]
+        ctx = enc.encode(e["ctx"])
+        body += [len(ctx), *ctx]
+        for end in e["endings"]:
+            et = enc.encode(" " + end)
+            body += [len(et), *et]
+        nbytes = 2 * (len(body) + 2)
+        longest = max(longest, nbytes)
+        stream_ += [65535, nbytes, *body]
+    header = np.zeros(256, dtype="<i4")
+    header[:4] = [20240522, 1, 2, longest]
+    assert (out / "hellaswag_val.bin").read_bytes() == header.tobytes() + np.asarray(stream_, "<u2").tobytes()
+
+
+def test_shakespeare_offline_corpus(tmp_path, enc, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default output: datasets/shakespeare/ under the CWD
+    r = run(["shakespeare", "--shard-size", "500K", "--workers", "2"])
+    out = tmp_path / "datasets" / "shakespeare"
+    files = tz.shakespeare_files()
+    assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)
+    toks = stream(enc, [f.read_text(encoding="utf-8") for f in files])
+    layout = expected_layout(toks, 500_000, 500_000)  # > 2 shards of tokens: the first shard is val
+    check_dir(out, "shakespeare", layout)
+    assert f"{len(toks):,} tokens" in r.output
+
+
+def test_resume_after_interruption(tmp_path, enc, monkeypatch):
+    src = tmp_path / "c.txt"
+    docs = [f"paragraph {i} " + "words " * (i % 13) for i in range(60)]
+    src.write_text("\n".join(docs))
+    d = tmp_path / "d"
+    for i, t in enumerate(docs):
+        (tmp_path / "d").mkdir(exist_ok=True)
+        (d / f"{i:03d}.txt").write_text(t)
+    args = ["text", d, "--name", "c", "--out-dir", tmp_path / "out", "--shard-size", "37", "--val-tokens", "20",
+            "--workers", "1"]
+    real = tz.write_shard
+    calls = {"n": 0}
+
+    def dying(*a, **kw):
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tz, "write_shard", dying)
+    r = run(args, ok=False)
+    assert r.exit_code != 0 and "resume" in r.output
+    assert len(list((tmp_path / "out").glob("*.bin"))) == 4
+    first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.bin")}
+    monkeypatch.setattr(tz, "write_shard", real)
+    r = run(args)
+    assert "4 kept from an earlier run" in r.output
+    layout = expected_layout(stream(enc, docs), 20, 37)
+    check_dir(tmp_path / "out", "c", layout)
+    assert all((tmp_path / "out" / n).stat().st_mtime_ns == m for n, m in first.items())  # not rewritten
+    r = run(args)
+    assert "already complete" in r.output
+    # other settings on the same directory: refused unless --force
+    r = run(args[:-4] + ["--shard-size", "50", "--workers", "1"], ok=False)
+    assert r.exit_code != 0 and "--force" in r.output and "shard_size" in r.output
+    run(args[:-4] + ["--shard-size", "50", "--workers", "1", "--val-tokens", "20", "--force"])
+    check_dir(tmp_path / "out", "c", expected_layout(stream(enc, docs), 20, 50))
+
+
+def test_existing_shards_without_manifest_are_not_clobbered(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "x_train_000001.bin").write_bytes(b"old")
+    f = tmp_path / "x.txt"
+    f.write_text("hello there")
+    r = run(["text", f, "--out-dir", out, "--workers", "1"], ok=False)
+    assert r.exit_code != 0 and "--force" in r.output
+    run(["text", f, "--out-dir", out, "--workers", "1", "--force"])
+    assert sorted(p.name for p in out.glob("*.bin")) == ["x_train_000001.bin", "x_val_000000.bin"]
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["text", "{tmp}/missing.txt"], "does not exist"),
+    (["text", "{tmp}/a.csv"], "unsupported input type"),
+    (["text", "{tmp}/bad.jsonl"], "bad.jsonl:2: no string field 'text'"),
+    (["text", "{tmp}/a.txt", "--shard-size", "ten"], "is not a token count"),
+    (["hellaswag", "--local", "{tmp}/bad.jsonl", "--out-dir", "{tmp}/h"], "bad.jsonl:1: not a HellaSwag example"),
+])
+def test_bad_inputs(tmp_path, args, msg):
+    (tmp_path / "a.csv").write_text("a,b\n")
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    r = run([a.format(tmp=tmp_path) for a in args], ok=False)
+    assert r.exit_code != 0
+    assert msg in r.output
+    assert "Traceback" not in r.output
+
+
+def test_offline_downloads_fail_fast_with_one_line(tmp_path, monkeypatch):
+    def no_network(*a, **kw):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    for args in (["tinyshakespeare"], ["tinystories"], ["hellaswag"]):
+        r = run(args + ["--out-dir", tmp_path / args[0]], ok=False)
+        assert r.exit_code == 1
+        line = r.output.strip()
+        assert "\n" not in line and "cannot reach" in line and "--local PATH" in line, line
+    # fineweb streams through Hugging Face datasets: not installed (or offline) -> one clear line
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    r = run(["fineweb", "--out-dir", tmp_path / "fw", "--workers", "1"], ok=False)
+    assert r.exit_code == 1 and "pip install datasets" in r.output and "--local" in r.output
+
+
+def test_help_shows_examples_and_defaults():
+    r = run(["--help"])
+    assert "llmc tokenize shakespeare" in r.output
+    r = run(["fineweb", "--help"])
+    assert "Example" in r.output and "[default: 100M]" in r.output and "10B|100B" in r.output
+
+
+def test_tokenizer_bin_command(tmp_path):
+    out = tmp_path / "gpt2_tokenizer.bin"
+    r = run(["tokenizer-bin", out])
+    assert "50,257 tokens" in r.output
+    assert list(np.frombuffer(out.read_bytes()[:16], "<i4")) == [20240328, 2, 50257, 50256]
+
+
+def test_console_script_has_the_group():
+    r = subprocess.run([sys.executable, "-m", "llmc_cli.cli", "tokenize", "--help"], capture_output=True, text=True)
+    if "No such command" in r.stderr:
+        pytest.skip("cli.py does not register the tokenize group yet")
+    assert r.returncode == 0 and "shakespeare" in r.stdout
