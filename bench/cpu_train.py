@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -45,50 +44,11 @@ def bench_llmc(cfg, B, T, batches, steps, warmup):
 
 def bench_torch(cfg, B, T, batches, steps, warmup, threads):
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+    from llmc_cli.bench import build_torch_gpt2
+    from llmc_cli.gpt2 import init_parameters, parameter_shapes
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-
-    class Block(nn.Module):
-        def __init__(self, C, NH):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
-            self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-            self.fc, self.fcproj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-            self.NH = NH
-
-        def forward(self, x):
-            Bx, Tx, C = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-            q, k, v = (t.view(Bx, Tx, self.NH, C // self.NH).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(Bx, Tx, C)
-            x = x + self.proj(y)
-            return x + self.fcproj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            C = cfg.n_embd
-            self.wte = nn.Embedding(cfg.padded_vocab_size, C)
-            self.wpe = nn.Embedding(cfg.block_size, C)
-            self.blocks = nn.ModuleList(Block(C, cfg.n_head) for _ in range(cfg.n_layer))
-            self.lnf = nn.LayerNorm(C)
-            for n, p in self.named_parameters():
-                if p.dim() == 2:
-                    std = 0.02 / math.sqrt(2 * cfg.n_layer) if n.endswith(("proj.weight", "fcproj.weight")) else 0.02
-                    nn.init.normal_(p, 0.0, std)
-                elif n.endswith("bias"):
-                    nn.init.zeros_(p)
-
-        def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-            for b in self.blocks:
-                x = b(x)
-            logits = self.lnf(x) @ self.wte.weight.T
-            return F.cross_entropy(logits[..., :cfg.vocab_size].reshape(-1, cfg.vocab_size), targets.reshape(-1))
-
-    model = GPT()
+    # the same module `llmc bench --compare torch-eager` times, starting from llmc's own initial weights
+    model = build_torch_gpt2(cfg, init_parameters(cfg, 0), parameter_shapes(cfg))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     plain = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],

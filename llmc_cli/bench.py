@@ -41,6 +41,7 @@ import numpy as np
 from . import registry
 from .gpt2 import GPT2Config, num_parameters, preset
 from .kernels import BFLOAT16, FLOAT32, INT32, Backend, BackendUnavailable, CAP_DEVICE_EVENTS
+from .model import split_flat
 
 # relative error (max |got - ref| / max |ref|) above which a kernel is a mismatch, by the backend's dtype
 TOLERANCES = {FLOAT32: 1e-4, BFLOAT16: 3e-2}
@@ -617,12 +618,7 @@ def build_torch_gpt2(cfg: GPT2Config, flat: np.ndarray, shapes):
             return F.cross_entropy(logits[..., :V].reshape(-1, V).float(), targets.reshape(-1))
 
     model = GPT()
-    t: dict[str, np.ndarray] = {}
-    off = 0
-    for name, shape in shapes:
-        n = int(np.prod(shape))
-        t[name] = flat[off:off + n].reshape(shape)
-        off += n
+    t = split_flat(flat, shapes)
     names = {"ln1w": "ln1.weight", "ln1b": "ln1.bias", "qkvw": "qkv.weight", "qkvb": "qkv.bias",
              "attprojw": "proj.weight", "attprojb": "proj.bias", "ln2w": "ln2.weight", "ln2b": "ln2.bias",
              "fcw": "fc.weight", "fcb": "fc.bias", "fcprojw": "fcproj.weight", "fcprojb": "fcproj.bias"}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .dataloader import atomic_write_bytes, fsync_dir
 from .gpt2 import GPT2Config, num_parameters
 from .reliability import fault_delay
 
@@ -43,35 +44,6 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def bf16_bits_to_float32(b: np.ndarray) -> np.ndarray:
     return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-# ---- atomic writes --------------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, chunks) -> None:
-    """Writes the byte chunks to `path` through a temporary file in the same folder, fsync, rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
 
 
 # ---- llm.c model .bin -----------------------------------------------------------------------------------------
@@ -156,7 +128,7 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: GPT2Config, params
         os.fsync(f.fileno())
     fault_delay("state")
     atomic_write_bytes(tmp / "state.json", [json.dumps(state, indent=1, sort_keys=True).encode()])
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     fault_delay("rename")
     if final.exists():  # rewriting the same step: move the old one aside first, drop it after
         old = run_dir / f".{final.name}.old-{os.getpid()}"
@@ -165,7 +137,7 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: GPT2Config, params
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
     fault_delay("latest")
     atomic_write_bytes(run_dir / "latest", [final.name.encode() + b"\n"])
     fault_delay("rotate")

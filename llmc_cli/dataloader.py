@@ -29,7 +29,7 @@ import numpy as np
 
 __all__ = [
     "DataError", "ShardInfo", "SHARD_FORMATS", "HEADER_INTS", "HEADER_BYTES", "shard_format",
-    "write_shard", "read_shard_header", "read_shard", "atomic_write_bytes", "resolve_shards",
+    "write_shard", "read_shard_header", "read_shard", "atomic_write_bytes", "fsync_dir", "resolve_shards",
     "DataLoader", "ValLoader", "EVAL_MAGIC", "write_evalfile", "read_evalfile",
 ]
 
@@ -105,14 +105,21 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -
         except FileNotFoundError:
             pass
         raise
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_dir(path.parent)  # make the rename itself durable
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so the names created or renamed in it survive a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def _shard_bytes(tokens, fmt: _Format, name: str) -> list:

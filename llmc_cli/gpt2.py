@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .kernels import FLOAT32, INT32, Backend
+from .model import Model
 
 
 @dataclass(frozen=True)
@@ -88,33 +89,6 @@ def init_parameters(cfg: GPT2Config, seed: int) -> np.ndarray:
     return out
 
 
-class Tensors:
-    """Named views into one flat backend buffer; `per_layer[name][l]` is layer l of a stacked tensor."""
-
-    def __init__(self, backend: Backend, buf, shapes: list[tuple[str, tuple[int, ...]]], stacked: set[str]):
-        self.buf = buf
-        self.full: dict[str, object] = {}
-        self.per_layer: dict[str, list] = {}
-        off = 0
-        for name, shape in shapes:
-            n = int(np.prod(shape))
-            self.full[name] = backend.view(buf, off, shape)
-            if name in stacked:
-                step = n // shape[0]
-                self.per_layer[name] = [backend.view(buf, off + l * step, shape[1:]) for l in range(shape[0])]
-            off += n
-        self.size = off
-
-    def __getattr__(self, name):
-        try:
-            return self.full[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def layer(self, name: str, l: int):
-        return self.per_layer[name][l]
-
-
 RECOMPUTE = ("none", "gelu", "gelu+layernorm")
 
 
@@ -169,8 +143,11 @@ def in_logits(cfg: GPT2Config, B: int, T: int, training: bool, recompute: str = 
     return out
 
 
-class GPT2:
+class GPT2(Model):
     """Parameters, gradients and activations of one GPT-2, planned once for batch (B, T)."""
+
+    param_shapes = staticmethod(parameter_shapes)
+    DECAYED = frozenset(DECAYED)
 
     def __init__(self, cfg: GPT2Config, backend: Backend, B: int, T: int, training: bool = True,
                  share_params: "GPT2 | None" = None, recompute: str = "none"):
@@ -180,16 +157,8 @@ class GPT2:
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
         dt = backend.dtype
-        shapes = parameter_shapes(cfg)
-        stacked = {n for n, s in shapes if len(s) >= 2 and n not in ("wte", "wpe")}
-        self.num_params = num_parameters(cfg)
-        if share_params is not None:
-            self.params = share_params.params
-        else:
-            self.params = Tensors(backend, backend.alloc(self.num_params, dt, tag="params"), shapes, stacked)
-        self.grads = None
-        if training:
-            self.grads = Tensors(backend, backend.alloc(self.num_params, dt, tag="grads"), shapes, stacked)
+        self._alloc_parameters({n for n, s in parameter_shapes(cfg) if len(s) >= 2 and n not in ("wte", "wpe")},
+                               training, share_params)
         self.recompute = recompute
         self.acts = {}        # name -> whole buffer
         self.acts_layer = {}  # name -> [layer 0 view, layer 1 view, ...] (the same buffer L times if shared)
@@ -206,18 +175,6 @@ class GPT2:
             self.acts[name] = buf
             step = int(np.prod(shape))
             self.acts_layer[name] = [backend.view(buf, l * step, shape) if per_layer else buf for l in range(L)]
-
-    # parameters in and out, always as float32 on the host
-    def load_parameters(self, flat: np.ndarray) -> None:
-        if flat.size != self.num_params:
-            raise ValueError(f"expected {self.num_params} parameters, got {flat.size}")
-        self.backend.upload(self.params.buf, flat)
-
-    def parameters_host(self) -> np.ndarray:
-        return self.backend.download(self.params.buf).astype(np.float32, copy=False)
-
-    def zero_grad(self) -> None:
-        self.backend.fill(self.grads.buf, 0.0)
 
     def forward(self, inputs: np.ndarray, targets: np.ndarray | None = None, dloss: float | None = None) -> None:
         """Runs the model on `inputs` (B,T) int32. With `targets`, per-token losses land in acts['losses'];
@@ -289,15 +246,3 @@ class GPT2:
             k.layernorm_backward(dres, g.layer("ln1w", l), g.layer("ln1b", l), dbtc, residual,
                                  p.layer("ln1w", l), al["ln1_mean"][l], al["ln1_rstd"][l])
         k.encoder_backward(g.wte, g.wpe, dres, a["inputs"])
-
-    def mean_loss(self) -> float:
-        return float(self.backend.download(self.acts["losses"]).astype(np.float64).mean())
-
-    def logits_host(self, t: int) -> np.ndarray:
-        """Float32 logits (B, V) at position t, for sampling (only after a forward without dloss)."""
-        logits = self.backend.download(self.acts["logits"])
-        return logits[:, t, :self.cfg.vocab_size].astype(np.float32)
-
-    def tensor_names(self) -> list[tuple[str, bool]]:
-        """(name, gets weight decay) for every parameter tensor, in order."""
-        return [(n, n in DECAYED) for n, _ in parameter_shapes(self.cfg)]

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .gpt2 import Tensors
 from .kernels import FLOAT32, INT32, Backend
+from .model import Model, Tensors
 
 
 @dataclass(frozen=True)
@@ -174,8 +174,11 @@ def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool) -> list
     return plan
 
 
-class Llama3:
+class Llama3(Model):
     """Parameters, gradients and activations of one Llama 3, planned once for batch (B, T)."""
+
+    param_shapes = staticmethod(parameter_shapes)
+    DECAYED = frozenset(DECAYED)
 
     def __init__(self, cfg: Llama3Config, backend: Backend, B: int, T: int, training: bool = True,
                  share_params: "Llama3 | None" = None, recompute: str = "none"):
@@ -186,16 +189,8 @@ class Llama3:
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
         dt = backend.dtype
-        shapes = parameter_shapes(cfg)
-        stacked = {n for n, s in shapes if n not in ("wte", "lm_head", "norm")}
-        self.num_params = num_parameters(cfg)
-        if share_params is not None:
-            self.params = share_params.params
-        else:
-            self.params = Tensors(backend, backend.alloc(self.num_params, dt, tag="params"), shapes, stacked)
-        self.grads = None
-        if training:
-            self.grads = Tensors(backend, backend.alloc(self.num_params, dt, tag="grads"), shapes, stacked)
+        self._alloc_parameters({n for n, _ in parameter_shapes(cfg) if n not in ("wte", "lm_head", "norm")},
+                               training, share_params)
         self.freqs = backend.alloc((T, cfg.head_dim // 2, 2), FLOAT32, tag="activations")
         backend.upload(self.freqs, freqs_cis(cfg, T))
         self.acts, self.acts_layer = {}, {}
@@ -210,17 +205,6 @@ class Llama3:
 
     def head(self, tensors: Tensors):
         return tensors.wte if self.cfg.tie_embeddings else tensors.lm_head
-
-    def load_parameters(self, flat: np.ndarray) -> None:
-        if flat.size != self.num_params:
-            raise ValueError(f"expected {self.num_params} parameters, got {flat.size}")
-        self.backend.upload(self.params.buf, flat)
-
-    def parameters_host(self) -> np.ndarray:
-        return self.backend.download(self.params.buf).astype(np.float32, copy=False)
-
-    def zero_grad(self) -> None:
-        self.backend.fill(self.grads.buf, 0.0)
 
     def forward(self, inputs: np.ndarray, targets: np.ndarray | None = None, dloss: float | None = None) -> None:
         """As GPT2.forward: losses with `targets`, and dlogits left in the logits buffer with `dloss`."""
@@ -270,13 +254,3 @@ class Llama3:
             k.rmsnorm_backward(dres, g.layer("attn_norm", l), dbtc, residual, p.layer("attn_norm", l),
                                al["ln1_rstd"][l])
         k.encoder_backward(g.wte, None, dres, a["inputs"])
-
-    def mean_loss(self) -> float:
-        return float(self.backend.download(self.acts["losses"]).astype(np.float64).mean())
-
-    def logits_host(self, t: int) -> np.ndarray:
-        logits = self.backend.download(self.acts["logits"])
-        return logits[:, t, :self.cfg.vocab_size].astype(np.float32)
-
-    def tensor_names(self) -> list[tuple[str, bool]]:
-        return [(n, n in DECAYED) for n, _ in parameter_shapes(self.cfg)]

@@ -117,38 +117,10 @@ class StopSignals:
 
 def resume_command(ctx) -> str:
     """The command line that was run (the options given explicitly, from click's context) plus --resume."""
-    import click
-    from click.core import ParameterSource
+    from .launch import child_args
 
-    parts = ["llmc"]
-    chain = []
-    c = ctx
-    while c is not None and c.parent is not None:
-        chain.append(c.info_name)
-        c = c.parent
-    parts += reversed(chain)
-    has_resume = False
-    for p in ctx.command.params:
-        if not isinstance(p, click.Option) or p.name is None:
-            continue
-        src = ctx.get_parameter_source(p.name)
-        if src not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-            continue
-        val = ctx.params.get(p.name)
-        flag = max(p.opts, key=len)
-        if p.name == "resume":
-            has_resume = True
-        if p.is_flag:
-            if val:
-                parts.append(flag)
-            elif p.secondary_opts:
-                parts.append(max(p.secondary_opts, key=len))
-        elif p.multiple:
-            for v in val or ():
-                parts += [flag, str(v)]
-        elif val is not None:
-            parts += [flag, str(val)]
-    if not has_resume:
+    parts = ["llmc"] + child_args(ctx, drop=())
+    if "--resume" not in parts:
         parts.append("--resume")
     return shlex.join(parts)
 

@@ -10,15 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from llmc_cli.llama3 import Llama3Config, parameter_shapes, rope_frequencies
+from llmc_cli.model import split_flat
 
 
 def split_params(flat: torch.Tensor, cfg: Llama3Config) -> dict[str, torch.Tensor]:
-    out, off = {}, 0
-    for name, shape in parameter_shapes(cfg):
-        n = int(np.prod(shape))
-        out[name] = flat[off:off + n].view(shape)
-        off += n
-    return out
+    return split_flat(flat, parameter_shapes(cfg))
 
 
 def rms_norm(x, w, eps):

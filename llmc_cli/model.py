@@ -1,0 +1,89 @@
+"""What every model spec (GPT-2, Llama 3) shares: named views into one flat parameter buffer, and the
+parameter/gradient bookkeeping around the spec's own forward and backward."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels import Backend
+
+
+def split_flat(flat, shapes: list[tuple[str, tuple[int, ...]]]) -> dict:
+    """Named views of a flat parameter vector (numpy array or torch tensor) laid out as `shapes` says."""
+    out, off = {}, 0
+    for name, shape in shapes:
+        n = int(np.prod(shape))
+        out[name] = flat[off:off + n].reshape(shape)
+        off += n
+    return out
+
+
+class Tensors:
+    """Named views into one flat backend buffer; `per_layer[name][l]` is layer l of a stacked tensor."""
+
+    def __init__(self, backend: Backend, buf, shapes: list[tuple[str, tuple[int, ...]]], stacked: set[str]):
+        self.buf = buf
+        self.full: dict[str, object] = {}
+        self.per_layer: dict[str, list] = {}
+        off = 0
+        for name, shape in shapes:
+            n = int(np.prod(shape))
+            self.full[name] = backend.view(buf, off, shape)
+            if name in stacked:
+                step = n // shape[0]
+                self.per_layer[name] = [backend.view(buf, off + l * step, shape[1:]) for l in range(shape[0])]
+            off += n
+        self.size = off
+
+    def __getattr__(self, name):
+        try:
+            return self.full[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def layer(self, name: str, l: int):
+        return self.per_layer[name][l]
+
+
+class Model:
+    """Base of a model spec. The subclass plans its activations and writes forward/backward; it sets
+    `param_shapes(cfg)` and `DECAYED` (the tensors that get weight decay) as class attributes."""
+
+    param_shapes = None
+    DECAYED: frozenset[str] = frozenset()
+
+    def _alloc_parameters(self, stacked: set[str], training: bool, share_params: "Model | None") -> None:
+        dt, backend = self.backend.dtype, self.backend
+        shapes = type(self).param_shapes(self.cfg)
+        self.num_params = sum(int(np.prod(s)) for _, s in shapes)
+        if share_params is not None:
+            self.params = share_params.params
+        else:
+            self.params = Tensors(backend, backend.alloc(self.num_params, dt, tag="params"), shapes, stacked)
+        self.grads = None
+        if training:
+            self.grads = Tensors(backend, backend.alloc(self.num_params, dt, tag="grads"), shapes, stacked)
+
+    # parameters in and out, always as float32 on the host
+    def load_parameters(self, flat: np.ndarray) -> None:
+        if flat.size != self.num_params:
+            raise ValueError(f"expected {self.num_params} parameters, got {flat.size}")
+        self.backend.upload(self.params.buf, flat)
+
+    def parameters_host(self) -> np.ndarray:
+        return self.backend.download(self.params.buf).astype(np.float32, copy=False)
+
+    def zero_grad(self) -> None:
+        self.backend.fill(self.grads.buf, 0.0)
+
+    def mean_loss(self) -> float:
+        return float(self.backend.download(self.acts["losses"]).astype(np.float64).mean())
+
+    def logits_host(self, t: int) -> np.ndarray:
+        """Float32 logits (B, V) at position t, for sampling (only after a forward without dloss)."""
+        logits = self.backend.download(self.acts["logits"])
+        return logits[:, t, :self.cfg.vocab_size].astype(np.float32)
+
+    def tensor_names(self) -> list[tuple[str, bool]]:
+        """(name, gets weight decay) for every parameter tensor, in order."""
+        return [(n, n in self.DECAYED) for n, _ in type(self).param_shapes(self.cfg)]
