@@ -40,7 +40,7 @@ import numpy as np
 
 from . import registry
 from .gpt2 import GPT2Config, num_parameters, preset
-from .kernels import BFLOAT16, FLOAT32, INT32, Backend, BackendUnavailable, CAP_DEVICE_EVENTS
+from .kernels import BFLOAT16, CAP_DEVICE_EVENTS, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendUnavailable
 from .model import split_flat
 
 # relative error (max |got - ref| / max |ref|) above which a kernel is a mismatch, by the backend's dtype
@@ -188,14 +188,56 @@ class KernelCase:
     bytes_fn: Callable[[int], int]              # bytes moved for an act itemsize
     flops: int = 0
     derive: Callable[[dict, Backend], None] | None = None   # fills dependent inputs (on the host, via reference)
+    needs: str | None = None                    # a capability the kernel needs (backends without it skip it)
 
 
 def _kind_dtype(kind: str, backend: Backend) -> str:
     return {"act": backend.dtype, "f32": FLOAT32, "i32": INT32}[kind]
 
 
-def kernel_cases(cfg: GPT2Config, B: int, T: int) -> list[KernelCase]:
-    """Every GPT-2 kernel of the interface on the shapes the model uses at (B, T)."""
+def _decode_case(B: int, T: int, NH: int, NKV: int, hd: int) -> KernelCase:
+    """attention_decode as sampling uses it: one new token per sequence at the last position of a T-long cache
+    (writes its k, v at position T-1, attends over all T); rerunning it rewrites the same values."""
+    qkv_c, pos = (NH + 2 * NKV) * hd, T - 1
+    return KernelCase(
+        "attention_decode", "compute", {"B": B, "Tn": 1, "pos": pos, "NH": NH, "NKV": NKV, "hd": hd},
+        {"out": Buf((B, 1, NH * hd)), "qkv": Buf((B, 1, qkv_c)), "k_cache": Buf((B, NKV, T, hd)),
+         "v_cache": Buf((B, NKV, T, hd))}, ["out", "k_cache", "v_cache"],
+        lambda k, b: k.attention_decode(b["out"], b["qkv"], b["k_cache"], b["v_cache"], pos, NH, NKV),
+        lambda s: B * (qkv_c + NH * hd + 2 * NKV * T * hd + 2 * NKV * hd) * s,
+        flops=4 * B * NH * T * hd, needs=CAP_KV_CACHE)
+
+
+def _shared_tail_cases(B: int, T: int, Vp: int, V: int, P: int, NH: int, NKV: int, hd: int) -> list[KernelCase]:
+    """The kernels every model family ends its step with: the fused classifier over (B, T, Vp) logits (losses
+    and dlogits in place), AdamW and the global norm over all P parameters, and single-token decode attention."""
+    N = B * T
+    cases = [
+        KernelCase("classifier_fwd_bwd", "memory", {"N": N, "Vp": Vp, "V": V},
+                   {"logits": Buf((B, T, Vp)), "losses": Buf((B, T), "f32"),
+                    "targets": Buf((B, T), "i32", f"tokens:{V}")}, ["logits", "losses"],
+                   lambda k, b: k.classifier_forward_backward(b["logits"], b["losses"], b["targets"], V, 1.0 / N),
+                   lambda s: 2 * N * Vp * s + 8 * N)]
+
+    def adamw(k, b):
+        k.adamw_update(b["param"], b["grad"], b["m"], b["v"], b.get("master"), lr=3e-4, beta1=0.9, beta2=0.95,
+                       eps=1e-8, weight_decay=0.1, step=1, grad_scale=1.0, seed=1337)
+    cases.append(KernelCase("adamw", "memory", {"params": P},
+                            {"param": Buf((P,), init="weight"), "grad": Buf((P,), init="small"),
+                             "m": Buf((P,), "f32", "small"), "v": Buf((P,), "f32", "positive")}, ["param"], adamw,
+                            lambda s: P * (3 * s + 16 + (8 if s < 4 else 0))))
+    cases.append(KernelCase("global_norm", "memory", {"params": P},
+                            {"out": Buf((1,), "f32", "small"), "grad": Buf((P,), init="small")}, ["out"],
+                            lambda k, b: k.global_norm_squared(b["out"], [b["grad"]]), lambda s: P * s + 4))
+    cases.append(_decode_case(B, T, NH, NKV, hd))
+    return cases
+
+
+def kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
+    """Every kernel of the interface the model uses, on its shapes at (B, T): GPT-2's, or Llama 3's (rmsnorm,
+    rotary embedding, grouped-query attention, SwiGLU) for a Llama config."""
+    if not isinstance(cfg, GPT2Config):
+        return llama_kernel_cases(cfg, B, T)
     C, NH, Vp, V, maxT = cfg.n_embd, cfg.n_head, cfg.padded_vocab_size, cfg.vocab_size, cfg.block_size
     N, hd, P = B * T, C // NH, num_parameters(cfg)
     F = 4 * C
@@ -314,25 +356,93 @@ def kernel_cases(cfg: GPT2Config, B: int, T: int) -> list[KernelCase]:
         lambda k, b: k.attention_backward(b["dqkv"], b["dout"], b["qkv"], b["out"], b["lse"], NH, NH),
         lambda s: 8 * N * C * s + 4 * B * NH * T, flops=4 * B * NH * T * T * hd, derive=att_fwd)
 
-    # fused classifier: logits -> losses and dlogits in place
-    add("classifier_fwd_bwd", "memory", {"N": N, "Vp": Vp, "V": V},
-        {"logits": Buf((B, T, Vp)), "losses": Buf((B, T), "f32"), "targets": Buf((B, T), "i32", f"tokens:{V}")},
-        ["logits", "losses"],
-        lambda k, b: k.classifier_forward_backward(b["logits"], b["losses"], b["targets"], V, 1.0 / N),
-        lambda s: 2 * N * Vp * s + 8 * N)
+    return cases + _shared_tail_cases(B, T, Vp, V, P, NH, NH, hd)
 
-    # optimizer over every parameter at once
-    def adamw(k, b):
-        k.adamw_update(b["param"], b["grad"], b["m"], b["v"], b.get("master"), lr=3e-4, beta1=0.9, beta2=0.95,
-                       eps=1e-8, weight_decay=0.1, step=1, grad_scale=1.0, seed=1337)
-    add("adamw", "memory", {"params": P},
-        {"param": Buf((P,), init="weight"), "grad": Buf((P,), init="small"), "m": Buf((P,), "f32", "small"),
-         "v": Buf((P,), "f32", "positive")}, ["param"], adamw,
-        lambda s: P * (3 * s + 16 + (8 if s < 4 else 0)))
-    add("global_norm", "memory", {"params": P},
-        {"out": Buf((1,), "f32", "small"), "grad": Buf((P,), init="small")}, ["out"],
-        lambda k, b: k.global_norm_squared(b["out"], [b["grad"]]), lambda s: P * s + 4)
-    return cases
+
+def llama_kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
+    """Llama 3's kernels on its shapes: rmsnorm, bias-free matmuls (fused qkv with grouped-query heads, fused
+    gate/up), rotary embedding, GQA attention, SwiGLU, the untied (or tied) head and the shared ones."""
+    from .llama3 import freqs_cis, num_parameters as llama_params
+    C, NH, NKV, hd, H, V = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
+    N, P, QKV = B * T, llama_params(cfg), (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    eps = cfg.norm_eps
+    cases: list[KernelCase] = []
+    freqs = freqs_cis(cfg, T)
+
+    def add(*a, **k):
+        cases.append(KernelCase(*a, **k))
+
+    def with_freqs(h, ref):
+        h["freqs"] = freqs
+
+    add("encoder_fwd", "memory", {"B": B, "T": T, "C": C, "V": V},
+        {"out": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}"), "wte": Buf((V, C), init="weight")},
+        ["out"], lambda k, b: k.encoder_forward(b["out"], b["inp"], b["wte"], None), lambda s: 4 * N + 2 * N * C * s)
+    add("encoder_bwd", "memory", {"B": B, "T": T, "C": C, "V": V},
+        {"dwte": Buf((V, C), init="small"), "dout": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}")},
+        ["dwte"], lambda k, b: k.encoder_backward(b["dwte"], None, b["dout"], b["inp"]),
+        lambda s: 4 * N + 3 * N * C * s)
+    add("rmsnorm_fwd", "memory", {"N": N, "C": C},
+        {"out": Buf((B, T, C)), "rstd": Buf((B, T), "f32"), "inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma")},
+        ["out", "rstd"], lambda k, b: k.rmsnorm_forward(b["out"], b["rstd"], b["inp"], b["weight"], eps),
+        lambda s: 2 * N * C * s + C * s + 4 * N)
+
+    def rms_stats(h, ref):
+        x = h["inp"].astype(np.float64)
+        h["rstd"] = (1.0 / np.sqrt((x * x).mean(-1) + eps)).astype(np.float32)
+
+    add("rmsnorm_bwd", "memory", {"N": N, "C": C},
+        {"dinp": Buf((B, T, C)), "dweight": Buf((C,), init="small"), "dout": Buf((B, T, C)), "inp": Buf((B, T, C)),
+         "weight": Buf((C,), init="gamma"), "rstd": Buf((B, T), "f32", "positive")}, ["dinp", "dweight"],
+        lambda k, b: k.rmsnorm_backward(b["dinp"], b["dweight"], b["dout"], b["inp"], b["weight"], b["rstd"]),
+        lambda s: 4 * N * C * s + 3 * C * s + 4 * N, derive=rms_stats)
+    add("residual_fwd", "memory", {"N": N, "C": C},
+        {"out": Buf((B, T, C)), "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C))}, ["out"],
+        lambda k, b: k.residual_forward(b["out"], b["inp1"], b["inp2"]), lambda s: 3 * N * C * s)
+    mm = [("qkv", C, QKV), ("wo", NH * hd, C), ("w13", C, 2 * H), ("w2", H, C), ("lm_head", C, V)]
+    for name, K, OC in mm:
+        add(f"matmul_fwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
+            {"out": Buf((B, T, OC)), "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["out"],
+            lambda k, b: k.matmul_forward(b["out"], b["inp"], b["weight"]),
+            (lambda K, OC: lambda s: (N * K + OC * K + N * OC) * s)(K, OC), flops=2 * N * K * OC)
+    for name, K, OC in mm:
+        add(f"matmul_bwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
+            {"dinp": Buf((B, T, K)), "dweight": Buf((OC, K), init="small"), "dout": Buf((B, T, OC)),
+             "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["dinp", "dweight"],
+            lambda k, b: k.matmul_backward(b["dinp"], b["dweight"], None, b["dout"], b["inp"], b["weight"]),
+            (lambda K, OC: lambda s: (N * OC + 2 * N * K + 3 * OC * K) * s)(K, OC), flops=4 * N * K * OC)
+    rope_shape = {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd}
+    rope_bytes = lambda s: 2 * N * (NH + NKV) * hd * s + T * hd * 4  # noqa: E731  (q and k rotated in place)
+    add("rope_fwd", "memory", rope_shape, {"qkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")}, ["qkv"],
+        lambda k, b: k.rope_forward(b["qkv"], b["freqs"], NH, NKV), rope_bytes, derive=with_freqs)
+    add("rope_bwd", "memory", rope_shape, {"dqkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")},
+        ["dqkv"], lambda k, b: k.rope_backward(b["dqkv"], b["freqs"], NH, NKV), rope_bytes, derive=with_freqs)
+    add("swiglu_fwd", "memory", {"N": N, "H": H}, {"out": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))}, ["out"],
+        lambda k, b: k.swiglu_forward(b["out"], b["inp"]), lambda s: 3 * N * H * s)
+    add("swiglu_bwd", "memory", {"N": N, "H": H},
+        {"dinp": Buf((B, T, 2 * H)), "dout": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))}, ["dinp"],
+        lambda k, b: k.swiglu_backward(b["dinp"], b["dout"], b["inp"]), lambda s: 5 * N * H * s)
+    att_shape = {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd}
+    add("attention_fwd", "compute", att_shape,
+        {"out": Buf((B, T, NH * hd)), "lse": Buf((B, NH, T), "f32"), "qkv": Buf((B, T, QKV))}, ["out", "lse"],
+        lambda k, b: k.attention_forward(b["out"], b["lse"], b["qkv"], NH, NKV),
+        lambda s: (N * QKV + N * NH * hd) * s + 4 * B * NH * T, flops=2 * B * NH * T * T * hd)
+
+    def att_fwd(h, ref):
+        q = ref.alloc((B, T, QKV), FLOAT32, tag="bench")
+        o = ref.alloc((B, T, NH * hd), FLOAT32, tag="bench")
+        lse = ref.alloc((B, NH, T), FLOAT32, tag="bench")
+        ref.upload(q, h["qkv"])
+        ref.attention_forward(o, lse, q, NH, NKV)
+        h["out"], h["lse"] = ref.download(o).astype(np.float32), ref.download(lse).astype(np.float32)
+
+    add("attention_bwd", "compute", att_shape,
+        {"dqkv": Buf((B, T, QKV)), "dout": Buf((B, T, NH * hd)), "qkv": Buf((B, T, QKV)),
+         "out": Buf((B, T, NH * hd)), "lse": Buf((B, NH, T), "f32")}, ["dqkv"],
+        lambda k, b: k.attention_backward(b["dqkv"], b["dout"], b["qkv"], b["out"], b["lse"], NH, NKV),
+        lambda s: (2 * N * QKV + 2 * N * NH * hd) * s + 4 * B * NH * T, flops=4 * B * NH * T * T * hd,
+        derive=att_fwd)
+    return cases + _shared_tail_cases(B, T, V, V, P, NH, NKV, hd)
 
 
 def _host_inputs(case: KernelCase, seed: int) -> dict[str, np.ndarray]:
@@ -356,8 +466,9 @@ def _host_inputs(case: KernelCase, seed: int) -> dict[str, np.ndarray]:
     return h
 
 
-def _run_once(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -> tuple[dict, dict]:
-    """Allocate and fill the case's buffers on `backend`, call the kernel once; (buffers, outputs on the host)."""
+def _run_once(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -> tuple[dict, dict, dict]:
+    """Allocate and fill the case's buffers on `backend`, call the kernel once; (buffers, outputs on the host,
+    the inputs as the backend held them before the call)."""
     bufs = {}
     for name, spec in case.bufs.items():
         buf = backend.alloc(spec.shape, _kind_dtype(spec.kind, backend), tag="bench")
@@ -366,14 +477,16 @@ def _run_once(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -
     if case.name == "adamw" and backend.dtype != FLOAT32:  # bf16 parameters keep float32 master weights
         bufs["master"] = backend.alloc(case.bufs["param"].shape, FLOAT32, tag="bench")
         backend.upload(bufs["master"], host["param"])
+    held = _as_held(case, backend, bufs, host)  # before the call: kernels update buffers in place (+=, rope)
     case.call(backend, bufs)
     backend.synchronize()
     outs = {n: np.asarray(backend.download(bufs[n]), dtype=np.float32) for n in case.outputs}
-    return bufs, outs
+    return bufs, outs, held
 
 
 def _as_held(case: KernelCase, backend: Backend, bufs: dict, host: dict) -> dict:
-    """The inputs as the backend holds them (rounded to bfloat16 where it computes in bf16), for its reference."""
+    """The inputs as the backend holds them (rounded to bfloat16 where it computes in bf16), for its reference;
+    read before the kernel runs."""
     if backend.dtype == FLOAT32:
         return host
     return {n: (host[n] if case.bufs[n].kind != "act" else np.asarray(backend.download(bufs[n]), np.float32))
@@ -419,14 +532,15 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
         for label, be in backends:
             if progress:
                 progress(f"{case.name} on {label}")
-            bufs, outs = _run_once(case, be, host)
+            if case.needs and case.needs not in be.capabilities:  # e.g. attention_decode without CAP_KV_CACHE
+                continue
+            bufs, outs, held = _run_once(case, be, host)
             err = None
             if reference is not None:
                 if be.dtype not in refs:
-                    held = _as_held(case, be, bufs, host)
                     refs[be.dtype] = _run_once(case, reference, held)[1]
-                    del held
                 err = max(rel_error(outs[n], refs[be.dtype][n]) for n in case.outputs)
+            del held
             del outs
             for _ in range(warmup):
                 case.call(be, bufs)
@@ -458,10 +572,15 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
             "results": results, "mismatches": mismatches}
 
 
-def _cfg_dict(cfg: GPT2Config) -> dict:
-    return {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
-            "padded_vocab_size": cfg.padded_vocab_size, "block_size": cfg.block_size,
-            "num_parameters": num_parameters(cfg)}
+def _cfg_dict(cfg) -> dict:
+    from .models import family_of_config
+    fam = family_of_config(cfg)
+    d = {"family": fam.name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+         "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size, "block_size": cfg.block_size,
+         "num_parameters": fam.module.num_parameters(cfg)}
+    if hasattr(cfg, "n_kv_head"):
+        d["n_kv_head"] = cfg.n_kv_head
+    return d
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -844,12 +963,16 @@ def _model_options(f):
                      help="Backend to benchmark (repeatable; default: every usable one, see `llmc backends`)."),
         click.option("--dtype", type=click.Choice(["fp32", "bf16", "auto"]), default="auto", show_default=True,
                      help="Compute dtype for every backend; auto = each backend's default."),
-        click.option("--model", default="d12", show_default=True, help="Preset: d2, d6, d12 (124M), d24, d36, d48."),
+        click.option("--model", default="d12", show_default=True,
+                     help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; for `kernels` also Llama 3 "
+                          "(llama3-tiny, llama3.2-1b, ...: rmsnorm, RoPE, GQA attention, SwiGLU)."),
         click.option("--n-layer", type=int, default=None, help="Override the preset's layer count."),
         click.option("--n-head", type=int, default=None, help="Override the preset's head count."),
         click.option("--n-embd", type=int, default=None, help="Override the preset's channels."),
-        click.option("--vocab-size", type=int, default=50257, show_default=True, help="Vocabulary (tokens)."),
-        click.option("--block-size", type=int, default=1024, show_default=True, help="Max sequence length (tokens)."),
+        click.option("--vocab-size", type=int, default=None, help="Vocabulary (tokens) [default: GPT-2's 50257, "
+                     "or the Llama preset's]."),
+        click.option("--block-size", type=int, default=None, help="Max sequence length (tokens) [default: 1024 for "
+                     "GPT-2, or the Llama preset's]."),
         click.option("-b", "--batch-size", type=int, default=4, show_default=True, help="Batch size (sequences)."),
         click.option("-t", "--seq-len", type=int, default=64, show_default=True, help="Sequence length (tokens)."),
         click.option("--seed", type=int, default=1337, show_default=True, help="Seed for inputs, weights, data."),
@@ -870,10 +993,19 @@ def _setup(o: dict):
         fail(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
     over = {k: o[k] for k in ("n_layer", "n_head", "n_embd") if o[k]}
     try:
-        cfg = preset(o["model"], block_size=o["block_size"], vocab_size=o["vocab_size"], **over)
+        from .models import GPT2 as GPT2_FAMILY, family_for
+        fam = family_for(o["model"])
+        if fam is GPT2_FAMILY:
+            cfg = preset(o["model"], block_size=o["block_size"] or 1024, vocab_size=o["vocab_size"] or 50257, **over)
+        else:  # Llama 3: the preset's own vocabulary and context unless given
+            over |= {k: o[k] for k in ("block_size", "vocab_size") if o[k]}
+            cfg = fam.preset(o["model"], **over)
         cfg.validate()
     except ValueError as e:
         fail(f"--model: {e}")
+    if not isinstance(cfg, GPT2Config) and not o.get("kernels_only"):
+        fail(f"--model {o['model']}: `llmc bench train` times GPT-2 models; Llama 3 kernels are timed by "
+             f"`llmc bench kernels --model {o['model']}`")
     if T > cfg.block_size:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
     if o["plot"]:
@@ -941,7 +1073,7 @@ def kernels(**o) -> None:
       llmc bench kernels --model d12 -b 4 -t 64 --plot kernels.png
     """
     from .cli import console, err_console, fail
-    cfg, B, T, backends, skipped = _setup(o)
+    cfg, B, T, backends, skipped = _setup(o | {"kernels_only": True})
     status = _progress(o["as_json"])
     try:
         if status:

@@ -5,6 +5,13 @@
   train_gpt2.c / train_gpt2.cu and the other way round.
 * A run directory: `step_NNNNNNNN/` folders holding model.bin, optimizer.npz (float32 moments and master weights)
   and state.json (step, data position, RNG, config), plus a `latest` file naming the newest complete one.
+  A Llama run keeps model.safetensors instead of model.bin (llm.c's format has no Llama layout): llmc's own
+  tensor names and stacked per-layer shapes, with the family, config and tokenizer in the file's metadata, so
+  the file alone rebuilds the model.
+* safetensors (the format, read and written here without the `safetensors` package): 8-byte little-endian
+  header length, a JSON header {name: {dtype, shape, data_offsets}} (offsets relative to the end of the header,
+  which is space-padded to a multiple of 8), then the raw little-endian data. Hugging Face interop (hf.py,
+  llama3_hf.py) uses the same reader and writer, single-file or sharded under an index.
   Every file is written under a temporary name, fsynced, then renamed, and `latest` moves last, so a crash at
   any moment leaves the previous checkpoint intact.
 """
@@ -14,12 +21,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import asdict, fields as dataclass_fields
 from pathlib import Path
 
 import numpy as np
 
 from .dataloader import atomic_write_bytes, fsync_dir
 from .gpt2 import GPT2Config, num_parameters
+from . import llama3 as llama3_spec
+from .llama3 import Llama3Config
+from .model import split_flat
 from .reliability import fault_delay
 
 MODEL_MAGIC = 20240326
@@ -103,23 +114,205 @@ def read_model(path: str | Path) -> tuple[GPT2Config, np.ndarray, int]:
     return cfg, params, version
 
 
+# ---- safetensors ----------------------------------------------------------------------------------------------
+ST_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
+                      metadata: dict[str, str] | None = None) -> None:
+    """float32 arrays -> one safetensors file in `dtype` (F32, or BF16 rounded to nearest even), atomically."""
+    if dtype not in ("F32", "BF16"):
+        raise ValueError(f"safetensors dtype {dtype} (F32 or BF16)")
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    blobs, off = [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        raw = (float32_to_bf16_bits(a).astype("<u2") if dtype == "BF16" else a.astype("<f4")).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    atomic_write_bytes(path, [np.uint64(len(h)).astype("<u8").tobytes(), h, *blobs])
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
+    """(header dict, byte offset where the data starts)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: too short for a safetensors file")
+            n = int(np.frombuffer(head, "<u8")[0])
+            if n > 100 * 2**20:
+                raise CheckpointError(f"{path}: header length {n} is implausible (not a safetensors file)")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, expected a safetensors file") from None
+    try:
+        header = json.loads(raw)
+        assert isinstance(header, dict)
+    except (ValueError, AssertionError):
+        raise CheckpointError(f"{path}: the header is not JSON (not a safetensors file)") from None
+    return header, 8 + n
+
+
+def read_safetensors(path: str | Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
+    """name -> float32 array (F32, BF16, F16), for every tensor or only those in `names`."""
+    path = Path(path)
+    header, start = read_safetensors_header(path)
+    size = path.stat().st_size
+    out = {}
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            if name == "__metadata__" or (names is not None and name not in names):
+                continue
+            if not isinstance(info, dict):
+                raise CheckpointError(f"{path}: tensor {name} has no dtype/shape/data_offsets entry")
+            dt = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+            if dt is None:
+                raise CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype')} "
+                                      f"(supported: {', '.join(ST_DTYPES)})")
+            offs, shape = info.get("data_offsets"), info.get("shape")
+            if not (isinstance(offs, list) and len(offs) == 2 and isinstance(shape, list)
+                    and all(type(v) is int and v >= 0 for v in offs + shape) and offs[0] <= offs[1]):
+                raise CheckpointError(f"{path}: tensor {name} has a bad shape {shape!r} or data_offsets "
+                                      f"{offs!r} (non-negative integers expected)")
+            b, e = offs
+            shape = tuple(shape)
+            if start + e > size or e - b != int(np.prod(shape, dtype=object)) * dt.itemsize:
+                raise CheckpointError(f"{path}: tensor {name} data out of bounds or of the wrong size")
+            f.seek(start + b)
+            a = np.frombuffer(f.read(e - b), dtype=dt).reshape(shape)
+            out[name] = bf16_bits_to_float32(a) if info["dtype"] == "BF16" else a.astype(np.float32)
+    return out
+
+
+# ---- llmc's Llama model file (model.safetensors in a run directory) ------------------------------------------
+LLMC_FORMAT = "llmc"
+
+
+def write_llama_model(path: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: bool = False,
+                      tokenizer: str = "gpt2") -> None:
+    """Parameters under llmc's names (wte, wqkv, ...; per-layer tensors stacked), config in the metadata."""
+    n = llama3_spec.num_parameters(cfg)
+    if params.size != n:
+        raise ValueError(f"{path}: {params.size} parameters do not fit the config ({n})")
+    meta = {"format": LLMC_FORMAT, "family": "llama3", "config": json.dumps(asdict(cfg)), "tokenizer": tokenizer}
+    write_safetensors(path, split_flat(np.asarray(params, np.float32), llama3_spec.parameter_shapes(cfg)),
+                      "BF16" if bf16 else "F32", meta)
+
+
+def read_llama_header(path: str | Path) -> tuple[Llama3Config, dict]:
+    """(config, metadata) of an llmc Llama model file, without reading the parameters."""
+    header, _ = read_safetensors_header(path)
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or meta.get("format") != LLMC_FORMAT:
+        raise CheckpointError(f"{path}: not an llmc model file (no llmc metadata); for Hugging Face weights give "
+                              f"the directory holding config.json")
+    if meta.get("family") != "llama3":
+        raise CheckpointError(f"{path}: model family {meta.get('family')!r} (expected 'llama3')")
+    try:
+        fields = json.loads(meta["config"])
+        known = {f.name for f in dataclass_fields(Llama3Config)}
+        if not isinstance(fields, dict) or set(fields) - known:
+            raise ValueError(f"unknown fields {sorted(set(fields) - known) if isinstance(fields, dict) else fields}")
+        cfg = Llama3Config(**fields)
+        cfg.validate()
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: bad Llama config in the metadata ({type(e).__name__}: {e})") from None
+    return cfg, meta
+
+
+def read_llama_model(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
+    cfg, _ = read_llama_header(path)
+    tensors = read_safetensors(path)
+    flat = np.empty(llama3_spec.num_parameters(cfg), np.float32)
+    for name, view in split_flat(flat, llama3_spec.parameter_shapes(cfg)).items():
+        a = tensors.get(name)
+        if a is None:
+            raise CheckpointError(f"{path}: tensor {name} is missing")
+        if a.shape != view.shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {a.shape}, the config says {view.shape}")
+        view[...] = a
+    return cfg, flat
+
+
+# ---- any model file: GPT-2 as llm.c's .bin, Llama as model.safetensors ---------------------------------------
+ModelConfig = GPT2Config | Llama3Config
+MODEL_FILES = ("model.bin", "model.safetensors")
+TOKENIZER_FILE = "tokenizer.model"  # Meta's tiktoken-format Llama 3 ranks, as Hugging Face directories hold it
+
+
+def model_file_name(cfg: ModelConfig) -> str:
+    return "model.bin" if isinstance(cfg, GPT2Config) else "model.safetensors"
+
+
+def write_model_file(path: str | Path, cfg: ModelConfig, params: np.ndarray, bf16: bool = False,
+                     tokenizer: str = "gpt2") -> None:
+    if isinstance(cfg, GPT2Config):
+        write_model(path, cfg, params, bf16=bf16)  # llm.c's format has no tokenizer field: GPT-2's, always
+    else:
+        write_llama_model(path, cfg, params, bf16=bf16, tokenizer=tokenizer)
+
+
+def read_model_file(path: str | Path) -> tuple[ModelConfig, np.ndarray]:
+    """(config, float32 params) of an llm.c .bin or an llmc Llama model.safetensors, told apart by content."""
+    if _is_safetensors(path):
+        return read_llama_model(path)
+    cfg, params, _ = read_model(path)
+    return cfg, params
+
+
+def read_model_file_config(path: str | Path) -> ModelConfig:
+    if _is_safetensors(path):
+        return read_llama_header(path)[0]
+    return read_model_header(path)[0]
+
+
+def model_file_tokenizer(path: str | Path) -> str:
+    """The tokenizer a model file was trained with: llm.c files are GPT-2's, Llama files record theirs."""
+    if _is_safetensors(path):
+        tok = read_llama_header(path)[1].get("tokenizer", "gpt2")
+        return tok if isinstance(tok, str) else "gpt2"
+    return "gpt2"
+
+
+def _is_safetensors(path: str | Path) -> bool:
+    """llm.c files start with the int32 magic 20240326; a safetensors file with a small u64 header length."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return len(head) == 4 and int(np.frombuffer(head, "<i4")[0]) != MODEL_MAGIC and Path(path).suffix != ".bin"
+
+
 # ---- run directories ------------------------------------------------------------------------------------------
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def write_run_checkpoint(run_dir: str | Path, step: int, cfg: GPT2Config, params: np.ndarray, bf16: bool,
-                         optimizer: dict[str, np.ndarray], state: dict, keep: int = 0) -> Path:
-    """Writes step_NNNNNNNN/ atomically and then points `latest` at it; keeps the newest `keep` (0 = all)."""
+def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, params: np.ndarray, bf16: bool,
+                         optimizer: dict[str, np.ndarray], state: dict, keep: int = 0,
+                         tokenizer_file: str | Path | None = None) -> Path:
+    """Writes step_NNNNNNNN/ atomically and then points `latest` at it; keeps the newest `keep` (0 = all).
+    The model file is model.bin for GPT-2, model.safetensors for Llama; `tokenizer_file` (a Llama 3
+    tokenizer.model the run was started with) is copied once to the run directory, beside the steps."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_file is not None and not (run_dir / TOKENIZER_FILE).is_file():
+        atomic_write_bytes(run_dir / TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
     final = run_dir / step_dir_name(step)
     tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
     for stale in run_dir.glob(".step_*.tmp-*"):  # left behind by a killed writer (one writer per run dir)
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     fault_delay("model")
-    write_model(tmp / "model.bin", cfg, params, bf16=bf16)
+    write_model_file(tmp / model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=state.get("tokenizer", "gpt2"))
     fault_delay("optimizer")
     opt_path = tmp / "optimizer.npz"
     with open(opt_path, "wb") as f:
@@ -141,16 +334,20 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: GPT2Config, params
     fault_delay("latest")
     atomic_write_bytes(run_dir / "latest", [final.name.encode() + b"\n"])
     fault_delay("rotate")
-    if keep > 0:
-        steps = sorted(p for p in run_dir.glob("step_*") if p.is_dir())
-        for p in steps[:-keep]:
+    if keep > 0:  # the step just written always stays (even if a resumed run left newer-named steps behind)
+        others = sorted(p for p in run_dir.glob("step_*") if p.is_dir() and p.name != final.name)
+        for p in others[:max(len(others) - (keep - 1), 0)]:
             shutil.rmtree(p)
     return final
 
 
+def _model_in(step_dir: Path) -> Path | None:
+    return next((step_dir / f for f in MODEL_FILES if (step_dir / f).is_file()), None)
+
+
 def _complete_steps(run_dir: Path) -> list[Path]:
-    return sorted(p for p in run_dir.glob("step_*") if p.is_dir() and all(
-        (p / f).is_file() for f in ("model.bin", "optimizer.npz", "state.json")))
+    return sorted(p for p in run_dir.glob("step_*") if p.is_dir() and _model_in(p) is not None and all(
+        (p / f).is_file() for f in ("optimizer.npz", "state.json")))
 
 
 RUN_STATE_VERSION = 1
@@ -158,7 +355,7 @@ _STATE_KEYS = {"step": int, "dataloader": dict, "rng": dict, "args": dict}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory (its `latest`), a step directory or a model .bin -> the model .bin to load."""
+    """A run directory (its `latest`), a step directory or a model file -> the model file to load."""
     path = Path(path)
     if path.is_file():
         return path
@@ -168,22 +365,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}/latest: unreadable ({e})") from None
         step = path / name
-        if "/" in name or "\\" in name or not name.startswith("step_") or not (step / "model.bin").is_file():
+        if "/" in name or "\\" in name or not name.startswith("step_") or _model_in(step) is None:
             complete = _complete_steps(path)  # a crash between moving a step aside and `latest`: newest complete
             if complete:
-                return complete[-1] / "model.bin"
-            raise CheckpointError(f"{path}/latest points to {name!r}, which is not a step directory with a model.bin")
-        return step / "model.bin"
-    if (path / "model.bin").is_file():
-        return path / "model.bin"
-    raise CheckpointError(f"{path}: not a model .bin, a run directory with 'latest', or a step directory")
+                return _model_in(complete[-1])
+            raise CheckpointError(f"{path}/latest points to {name!r}, which is not a step directory with a "
+                                  f"model.bin or model.safetensors")
+        return _model_in(step)
+    if path.is_dir() and _model_in(path) is not None:
+        return _model_in(path)
+    raise CheckpointError(f"{path}: not a model file, a run directory with 'latest', or a step directory "
+                          f"(model.bin or model.safetensors)")
 
 
-def read_run_checkpoint(path: str | Path) -> tuple[GPT2Config, np.ndarray, dict[str, np.ndarray], dict]:
+def read_run_checkpoint(path: str | Path) -> tuple[ModelConfig, np.ndarray, dict[str, np.ndarray], dict]:
     """(config, float32 params, optimizer arrays, state) of a run directory's latest (or a step directory)."""
     model_path = resolve_checkpoint(path)
     step_dir = model_path.parent
-    cfg, params, _ = read_model(model_path)
+    cfg, params = read_model_file(model_path)
     state_path, opt_path = step_dir / "state.json", step_dir / "optimizer.npz"
     for p in (state_path, opt_path):
         if not p.is_file():

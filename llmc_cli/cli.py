@@ -66,7 +66,7 @@ class _Main(click.Group):
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="llmc")
 def main() -> None:
-    """llmc: train GPT-2 from scratch, llm.c style, on whatever hardware is here.
+    """llmc: train GPT-2 and Llama 3 from scratch, llm.c style, on whatever hardware is here.
 
     \b
     Example:
@@ -111,13 +111,15 @@ def backends(as_json: bool) -> None:
 @click.option("--model", default="d12", show_default=True,
               help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; Llama 3 llama3-tiny, llama3.2-1b, "
                    "llama3.2-3b, llama3.1-8b.")
-@click.option("--init", "init", default=None, type=click.Path(), help="Start from an llm.c model .bin instead.")
+@click.option("--init", "init", default=None, type=click.Path(),
+              help="Start from these weights instead: an llm.c .bin, a run directory, or a Hugging Face GPT-2 / "
+                   "Llama directory (fine-tuning).")
 @click.option("--n-layer", type=int, default=None, help="Override the preset's layer count.")
 @click.option("--n-head", type=int, default=None, help="Override the preset's head count.")
 @click.option("--n-embd", type=int, default=None, help="Override the preset's channels.")
 @click.option("--n-kv-head", type=int, default=None, help="Llama: key/value heads (grouped-query attention).")
 @click.option("--block-size", type=int, default=None, help="Max sequence length in tokens (default: the preset's).")
-@click.option("--recompute", type=click.Choice(["none", "gelu", "gelu+layernorm"]), default="none",
+@click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default="none",
               show_default=True, help="GPT-2: recompute these activations in backward instead of keeping them.")
 @click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component, then exit.")
 @click.option("-b", "--batch-size", type=int, default=4, show_default=True, help="Micro-batch size (sequences).")
@@ -167,7 +169,7 @@ def backends(as_json: bool) -> None:
 @click.option("--init-addr", default=None, help="Multi-node NCCL without MPI: HOST:PORT where rank 0 listens "
               "and hands out NCCL's id.")
 def train(**o) -> None:
-    """Train a GPT-2.
+    """Train a GPT-2 or a Llama 3, from scratch (--model) or from weights (--init).
 
     \b
     Example:
@@ -175,6 +177,8 @@ def train(**o) -> None:
       llmc train --backend cpu --model d6 -b 4 -t 64 --steps 100 \\
           --data 'datasets/shakespeare/*train*.bin' --val-data 'datasets/shakespeare/*val*.bin' \\
           --out checkpoints/shakespeare --log checkpoints/shakespeare/log.jsonl
+      llmc train --backend cpu --model llama3-tiny -b 4 -t 64 --steps 100 \\
+          --data 'datasets/shakespeare/*train*.bin' --out checkpoints/llama-tiny
     """
     from .dataloader import DataError
     from .optim import AdamWConfig
@@ -187,8 +191,23 @@ def train(**o) -> None:
     for opt in ("skip_loss_z", "skip_grad_z", "max_bad_steps"):
         if not o[opt] >= 0:
             fail(f"--{opt.replace('_', '-')} must be >= 0 (got {o[opt]}; 0 = off)")
+    if o["hellaswag"]:  # checked now: a bad eval file is one line before anything runs, not after the banner
+        from .dataloader import read_evalfile
+        try:
+            read_evalfile(o["hellaswag"])
+        except DataError as e:
+            fail(f"--hellaswag: {e}")
     if o.pop("dry_run"):
         return dry_run(o)
+    if o["out"]:  # a run directory is continued only on purpose: a fresh run must not clobber its checkpoints
+        from pathlib import Path
+        out = Path(o["out"])
+        if out.exists() and not out.is_dir():
+            fail(f"--out {out} is a file; expected a run directory (new or holding a run to --resume)")
+        if not o["resume"] and (out / "latest").exists():  # `latest` is what --resume continues from
+            held = sorted(p.name for p in out.glob("step_*") if p.is_dir())
+            fail(f"--out {out} already holds a run (checkpoints up to {held[-1] if held else '?'}); add --resume "
+                 "to continue it, or give another --out; nothing was changed")
     # data parallel (issue 7): start the ranks here, or take this process's place among them
     from . import comm as comm_mod
     gpus, procs, init_file, init_addr = o.pop("gpus"), o.pop("procs"), o.pop("init_file"), o.pop("init_addr")
@@ -228,6 +247,12 @@ def train(**o) -> None:
         trainer = Trainer(args, backend, say=console.print, decode=decode, eot=eot, comm=comm)
     except (TrainError, DataError, ValueError, OSError) as e:
         fail(str(e))
+    if trainer.tokenizer != "gpt2":  # Llama 3 shards: samples need Meta's ranks, from --init's directory
+        try:
+            tok = load_tokenizer(trainer.tokenizer, trainer.tokenizer_file)
+            trainer.decode, trainer.eot, trainer.sample_prompt = tok.decode, tok.eot, tok.doc_prefix
+        except Exception:
+            trainer.decode = None
     cfg = trainer.cfg
     console.print(f"backend: {backend.describe()} ({backend.dtype})")
     console.print(f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} "
@@ -324,16 +349,18 @@ def dry_run(o: dict) -> None:
 
 
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
+    """The model of any --checkpoint (GPT-2 or Llama, llmc file, run directory or Hugging Face directory),
+    planned for inference at (B, T)."""
     from . import checkpoint as ckpt
-    from .gpt2 import GPT2
     from .hf import load_model_any
+    from .models import family_of_config
     try:
         cfg, params, _ = load_model_any(checkpoint)
     except ckpt.CheckpointError as e:
         fail(f"--checkpoint: {e}")
     if T > cfg.block_size:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
-    model = GPT2(cfg, backend, B, T, training=False)
+    model = family_of_config(cfg).model_class(cfg, backend, B, T, training=False)
     model.load_parameters(params)
     return model
 
@@ -355,7 +382,8 @@ def load_for_inference(checkpoint: str, backend, B: int, T: int):
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
 def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, temperature, top_k, top_p, seed,
            no_kv_cache, backend, device, dtype) -> None:
-    """Generate text from a trained model, streaming it as it comes; tokens/s goes to stderr at the end.
+    """Generate text from a trained GPT-2 or Llama 3, streaming it as it comes; tokens/s goes to stderr at the end.
+    The tokenizer is the checkpoint's: GPT-2's, or a Llama directory's tokenizer.model.
     Uses a key/value cache where the backend has one (each new token costs one position, not the window).
 
     \b
@@ -369,7 +397,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
 
     from . import checkpoint as ckpt
     from .generate import has_kv_cache
-    from .hf import load_config_any
+    from .hf import load_config_any, tokenizer_for
     from .sample import generate
     from .tokenizer import load_tokenizer
     if max_new_tokens < 0:
@@ -386,12 +414,17 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--prompt-file: {prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
     prompt = prompt or ""
-    tok = load_tokenizer("gpt2")
+    from .dataloader import DataError
     try:
         cfg = load_config_any(checkpoint)
-    except ckpt.CheckpointError as e:
+        tok_name, tok_file = tokenizer_for(checkpoint)
+        tok = load_tokenizer(tok_name, tok_file)
+    except (ckpt.CheckpointError, DataError) as e:  # DataError: an unreadable or unknown tokenizer
         fail(f"--checkpoint: {e}")
-    ids = tok.encode(prompt) if prompt else [tok.eot]
+    # GPT-2 documents start with <|endoftext|>, which also seeds an empty prompt (llm.c); Llama 3 documents
+    # start with <|begin_of_text|>, which Meta's and Hugging Face's tokenizers put before every prompt
+    prefix = [] if tok.name == "gpt2" else tok.doc_prefix
+    ids = prefix + tok.encode(prompt) if prompt else (prefix or [tok.eot])
     if max(ids) >= cfg.vocab_size:
         fail(f"the prompt has token id {max(ids)}, outside the model's vocabulary ({cfg.vocab_size})")
     be = make_backend(backend, device, dtype)
@@ -409,7 +442,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         shown = ""
         t0 = time.perf_counter()
         for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
-                          kv_cache=kv):
+                          kv_cache=kv, vocab_limit=tok.vocab_size):
             out.append(t)
             text = tok.decode(out)
             if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing

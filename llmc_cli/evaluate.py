@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dataloader import DataError, ValLoader, read_evalfile
-from .gpt2 import GPT2
+from .model import Model
 
 NUM_ENDINGS = 4
 
 
-def evaluate_loss(model: GPT2, loader: ValLoader, batches: int) -> float:
+def evaluate_loss(model: Model, loader: ValLoader, batches: int) -> float:
     """Mean loss over the first `batches` batches of the loader, in order (0 = all of them, once)."""
     total, n = 0.0, 0
     for x, y in loader.batches(batches):
@@ -81,19 +81,19 @@ class HellaSwag:
             raise DataError(f"{path}: no examples")
         self.longest = max(len(e["ctx_tokens"]) + max(len(t) for t in e["ending_tokens"]) for e in self.examples)
         self.max_id = max(max(e["ctx_tokens"] + sum(e["ending_tokens"], []), default=0) for e in self.examples)
-        self._model: GPT2 | None = None
+        self._model: Model | None = None
 
-    def model_for(self, model: GPT2) -> GPT2:
+    def model_for(self, model: Model) -> Model:
         cfg = model.cfg
         if self.max_id >= cfg.vocab_size:
             raise DataError(f"{self.path}: token id {self.max_id} is outside the model's vocabulary "
                             f"({cfg.vocab_size})")
         if self._model is None or self._model.params is not model.params:
             T = min(cfg.block_size, self.longest - 1)
-            self._model = GPT2(cfg, model.backend, NUM_ENDINGS, max(T, 1), training=False, share_params=model)
+            self._model = type(model)(cfg, model.backend, NUM_ENDINGS, max(T, 1), training=False, share_params=model)
         return self._model
 
-    def score(self, model: GPT2, ex: dict) -> tuple[np.ndarray, np.ndarray]:
+    def score(self, model: Model, ex: dict) -> tuple[np.ndarray, np.ndarray]:
         """(summed ending loss (4,), mean ending loss per token (4,)) of one example, float64."""
         m = self.model_for(model)
         x, y, mask = render_example(ex, m.T)
@@ -102,7 +102,7 @@ class HellaSwag:
         sums = (losses * mask).sum(axis=1)
         return sums, sums / np.maximum(mask.sum(axis=1), 1)
 
-    def evaluate(self, model: GPT2) -> HellaSwagResult:
+    def evaluate(self, model: Model) -> HellaSwagResult:
         correct = correct_norm = 0
         for ex in self.examples:
             sums, means = self.score(model, ex)

@@ -1,8 +1,7 @@
 """Hugging Face interop for GPT-2: a directory with config.json (GPT2LMHeadModel) and model.safetensors under
-transformers' names, written and read here without the `safetensors` package or torch.
-
-safetensors: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}} (offsets
-relative to the end of the header, which is space-padded to a multiple of 8), then the raw little-endian data.
+transformers' names, written and read here without the `safetensors` package or torch (the format lives in
+checkpoint.py). Also what every family shares: sharded directories, recognising any model source (llm.c .bin,
+run directory, Hugging Face directory of GPT-2 or Llama) and `llmc convert`.
 
 transformers' GPT-2 uses Conv1D layers, whose weights are (in_features, out_features): the transpose of llm.c's
 (OC, C). wte is stored with the real vocabulary (llm.c pads it to a multiple of 128 with zero rows) and the
@@ -18,83 +17,89 @@ import click
 import numpy as np
 
 from . import checkpoint as ckpt
+from .checkpoint import ST_DTYPES, read_safetensors, read_safetensors_header, write_safetensors  # noqa: F401
 from .gpt2 import GPT2Config, num_parameters, parameter_shapes
+from .model import split_flat
 
-ST_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-# ---- safetensors ----------------------------------------------------------------------------------------------
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
-                      metadata: dict[str, str] | None = None) -> None:
-    """float32 arrays -> one safetensors file in `dtype` (F32, or BF16 rounded to nearest even), atomically."""
-    if dtype not in ("F32", "BF16"):
-        raise ValueError(f"safetensors dtype {dtype} (F32 or BF16)")
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    blobs, off = [], 0
+# ---- Hugging Face directories, any family: single-file or sharded safetensors under an index ------------------
+def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as float32."""
+    path = Path(path)
+    if (path / INDEX).is_file() and not (path / WEIGHTS).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("weight_map is not an object of file names")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ckpt.CheckpointError(f"{path / INDEX}: unreadable index ({type(e).__name__}: {e})") from None
+        tensors: dict[str, np.ndarray] = {}
+        for fname in sorted(set(weight_map.values())):
+            if "/" in fname or "\\" in fname or not (path / fname).is_file():
+                raise ckpt.CheckpointError(f"{path / INDEX} names shard {fname}, which is missing from {path}")
+            tensors.update(read_safetensors(path / fname, {n for n, f in weight_map.items() if f == fname}))
+        return tensors
+    if not (path / WEIGHTS).is_file():
+        other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
+        hint = f" (found {', '.join(other)}: PyTorch pickles, which llmc does not read)" if other else ""
+        raise ckpt.CheckpointError(f"{path}: no {WEIGHTS} or {INDEX}{hint}")
+    return read_safetensors(path / WEIGHTS)
+
+
+def write_hf_weights(out: Path, tensors: dict[str, np.ndarray], bf16: bool = False,
+                     max_shard_bytes: int = 5 * 2**30) -> None:
+    """The weights as transformers' save_pretrained lays them out: one model.safetensors, or shards of at most
+    `max_shard_bytes` (model-00001-of-00003.safetensors) and an index when they do not fit one."""
+    itemsize = 2 if bf16 else 4
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
     for name, a in tensors.items():
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        raw = (ckpt.float32_to_bf16_bits(a).astype("<u2") if dtype == "BF16" else a.astype("<f4")).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    ckpt.atomic_write_bytes(path, [np.uint64(len(h)).astype("<u8").tobytes(), h, *blobs])
+        nbytes = a.size * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += nbytes
+    dtype, meta = ("BF16" if bf16 else "F32"), {"format": "pt", "written_by": "llmc"}
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX]:  # a previous export's other shard count
+        if stale.exists():
+            stale.unlink()
+    if len(shards) == 1:
+        write_safetensors(out / WEIGHTS, shards[0], dtype, meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out / fname, shard, dtype, meta)
+        weight_map.update({n: fname for n in shard})
+    index = {"metadata": {"total_size": sum(a.size * itemsize for a in tensors.values())}, "weight_map": weight_map}
+    ckpt.atomic_write_bytes(out / INDEX, [json.dumps(index, indent=2).encode()])
 
 
-def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
-    """(header dict, byte offset where the data starts)."""
+def read_config_json(path: str | Path) -> dict:
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ckpt.CheckpointError(f"{path}: too short for a safetensors file")
-            n = int(np.frombuffer(head, "<u8")[0])
-            if n > 100 * 2**20:
-                raise ckpt.CheckpointError(f"{path}: header length {n} is implausible (not a safetensors file)")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise ckpt.CheckpointError(f"{path}: no such file") from None
-    try:
-        header = json.loads(raw)
-        assert isinstance(header, dict)
-    except (ValueError, AssertionError):
-        raise ckpt.CheckpointError(f"{path}: the header is not JSON (not a safetensors file)") from None
-    return header, 8 + n
+        c = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}/config.json: unreadable ({e})") from None
+    if not isinstance(c, dict):
+        raise ckpt.CheckpointError(f"{path}/config.json: expected a JSON object, got {type(c).__name__}")
+    return c
 
 
-def read_safetensors(path: str | Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """name -> float32 array (F32, BF16, F16), for every tensor or only those in `names`."""
-    path = Path(path)
-    header, start = read_safetensors_header(path)
-    size = path.stat().st_size
-    out = {}
-    with open(path, "rb") as f:
-        for name, info in header.items():
-            if name == "__metadata__" or (names is not None and name not in names):
-                continue
-            if not isinstance(info, dict):
-                raise ckpt.CheckpointError(f"{path}: tensor {name} has no dtype/shape/data_offsets entry")
-            dt = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
-            if dt is None:
-                raise ckpt.CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype')} "
-                                           f"(supported: {', '.join(ST_DTYPES)})")
-            offs, shape = info.get("data_offsets"), info.get("shape")
-            if not (isinstance(offs, list) and len(offs) == 2 and isinstance(shape, list)
-                    and all(type(v) is int and v >= 0 for v in offs + shape) and offs[0] <= offs[1]):
-                raise ckpt.CheckpointError(f"{path}: tensor {name} has a bad shape {shape!r} or data_offsets "
-                                           f"{offs!r} (non-negative integers expected)")
-            b, e = offs
-            shape = tuple(shape)
-            if start + e > size or e - b != int(np.prod(shape, dtype=object)) * dt.itemsize:
-                raise ckpt.CheckpointError(f"{path}: tensor {name} data out of bounds or of the wrong size")
-            f.seek(start + b)
-            a = np.frombuffer(f.read(e - b), dtype=dt).reshape(shape)
-            out[name] = ckpt.bf16_bits_to_float32(a) if info["dtype"] == "BF16" else a.astype(np.float32)
-    return out
+HF_MODEL_TYPES = ("gpt2", "llama")
+
+
+def hf_model_type(path: str | Path) -> str:
+    """config.json's model_type, checked to be one llmc has a model for."""
+    kind = read_config_json(path).get("model_type")
+    if kind not in HF_MODEL_TYPES:
+        raise ckpt.CheckpointError(f"{Path(path) / 'config.json'}: model_type {kind!r} is not supported "
+                                   f"(llmc reads {' and '.join(HF_MODEL_TYPES)})")
+    return kind
 
 
 # ---- GPT-2 <-> transformers' names ----------------------------------------------------------------------------
@@ -109,17 +114,8 @@ def _layer_map(l: int) -> list[tuple[str, str, bool]]:
             ("fcprojw", h + "mlp.c_proj.weight", True), ("fcprojb", h + "mlp.c_proj.bias", False)]
 
 
-def split(cfg: GPT2Config, params: np.ndarray) -> dict[str, np.ndarray]:
-    out, off = {}, 0
-    for name, shape in parameter_shapes(cfg):
-        n = int(np.prod(shape))
-        out[name] = params[off:off + n].reshape(shape)
-        off += n
-    return out
-
-
 def to_hf_tensors(cfg: GPT2Config, params: np.ndarray) -> dict[str, np.ndarray]:
-    p = split(cfg, np.asarray(params, dtype=np.float32))
+    p = split_flat(np.asarray(params, dtype=np.float32), parameter_shapes(cfg))
     t = {"transformer.wte.weight": p["wte"][:cfg.vocab_size], "transformer.wpe.weight": p["wpe"]}
     for l in range(cfg.n_layer):
         for ours, theirs, tr in _layer_map(l):
@@ -146,8 +142,7 @@ def export_hf(out_dir: str | Path, cfg: GPT2Config, params: np.ndarray, bf16: bo
     if out.exists() and not out.is_dir():
         raise ckpt.CheckpointError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / WEIGHTS, to_hf_tensors(cfg, params), "BF16" if bf16 else "F32",
-                      {"format": "pt", "written_by": "llmc"})
+    write_hf_weights(out, to_hf_tensors(cfg, params), bf16)
     conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32"), indent=2) + "\n"
     ckpt.atomic_write_bytes(out / "config.json", [conf.encode()])
     return out
@@ -159,13 +154,9 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def read_hf_config(path: str | Path) -> GPT2Config:
     path = Path(path)
-    try:
-        c = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: unreadable ({e})") from None
-    if not isinstance(c, dict) or c.get("model_type") != "gpt2":
-        kind = c.get("model_type") if isinstance(c, dict) else None
-        raise ckpt.CheckpointError(f"{path}: config.json is for model_type {kind!r}, not a GPT-2 (gpt2)")
+    c = read_config_json(path)
+    if c.get("model_type") != "gpt2":
+        raise ckpt.CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a GPT-2 (gpt2)")
     try:
         cfg = GPT2Config(block_size=int(c["n_positions"]), vocab_size=int(c["vocab_size"]),
                          n_layer=int(c["n_layer"]), n_head=int(c["n_head"]), n_embd=int(c["n_embd"]))
@@ -185,22 +176,8 @@ def import_hf(path: str | Path) -> tuple[GPT2Config, np.ndarray]:
     """(config, float32 parameters in llm.c's layout) from a Hugging Face GPT-2 directory."""
     path = Path(path)
     cfg = read_hf_config(path)
-    files = [path / WEIGHTS]
-    if not files[0].is_file():
-        if (path / INDEX).is_file():
-            try:
-                wmap = json.loads((path / INDEX).read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise ckpt.CheckpointError(f"{path / INDEX}: unreadable ({e})") from None
-            files = [path / f for f in sorted(set(wmap.values()))]
-        else:
-            other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
-            hint = f" (found {', '.join(other)}: PyTorch pickles, which llmc does not read)" if other else ""
-            raise ckpt.CheckpointError(f"{path}: no {WEIGHTS}{hint}")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        for name, a in read_safetensors(f).items():
-            tensors[name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name] = a
+    tensors = {name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name: a
+               for name, a in read_hf_tensors(path).items()}
     p = {n: np.zeros(s, np.float32) for n, s in parameter_shapes(cfg)}
 
     def get(name: str, shape: tuple) -> np.ndarray:
@@ -227,34 +204,84 @@ def import_hf(path: str | Path) -> tuple[GPT2Config, np.ndarray]:
 
 
 # ---- any model source -----------------------------------------------------------------------------------------
-def load_model_any(path: str | Path) -> tuple[GPT2Config, np.ndarray, str]:
-    """(config, float32 params, kind) from an llm.c .bin ("llmc"), a run or step directory ("run") or a Hugging
-    Face directory ("hf"), recognised by content. Raises CheckpointError with a one-line reason."""
+def load_model_any(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]:
+    """(config, float32 params, kind) from a model file ("llmc": llm.c .bin or llmc's Llama model.safetensors),
+    a run or step directory ("run") or a Hugging Face GPT-2 or Llama directory ("hf"), recognised by content.
+    Raises CheckpointError with a one-line reason."""
     path = Path(path)
     if not path.exists():
         raise ckpt.CheckpointError(f"{path}: no such file or directory")
     if is_hf_dir(path):
-        cfg, params = import_hf(path)
+        if hf_model_type(path) == "llama":
+            from .llama3_hf import import_hf as import_llama
+            cfg, params = import_llama(path)
+        else:
+            cfg, params = import_hf(path)
         return cfg, params, "hf"
-    model_bin = _resolve(path)
-    cfg, params, _ = ckpt.read_model(model_bin)
+    cfg, params = ckpt.read_model_file(_resolve(path))
     return cfg, params, ("llmc" if path.is_file() else "run")
 
 
-def load_config_any(path: str | Path) -> GPT2Config:
+def load_config_any(path: str | Path) -> ckpt.ModelConfig:
     """The model config alone (cheap: no parameters read)."""
     if is_hf_dir(path):
+        if hf_model_type(path) == "llama":
+            from .llama3_hf import read_hf_config as read_llama_config
+            return read_llama_config(path)
         return read_hf_config(path)
-    cfg, _ = ckpt.read_model_header(_resolve(path))
-    return cfg
+    return ckpt.read_model_file_config(_resolve(path))
+
+
+def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
+    """(tokenizer name, its ranks file or None) that a model source was trained with: GPT-2's for llm.c files
+    and GPT-2 directories; for Llama, what its run recorded (a from-scratch run on GPT-2 shards says "gpt2"),
+    or a Hugging Face directory's tokenizer.model (Meta's tiktoken format). A Llama 3 tokenizer whose file is
+    not there is an error naming the file expected."""
+    path = Path(path)
+    if is_hf_dir(path):
+        if hf_model_type(path) == "gpt2" or read_config_json(path).get(LLMC_TOKENIZER_KEY) == "gpt2":
+            return "gpt2", None
+        where = [path]
+    else:
+        model_file = _resolve(path)
+        name = ckpt.model_file_tokenizer(model_file)
+        if name != "llama3":
+            return name, None
+        where = [model_file.parent, model_file.parent.parent]  # the step directory, then its run directory
+    for d in where:
+        if (d / ckpt.TOKENIZER_FILE).is_file():
+            return "llama3", d / ckpt.TOKENIZER_FILE
+    raise ckpt.CheckpointError(f"{path}: a Llama 3 model needs its tokenizer, {ckpt.TOKENIZER_FILE} (Meta's "
+                               f"tiktoken-format ranks; tokenizer.json is not read), expected in "
+                               f"{' or '.join(str(d) for d in where)}")
+
+
+LLMC_TOKENIZER_KEY = "llmc_tokenizer"  # config.json of a Llama llmc trained with GPT-2's tokenizer says so
 
 
 def _resolve(path: str | Path) -> Path:
     path = Path(path)
-    if path.is_dir() and not (path / "latest").is_file() and not (path / "model.bin").is_file():
-        raise ckpt.CheckpointError(f"{path}: not a run directory (no 'latest'), a step directory (no model.bin) "
-                                   f"or a Hugging Face directory (no config.json)")
+    if path.is_dir() and not (path / "latest").is_file() and not any((path / f).is_file() for f in ckpt.MODEL_FILES):
+        raise ckpt.CheckpointError(f"{path}: not a run directory (no 'latest'), a step directory (no model.bin or "
+                                   f"model.safetensors) or a Hugging Face directory (no config.json)")
     return ckpt.resolve_checkpoint(path)
+
+
+def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False, tokenizer: str = "gpt2",
+               tokenizer_file: str | Path | None = None) -> Path:
+    """A new run directory holding the model alone: step_00000000/<model file> and `latest` pointing at it
+    (plus a Llama's tokenizer.model beside the steps). It samples, evaluates, converts and serves as --init like
+    any run; resuming it says that it holds only a model (no optimizer state)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
+    step = out / ckpt.step_dir_name(0)
+    step.mkdir(parents=True, exist_ok=True)
+    if tokenizer_file is not None:
+        ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
+    ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
+    ckpt.atomic_write_bytes(out / "latest", [step.name.encode() + b"\n"])
+    return out
 
 
 # ---- llmc convert ---------------------------------------------------------------------------------------------
@@ -263,34 +290,62 @@ def _resolve(path: str | Path) -> Path:
 @click.argument("dst", type=click.Path())
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
               help="Precision of the written weights.")
-def convert(src: str, dst: str, dtype: str) -> None:
-    """Convert a GPT-2 between an llm.c .bin, a run directory (its latest checkpoint) and a Hugging Face
-    directory. SRC is recognised by content; DST is an llm.c model file when it ends in .bin, otherwise a
-    Hugging Face directory (config.json + model.safetensors).
+@click.option("--to", "to", type=click.Choice(["auto", "run"]), default="auto", show_default=True,
+              help="run = write DST as a new run directory (step_00000000/ holding the model, and 'latest'), "
+                   "which --checkpoint and --init read; auto = by DST's name as described above.")
+def convert(src: str, dst: str, dtype: str, to: str = "auto") -> None:
+    """Convert a GPT-2 or Llama 3 between llmc's files, a run directory (its latest checkpoint) and a Hugging
+    Face directory. SRC is recognised by content. DST is an llm.c model file when it ends in .bin (GPT-2),
+    llmc's Llama model file when it ends in .safetensors (usable with --checkpoint and --init), otherwise a
+    Hugging Face directory (config.json + model.safetensors, sharded past 5 GiB; a Llama's tokenizer.model
+    is copied along).
 
     \b
     Example:
       llmc convert checkpoints/shakespeare hf/shakespeare          # run dir -> Hugging Face
       llmc convert hf/shakespeare model.bin --dtype bf16           # Hugging Face -> llm.c (version 5)
+      llmc convert hf/gpt2 checkpoints/gpt2 --to run                # Hugging Face -> run directory
+      llmc convert hf/Llama-3.2-1B llama.safetensors               # Hugging Face Llama -> llmc
     """
     from .cli import console, fail
     try:
         cfg, params, kind = load_model_any(src)
     except ckpt.CheckpointError as e:
         fail(f"SRC: {e}")
+    llama = not isinstance(cfg, GPT2Config)
+    tok_name, tok_file = "gpt2", None
+    if llama:
+        try:
+            tok_name, tok_file = tokenizer_for(src)
+        except ckpt.CheckpointError:  # a Llama 3 tokenizer that is not there: nothing to copy along
+            tok_name = "llama3"
     bf16 = dtype == "bf16"
     d = Path(dst)
     try:
-        if d.suffix == ".bin":
+        if to == "run":
+            export_run(d, cfg, params, bf16=bf16, tokenizer=tok_name, tokenizer_file=tok_file if llama else None)
+            what = f"run directory ({ckpt.step_dir_name(0)}/{ckpt.model_file_name(cfg)}, latest; model only)"
+        elif d.suffix in (".bin", ".safetensors"):
             if d.is_dir():
                 fail(f"DST: {d} is a directory")
+            if d.suffix == ".bin" and llama:
+                fail(f"DST: {d}: llm.c's .bin holds GPT-2 only; write a Llama to a .safetensors file (llmc's "
+                     f"format) or a directory (Hugging Face)")
+            if d.suffix == ".safetensors" and not llama:
+                fail(f"DST: {d}: write a GPT-2 to a .bin file (llm.c's format) or a directory (Hugging Face); "
+                     f".safetensors files are llmc's Llama format")
             d.parent.mkdir(parents=True, exist_ok=True)
-            ckpt.write_model(d, cfg, params, bf16=bf16)
-            what = f"llm.c model file (version {ckpt.VERSION_BF16 if bf16 else ckpt.VERSION_FP32})"
+            ckpt.write_model_file(d, cfg, params, bf16=bf16, tokenizer=tok_name)
+            what = (f"llm.c model file (version {ckpt.VERSION_BF16 if bf16 else ckpt.VERSION_FP32})" if not llama
+                    else "llmc Llama model file")
         else:
             if d.exists() and not d.is_dir():
-                fail(f"DST: {d} exists and is not a directory (name an llm.c file with .bin)")
-            export_hf(d, cfg, params, bf16=bf16)
+                fail(f"DST: {d} exists and is not a directory (name a model file with .bin or .safetensors)")
+            if llama:
+                from .llama3_hf import export_hf as export_llama
+                export_llama(d, cfg, params, bf16=bf16, tokenizer=tok_name, tokenizer_file=tok_file)
+            else:
+                export_hf(d, cfg, params, bf16=bf16)
             what = "Hugging Face directory (config.json, model.safetensors)"
     except (OSError, ckpt.CheckpointError) as e:
         fail(f"DST: {e}")

@@ -1,5 +1,6 @@
 """Hugging Face interop for Llama 3: a directory with config.json (LlamaForCausalLM) and safetensors weights under
-transformers' names, single-file or sharded with model.safetensors.index.json, read and written without torch.
+transformers' names, single-file or sharded with model.safetensors.index.json, read and written without torch
+(the directory and file handling is hf.py's, shared with GPT-2).
 
 transformers' Llama applies rotary embeddings to the two halves of each head (rotate_half) where Meta's code,
 and llmc's rope kernels, rotate adjacent pairs; Meta's conversion script therefore permutes the rows of q_proj
@@ -14,11 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoint as ckpt
-from .hf import INDEX, WEIGHTS, read_safetensors, write_safetensors
+from .hf import LLMC_TOKENIZER_KEY, read_config_json, read_hf_tensors, write_hf_weights
 from .llama3 import Llama3Config, num_parameters, parameter_shapes
+from .model import split_flat
 
 
-def hf_config(cfg: Llama3Config, dtype: str = "float32") -> dict:
+def hf_config(cfg: Llama3Config, dtype: str = "float32", tokenizer: str = "llama3") -> dict:
     scaling = None
     if cfg.rope_scaling is not None:
         scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
@@ -32,18 +34,15 @@ def hf_config(cfg: Llama3Config, dtype: str = "float32") -> dict:
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
         "bos_token_id": 128000, "eos_token_id": 128001,
-    }
+    } | ({LLMC_TOKENIZER_KEY: "gpt2", "bos_token_id": 50256, "eos_token_id": 50256} if tokenizer == "gpt2" else {})
 
 
 def read_hf_config(path: str | Path) -> Llama3Config:
     path = Path(path)
-    try:
-        c = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: unreadable ({e})") from None
-    if not isinstance(c, dict) or c.get("model_type") != "llama":
-        kind = c.get("model_type") if isinstance(c, dict) else None
-        raise ckpt.CheckpointError(f"{path}: config.json is for model_type {kind!r}, not a Llama (llama)")
+    c = read_config_json(path)
+    if c.get("model_type") != "llama":
+        raise ckpt.CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a Llama "
+                                   f"(llama)")
     try:
         C, NH = int(c["hidden_size"]), int(c["num_attention_heads"])
         scaling = c.get("rope_scaling") or None
@@ -78,17 +77,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
 
 
-def split(cfg: Llama3Config, params: np.ndarray) -> dict[str, np.ndarray]:
-    out, off = {}, 0
-    for name, shape in parameter_shapes(cfg):
-        n = int(np.prod(shape))
-        out[name] = params[off:off + n].reshape(shape)
-        off += n
-    return out
-
-
 def to_hf_tensors(cfg: Llama3Config, params: np.ndarray) -> dict[str, np.ndarray]:
-    p = split(cfg, params)
+    p = split_flat(np.asarray(params, dtype=np.float32), parameter_shapes(cfg))
     NH, NKV, hd, H = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim
     t = {"model.embed_tokens.weight": p["wte"]}
     for l in range(cfg.n_layer):
@@ -110,59 +100,22 @@ def to_hf_tensors(cfg: Llama3Config, params: np.ndarray) -> dict[str, np.ndarray
 
 
 def export_hf(out_dir: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: bool = False,
-              max_shard_bytes: int = 5 * 2**30) -> Path:
+              max_shard_bytes: int = 5 * 2**30, tokenizer: str = "llama3",
+              tokenizer_file: str | Path | None = None) -> Path:
     """Writes config.json and the weights, split into shards of at most `max_shard_bytes` with an index file
-    when they do not fit one (transformers' naming: model-00001-of-00003.safetensors)."""
+    when they do not fit one (transformers' naming: model-00001-of-00003.safetensors). `tokenizer` "gpt2" (a
+    model llmc trained from scratch on GPT-2 shards) is recorded in config.json; a Llama 3 `tokenizer_file`
+    is copied in as tokenizer.model."""
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ckpt.CheckpointError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_tensors(cfg, params)
-    itemsize = 2 if bf16 else 4
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, a in tensors.items():
-        nbytes = a.size * itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = a
-        size += nbytes
-    dtype = "BF16" if bf16 else "F32"
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX]:
-        if stale.exists():
-            stale.unlink()
-    if len(shards) == 1:
-        write_safetensors(out / WEIGHTS, shards[0], dtype)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(out / fname, shard, dtype)
-            weight_map.update({n: fname for n in shard})
-        index = {"metadata": {"total_size": sum(a.size * itemsize for a in tensors.values())},
-                 "weight_map": weight_map}
-        ckpt.atomic_write_bytes(out / INDEX, [json.dumps(index, indent=2).encode()])
-    conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32"), indent=2)
+    write_hf_weights(out, to_hf_tensors(cfg, params), bf16, max_shard_bytes)
+    if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / ckpt.TOKENIZER_FILE).resolve():
+        ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
+    conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32", tokenizer), indent=2) + "\n"
     ckpt.atomic_write_bytes(out / "config.json", [conf.encode()])
     return out
-
-
-def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as float32."""
-    path = Path(path)
-    if (path / INDEX).is_file():
-        try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ckpt.CheckpointError(f"{path / INDEX}: unreadable index ({e})") from None
-        tensors = {}
-        for fname in sorted(set(weight_map.values())):
-            if not (path / fname).is_file():
-                raise ckpt.CheckpointError(f"{path / INDEX} names {fname}, which is missing")
-            tensors.update(read_safetensors(path / fname, {n for n, f in weight_map.items() if f == fname}))
-        return tensors
-    if not (path / WEIGHTS).is_file():
-        raise ckpt.CheckpointError(f"{path}: no {WEIGHTS} or {INDEX}")
-    return read_safetensors(path / WEIGHTS)
 
 
 def import_hf(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
@@ -181,7 +134,7 @@ def import_hf(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
         return t[name]
 
     params = np.empty(num_parameters(cfg), dtype=np.float32)
-    p = split(cfg, params)
+    p = split_flat(params, parameter_shapes(cfg))
     p["wte"][...] = get("model.embed_tokens.weight", (V, C))
     for l in range(cfg.n_layer):
         pre = f"model.layers.{l}."

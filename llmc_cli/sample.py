@@ -6,7 +6,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .gpt2 import GPT2
+from .model import Model
 
 
 def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
@@ -33,13 +33,14 @@ def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: floa
     return int(rng.choice(probs.size, p=probs))
 
 
-def generate(model: GPT2, prompt: list[int], max_new_tokens: int, rng: np.random.Generator,
+def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.random.Generator,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_token: int | None = None,
-             kv_cache: bool | None = None) -> Iterator[int]:
+             kv_cache: bool | None = None, vocab_limit: int | None = None) -> Iterator[int]:
     """Yields new token ids one at a time from a model planned for B=1, T=window; past the window the oldest
     tokens are dropped. With a KV cache (`kv_cache` None = whenever the backend announces CAP_KV_CACHE) the
     prefix is computed once and each new token costs one position; otherwise the whole window is rerun per
-    token (left-aligned). Both give the same logits, so the same tokens for the same rng."""
+    token (left-aligned). Both give the same logits, so the same tokens for the same rng. `vocab_limit` keeps
+    ids below the tokenizer's size where the model's vocabulary is larger (rows no tokenizer id names)."""
     if model.B != 1:
         raise ValueError("generate needs a model planned for B=1")
     if not prompt:
@@ -66,7 +67,7 @@ def generate(model: GPT2, prompt: list[int], max_new_tokens: int, rng: np.random
             buf[0, len(ctx):] = 0
             model.forward(buf)
             logits = model.logits_host(len(ctx) - 1)[0]
-        nxt = choose_token(logits, rng, temperature, top_k, top_p)
+        nxt = choose_token(logits[:vocab_limit], rng, temperature, top_k, top_p)
         if stop_token is not None and nxt == stop_token:
             return
         tokens.append(nxt)

@@ -94,6 +94,9 @@ def _field(obj, text_field: str, where: str) -> str:
         v = obj.get(text_field)
         if isinstance(v, str):
             return v
+        if text_field in obj:
+            raise DataError(f"{where}: field {text_field!r} is {type(v).__name__}, expected a string; "
+                            "use --text-field for another field")
         raise DataError(f"{where}: no string field {text_field!r} (fields: {', '.join(map(str, obj))}); "
                         "use --text-field")
     raise DataError(f"{where}: expected an object with a {text_field!r} field or a string, got {type(obj).__name__}")
@@ -207,16 +210,21 @@ def download(url: str, dest: Path, console=None) -> Path:
     return dest
 
 
-def hf_stream(repo: str, config: str | None, split: str = "train") -> Iterator[dict]:
-    """Stream a Hugging Face dataset (never fully in memory); clear errors when unavailable."""
+def hf_check(repo: str):
+    """Fail fast, before anything is written, when a Hugging Face dataset cannot be streamed: `datasets`
+    missing, or the hub unreachable. Returns ``datasets.load_dataset``."""
     try:
-        import datasets  # noqa: F401
         from datasets import load_dataset
     except ImportError:
         raise DataError(f"streaming {repo} needs Hugging Face datasets: pip install datasets "
                         "(or download its parquet files and pass --local PATH)") from None
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    _probe(endpoint)
+    _probe(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    return load_dataset
+
+
+def hf_stream(repo: str, config: str | None, split: str = "train", load_dataset=None) -> Iterator[dict]:
+    """Stream a Hugging Face dataset (never fully in memory); clear errors when unavailable."""
+    load_dataset = load_dataset or hf_check(repo)
     try:
         ds = load_dataset(repo, name=config, split=split, streaming=True)
         yield from ds
@@ -494,7 +502,7 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
                         "manifest to resume from; pass --force to overwrite them or choose another --out-dir")
     for p in stale:
         p.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # (out_dir is made by the first shard's write: input that fails before it leaves nothing behind)
 
     state = {"fingerprint": fp, "shards": list(done), "complete": False,
              "val_size": manifest.get("val_size") if (manifest and done) else None}
@@ -589,31 +597,35 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
         task = prog.add_task(f"tokenize {src.name}", total=total if not done else None,
                              tokens=0, tok_s=0.0, shard=k)
         ntok = 0
-        for idx, splits, arr, lens, nbytes in _encoded(_batches(doc_stream()), workers, tok):
-            off = 0
-            for i, s, ln in zip(idx, splits, lens.tolist()):
-                a = arr[off: off + ln]
-                off += ln
-                start = 0
-                if i == skip_doc and skip_off:
-                    a, start = a[skip_off:], skip_off
-                if len(a):
-                    pieces.append(_Piece(i, start, s, a))
-                    buffered += len(a)
-                next_doc = i + 1
-            ntok += int(arr.size)
-            summary.input_bytes += nbytes
-            el = max(time.perf_counter() - t0, 1e-9)
-            prog.update(task, advance=nbytes, tokens=ntok, tok_s=ntok / el)
-            drain(final=False)
-        drain(final=True)
+        try:
+            for idx, splits, arr, lens, nbytes in _encoded(_batches(doc_stream()), workers, tok):
+                off = 0
+                for i, s, ln in zip(idx, splits, lens.tolist()):
+                    a = arr[off: off + ln]
+                    off += ln
+                    start = 0
+                    if i == skip_doc and skip_off:
+                        a, start = a[skip_off:], skip_off
+                    if len(a):
+                        pieces.append(_Piece(i, start, s, a))
+                        buffered += len(a)
+                    next_doc = i + 1
+                ntok += int(arr.size)
+                summary.input_bytes += nbytes
+                el = max(time.perf_counter() - t0, 1e-9)
+                prog.update(task, advance=nbytes, tokens=ntok, tok_s=ntok / el)
+                drain(final=False)
+            drain(final=True)
+            if not state["shards"]:  # (before any manifest: a rerun must not find an "already complete" empty run)
+                raise DataError(f"{src.name}: the input holds no documents, no shards written")
+        except BaseException:  # the error line alone then says what happened (and how to resume)
+            prog.live.transient = True
+            raise
     state["complete"] = True
     state["val_size"] = val_size
     save_manifest()
     summary.shards = state["shards"]
     summary.seconds = time.perf_counter() - t0
-    if not summary.shards:
-        raise DataError(f"{src.name}: the input holds no documents, no shards written")
     return summary
 
 
@@ -646,17 +658,19 @@ TOKENS = _Tokens()
 
 
 def _friendly(fn):
-    """DataError -> one-line ``Error: ...`` and exit status 1."""
+    """DataError -> one line ``error: ...`` on stderr and exit status 2 (as every llmc command answers bad
+    input); Ctrl-C -> a line saying how to resume, exit status 130."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from llmc_cli.cli import fail  # (cli imports this module)
+
         try:
             return fn(*a, **kw)
         except DataError as e:
-            raise click.ClickException(str(e)) from None
+            fail(str(e))
         except KeyboardInterrupt:
-            raise click.ClickException("interrupted; run the same command again to resume "
-                                       "after the last finished shard") from None
+            fail("interrupted; run the same command again to resume after the last finished shard", code=130)
 
     return wrapper
 
@@ -722,7 +736,7 @@ Examples:
 
 @click.group(epilog=EPILOG_TOP)
 def tokenize():
-    """Tokenize corpora into llm.c-format shards (uint16 GPT-2 ids, 1 KiB header).
+    """Tokenize corpora into llm.c-format shards (1 KiB header; uint16 GPT-2 or uint32 Llama 3 ids).
 
     Writes <name>_val_000000.bin, <name>_train_000001.bin, ... under datasets/<name>/ (--out-dir
     overrides). Every document starts with <|endoftext|>. Interrupted runs resume after the last
@@ -828,9 +842,11 @@ def fineweb(fw_version, edu, local, text_field, **o):
     if local is not None:
         src = files_source(name, expand_inputs([local]), text_field)
     else:
+        load_dataset = hf_check(repo)  # offline or without `datasets`: one line now, before anything is written
+
         def docs():
-            for ex in hf_stream(repo, config):
-                yield None, ex[text_field]
+            for n, ex in enumerate(hf_stream(repo, config, load_dataset=load_dataset)):
+                yield None, _field(ex, text_field, f"{repo} ({config}) row {n}")
 
         src = Source(name, docs, {"hf": repo, "config": config})
     o["val_tokens"] = o.get("val_tokens") or o["shard_size"]

@@ -119,10 +119,11 @@ class Trainer:
                     raise TrainError(f"--resume: {opt} is {val} but the run in {a.out} was trained with "
                                      f"{old_args[key]} (give the same options, or start a new --out)")
         elif a.init:
-            try:
-                cfg, params, _ = ckpt.read_model(a.init)
+            from .hf import load_model_any
+            try:  # llm.c .bin, run directory, llmc Llama file or Hugging Face GPT-2 / Llama directory
+                cfg, params, _ = load_model_any(a.init)
             except ckpt.CheckpointError as e:
-                raise TrainError(str(e)) from None
+                raise TrainError(f"--init: {e}") from None
         else:
             cfg = model_config(a)
             params = family_for(a.model).module.init_parameters(cfg, a.seed)
@@ -130,9 +131,6 @@ class Trainer:
             raise TrainError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg = cfg
         self.family = family_of_config(cfg)
-        if self.family.name != "gpt2" and (a.out or a.resume):
-            raise TrainError(f"--out/--resume: run-directory checkpoints hold llm.c GPT-2 model files; "
-                             f"{a.model} ({self.family.name}) cannot be checkpointed yet")
         tokens_per_micro = B * T * self.comm.world_size  # one micro-step reads B*T tokens on every rank
         total = a.total_batch_size or tokens_per_micro
         if total % tokens_per_micro:
@@ -169,6 +167,21 @@ class Trainer:
                 raise TrainError(f"{opt}: the shards were tokenized with the {loader.tokenizer} vocabulary "
                                  f"({need:,} ids) but the model's vocab size is {cfg.vocab_size:,}; use a "
                                  f"{loader.tokenizer} model or re-tokenize the data")
+        # the tokenizer is the data's: sample/eval read it from the run directory to decode and encode prompts
+        self.tokenizer, self.tokenizer_file = self.train_loader.tokenizer, None
+        if resume_state is not None:
+            self.tokenizer = resume_state.get("tokenizer", "gpt2")  # runs from before the field: GPT-2 shards
+            kept = Path(a.out) / ckpt.TOKENIZER_FILE
+            self.tokenizer_file = kept if kept.is_file() else None
+        elif a.init and self.tokenizer == "llama3":
+            from .hf import tokenizer_for
+            try:
+                name, self.tokenizer_file = tokenizer_for(a.init)
+            except ckpt.CheckpointError:  # without the file the run still trains; sample says what is missing
+                name = "llama3"
+            if name != "llama3":
+                self.tokenizer_file = None
+        self.sample_prompt: list[int] | None = None  # default [eot]: how GPT-2 documents start
         self.rng = np.random.default_rng(a.seed)
         if resume_state is not None:
             self.opt.load_state(opt_state, resume_state["step"])
@@ -258,8 +271,8 @@ class Trainer:
             window = min(self.cfg.block_size, max(self.a.seq_len, 64))
             self.sampler = self.family.model_class(self.cfg, self.backend, 1, window, training=False,
                                                    share_params=self.model)
-        ids = list(generate(self.sampler, [self.eot], self.a.sample_tokens, self.rng, temperature=1.0,
-                            stop_token=self.eot))
+        ids = list(generate(self.sampler, self.sample_prompt or [self.eot], self.a.sample_tokens, self.rng,
+                            temperature=1.0, stop_token=self.eot))
         return self.decode(ids)
 
     def save(self, step: int) -> Path:
@@ -273,9 +286,10 @@ class Trainer:
                   "outliers": {"loss": self.loss_outliers.state(), "norm": self.norm_outliers.state(),
                                "bad_streak": self.bad_streak}}
         state |= {"world_size": self.comm.world_size, "tokens_per_step": self.tokens_per_step}
+        state |= {"family": self.family.name, "tokenizer": self.tokenizer}
         return ckpt.write_run_checkpoint(self.a.out, step, self.cfg, self.model.parameters_host(),
                                          bf16=self.backend.dtype == BFLOAT16, optimizer=opt_state,
-                                         state=state, keep=self.a.keep)
+                                         state=state, keep=self.a.keep, tokenizer_file=self.tokenizer_file)
 
     def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         a = self.a

@@ -24,7 +24,14 @@ import numpy as np
 import pytest
 
 from llmc_cli import registry
-from llmc_cli.kernels import BFLOAT16, CAP_BF16, FLOAT32, INT32, Backend, BackendUnavailable
+from llmc_cli.kernels import (
+    BFLOAT16,
+    CAP_BF16,
+    FLOAT32,
+    INT32,
+    Backend,
+    BackendUnavailable,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # backend discovery
@@ -224,3 +231,44 @@ def bf16_neighbours(x) -> tuple[np.ndarray, np.ndarray]:
     exact = (b & np.uint32(0xFFFF)) == 0
     hi = np.where(exact, lo, lo + np.uint32(0x10000)).astype(np.uint32)
     return lo.view(np.float32), hi.view(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command line on a tiny GPT-2 (tests of train / eval / sample / convert / faults)
+
+TINY = ["train", "--backend", "cpu", "--model", "d2", "--n-embd", "64", "-b", "2", "-t", "32", "--val-every", "0",
+        "--sample-every", "0"]
+
+
+def phrase_tokens(repeats: int, seed: int = 0, vocab: int = 50257) -> np.ndarray:
+    """A 40-token random phrase rolled `repeats` times: a little structure, so a tiny model's loss can fall."""
+    phrase = np.random.default_rng(seed).integers(0, vocab, 40)
+    return np.concatenate([np.roll(phrase, k) for k in range(repeats)])
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """A folder with tiny_val_000000.bin (2,000 tokens) and tiny_train_000001.bin (4,800 tokens)."""
+    from llmc_cli.dataloader import write_shard
+    d = tmp_path_factory.mktemp("data")
+    tokens = phrase_tokens(120)
+    write_shard(d / "tiny_val_000000.bin", tokens[:2000])
+    write_shard(d / "tiny_train_000001.bin", tokens)
+    return d
+
+
+def run(*args, ok: bool = True):
+    """`llmc ARGS` in-process through click's runner; raises with the output unless it exits 0 (or ok=False)."""
+    from click.testing import CliRunner
+
+    from llmc_cli.cli import main
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if ok and r.exit_code != 0:
+        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
+    return r
+
+
+def losses(log) -> list[float]:
+    """The training losses of a --log JSONL file, in order."""
+    import json
+    return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]

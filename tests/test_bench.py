@@ -56,7 +56,8 @@ def test_kernels_cpu_and_opencl_agree():
     assert {r["kernel"] for r in res["results"]} == names == ALL_KERNELS
     assert {"matmul_fwd qkv", "matmul_bwd fcproj +gelu'", "matmul_fwd classifier", "attention_bwd", "adamw",
             "global_norm", "classifier_fwd_bwd", "encoder_bwd", "fused_residual_layernorm_fwd"} <= names
-    assert len(res["results"]) == 2 * len(names)
+    decode = sum(bench.CAP_KV_CACHE in b.capabilities for _, b in backends)  # attention_decode is optional
+    assert len(res["results"]) == 2 * (len(names) - 1) + decode
     for r in res["results"]:
         _sane(r)
         if r["backend"] == "cpu":
@@ -159,3 +160,69 @@ def test_cli_train_json(tmp_path):
     out = json.loads(r.stdout)
     assert out["config"]["data"] == str(data) and out["results"][0]["name"] == "cpu"
     assert out["results"][0]["median_ms"] > 0 and out["config"]["flops_per_step"] > 0
+
+
+# ---- Llama 3 kernels, attention_decode, and backends that hold inputs in another dtype ------------------------
+def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
+    from llmc_cli.llama3 import preset as llama_preset
+    cfg = llama_preset("llama3-tiny", vocab_size=300)
+    names = {c.name for c in bench.kernel_cases(cfg, 2, 16)}
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd",
+            "attention_bwd", "attention_decode", "matmul_fwd w13", "matmul_bwd lm_head"} <= names
+    assert cfg.n_kv_head < cfg.n_head  # grouped-query attention on the model's real head counts
+    backends = _backends("cpu", "opencl")
+    res = bench.run_kernels(backends, cfg, 2, 16, repeat=1, warmup=0, reference=backends[0][1])
+    got = {(r["kernel"], r["backend"]) for r in res["results"]}
+    assert {(n, "cpu") for n in names} <= got and res["mismatches"] == []
+    for r in res["results"]:
+        _sane(r)
+
+    class BadRope(_cpu_class()):
+        name = "badrope"
+
+        def rope_forward(self, qkv, freqs_cis, n_head, n_kv_head):
+            super().rope_forward(qkv, -freqs_cis, n_head, n_kv_head)  # rotates the wrong way
+    res = bench.run_kernels([("cpu", backends[0][1]), ("badrope", BadRope())], cfg, 2, 16, repeat=1, warmup=0,
+                            reference=backends[0][1], only=["rope", "rmsnorm"])
+    assert {(m["kernel"], m["backend"]) for m in res["mismatches"]} == {("rope_fwd", "badrope")}
+
+
+def test_attention_decode_is_benchmarked_where_the_backend_has_it():
+    cfg = preset("d2", n_embd=64, vocab_size=1000)
+    backends = _backends("cpu", "opencl")
+    res = bench.run_kernels(backends, cfg, 2, 16, repeat=1, warmup=0, reference=backends[0][1],
+                            only=["attention_decode"])
+    for label, be in backends:
+        rows = [r for r in res["results"] if r["backend"] == label]
+        assert len(rows) == (1 if bench.CAP_KV_CACHE in be.capabilities else 0)
+    assert res["results"] and all(r["ok"] for r in res["results"])
+
+
+def test_reference_gets_the_inputs_from_before_the_call():
+    """A backend computing in another dtype is checked against the reference on the inputs it held *before*
+    the kernel ran: accumulating (+=) and in-place kernels must not be compared against their own output."""
+    class FakeBF16(_cpu_class()):
+        name, dtype = "fakebf16", bench.BFLOAT16
+
+        def alloc(self, shape, dtype=bench.FLOAT32, tag="other"):
+            return super().alloc(shape, bench.FLOAT32 if dtype == bench.BFLOAT16 else dtype, tag)
+    cfg = preset("d2", n_embd=64, vocab_size=1000)
+    cpu = make_backend("cpu")
+    res = bench.run_kernels([("fakebf16", FakeBF16())], cfg, 2, 16, repeat=1, warmup=0, reference=cpu,
+                            only=["layernorm_bwd", "matmul_bwd", "encoder_bwd"])
+    assert len(res["results"]) == 7 and res["mismatches"] == []
+    assert all(r["max_rel_err"] < 1e-6 for r in res["results"]), [(r["kernel"], r["max_rel_err"])
+                                                                   for r in res["results"]]
+
+
+def test_cli_kernels_llama_model_and_train_refuses_it():
+    r = CliRunner().invoke(main, ["bench", "kernels", "--backend", "cpu", "--model", "llama3-tiny", "-b", "1",
+                                  "-t", "8", "--vocab-size", "256", "--repeat", "1", "--warmup", "0",
+                                  "--only", "rope", "--only", "swiglu", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["config"]["family"] == "llama3" and out["config"]["n_kv_head"] == 2
+    assert {x["kernel"] for x in out["results"]} == {"rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd"}
+    r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", "--model", "llama3-tiny", "-b", "1",
+                                  "-t", "8"])
+    assert r.exit_code == 2 and "bench kernels" in r.stderr

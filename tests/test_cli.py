@@ -7,38 +7,11 @@ import sys
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from conftest import TINY, losses, run
 
 from llmc_cli import checkpoint as ckpt
-from llmc_cli.cli import main
 from llmc_cli.dataloader import write_shard
 from llmc_cli.gpt2 import GPT2Config, init_parameters, num_parameters
-
-TINY = ["train", "--backend", "cpu", "--model", "d2", "--n-embd", "64", "-b", "2", "-t", "32", "--val-every", "0",
-        "--sample-every", "0"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    # a little structure (repeating phrases) so the loss can fall
-    phrase = rng.integers(0, 50257, 40)
-    tokens = np.concatenate([np.roll(phrase, k) for k in range(120)])
-    write_shard(d / "tiny_val_000000.bin", tokens[:2000])
-    write_shard(d / "tiny_train_000001.bin", tokens)
-    return d
-
-
-def run(*args, ok=True):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if ok and r.exit_code != 0:
-        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
-    return r
-
-
-def losses(log):
-    return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]
 
 
 def test_train_resume_is_bit_exact(shards, tmp_path):

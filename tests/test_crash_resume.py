@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import phrase_tokens
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli.dataloader import write_shard
@@ -29,9 +30,7 @@ STEPS = 100000  # never reached: every run here is stopped by a signal
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
     d = tmp_path_factory.mktemp("crashdata")
-    rng = np.random.default_rng(0)
-    phrase = rng.integers(0, 50257, 40)
-    write_shard(d / "crash_train_000001.bin", np.concatenate([np.roll(phrase, k) for k in range(120)]))
+    write_shard(d / "crash_train_000001.bin", phrase_tokens(120))
     return d / "crash_train_000001.bin"
 
 

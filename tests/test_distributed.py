@@ -4,7 +4,6 @@ communicator and launcher pieces that need no second process (rank discovery, NC
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -14,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import losses, phrase_tokens
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli import comm as comm_mod
@@ -36,9 +36,7 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("dpdata")
-    rng = np.random.default_rng(0)
-    phrase = rng.integers(0, 50257, 40)
-    write_shard(d / "tiny_train_000001.bin", np.concatenate([np.roll(phrase, k) for k in range(120)]))
+    write_shard(d / "tiny_train_000001.bin", phrase_tokens(120))
     return str(d / "*train*.bin")
 
 
@@ -49,10 +47,6 @@ def llmc(*args, env=None, check=True, timeout=120):
     if check and r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
-
-
-def losses(log):
-    return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]
 
 
 def assert_close(a, b, rtol=RTOL):

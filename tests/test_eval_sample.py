@@ -8,17 +8,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+import torch_gpt2
+from conftest import run
 
 from llmc_cli import checkpoint as ckpt
-from llmc_cli.cli import main
 from llmc_cli.dataloader import write_evalfile, write_shard
 from llmc_cli.evaluate import HellaSwag, render_example
 from llmc_cli.generate import KVDecoder
 from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters
 from llmc_cli.sample import choose_token, generate
-
-import torch_gpt2
 
 SMALL = GPT2Config(block_size=40, vocab_size=97, n_layer=2, n_head=4, n_embd=32)
 
@@ -31,13 +29,6 @@ def params_for(cfg: GPT2Config, seed: int, sharpen: float = 20.0) -> np.ndarray:
     p[n:] += rng.normal(0, 0.05, p.size - n).astype(np.float32)
     p[:cfg.vocab_size * cfg.n_embd] *= sharpen  # sharper logits: per-token losses differ clearly between endings
     return p
-
-
-def run(*args, ok=True):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if ok and r.exit_code != 0:
-        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
-    return r
 
 
 # ---- HellaSwag ------------------------------------------------------------------------------------------------
@@ -228,3 +219,95 @@ def test_bad_hellaswag_file_is_one_line_error(tmp_path):
 def test_new_commands_show_an_example():
     for cmd in ("eval", "sample", "convert", "plot"):
         assert "Example:" in run(cmd, "--help").output
+
+
+# ---- acceptance gaps (issue 9): eval over every batch, stop at end-of-text, streaming ------------------------
+def test_eval_averages_every_batch_of_every_shard_by_default(tmp_path):
+    """No --batches: the mean over all batches of all shards, checked against the PyTorch reference on the
+    windows by hand; --batches 1 is the first batch alone."""
+    cfg = SMALL
+    flat = params_for(cfg, 5, sharpen=2.0)
+    ckpt.write_model(tmp_path / "m.bin", cfg, flat)
+    rng = np.random.default_rng(9)
+    shards = [rng.integers(0, cfg.vocab_size, n) for n in (500, 300)]
+    for i, toks in enumerate(shards):
+        write_shard(tmp_path / f"v_val_{i:06d}.bin", toks)
+    B, T = 2, 16
+    per_batch = []
+    for toks in shards:
+        for i in range((len(toks) - 1) // (B * T)):
+            w = torch.tensor(toks[i * B * T: (i + 1) * B * T + 1].astype(np.int64))
+            _, loss = torch_gpt2.forward(torch.tensor(flat, dtype=torch.float64), cfg, w[:-1].view(B, T),
+                                         w[1:].view(B, T))
+            per_batch.append(loss.item())
+    assert len(per_batch) == 15 + 9  # more than any small default would take
+    common = ["eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--data", tmp_path / "v_val_*.bin",
+              "-b", B, "-t", T, "--json"]
+    out = json.loads(run(*common).stdout)
+    assert out["loss"] == pytest.approx(np.mean(per_batch), rel=1e-5)
+    first = json.loads(run(*common, "--batches", 1).stdout)
+    assert first["loss"] == pytest.approx(per_batch[0], rel=1e-5)
+
+
+def eot_model(cfg: GPT2Config, eot: int) -> np.ndarray:
+    """A GPT-2 that always predicts `eot`: the final layernorm outputs its bias (weight 0), which is eot's
+    embedding row (the only non-zero row of the tied wte)."""
+    from llmc_cli.gpt2 import parameter_shapes
+    from llmc_cli.model import split_flat
+    p = init_parameters(cfg, 0)
+    t = split_flat(p, parameter_shapes(cfg))  # views into p
+    t["wte"][:] = 0
+    t["wte"][eot] = np.linspace(0.5, 1.5, cfg.n_embd)
+    t["lnfw"][:] = 0
+    t["lnfb"][:] = t["wte"][eot]
+    return p
+
+
+def test_generation_stops_at_the_stop_token(cpu):
+    m = small_model(cpu, 32)
+    for kv in (False, True):
+        full = list(generate(m, [1, 2, 3], 12, np.random.default_rng(0), temperature=0, kv_cache=kv))
+        k = 4
+        stop = full[k]
+        cut = full.index(stop)  # the first time it would have been generated
+        got = list(generate(m, [1, 2, 3], 12, np.random.default_rng(0), temperature=0, stop_token=stop,
+                            kv_cache=kv))
+        assert got == full[:cut] and stop not in got
+
+
+def test_sample_command_stops_at_end_of_text(tmp_path):
+    cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
+    ckpt.write_model(tmp_path / "eot.bin", cfg, eot_model(cfg, 50256))
+    for extra in ([], ["--no-kv-cache"], ["--temperature", 0]):
+        r = run("sample", "--backend", "cpu", "--checkpoint", tmp_path / "eot.bin", "--prompt", "Hi",
+                "--max-new-tokens", 20, "--num-samples", 2, *extra)
+        assert r.stdout.count("Hi\n") == 2 and "<|endoftext|>" not in r.stdout
+        assert r.stderr.startswith("0 tokens in"), r.stderr
+
+
+def test_sample_command_streams_token_by_token(tmp_path, monkeypatch):
+    """Text reaches stdout while tokens are still being generated, not after the sample is complete."""
+    import click
+
+    import llmc_cli.sample as sample_mod
+    cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
+    ckpt.write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
+    events = []
+    real_generate, real_echo = sample_mod.generate, click.echo
+
+    def generate_spy(*a, **k):
+        for t in real_generate(*a, **k):
+            events.append("token")
+            yield t
+        events.append("done")
+
+    def echo_spy(message=None, *a, **k):
+        if message:
+            events.append("echo")
+        return real_echo(message, *a, **k)
+    monkeypatch.setattr(sample_mod, "generate", generate_spy)
+    monkeypatch.setattr(click, "echo", echo_spy)
+    run("sample", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--prompt", "Hello",
+        "--max-new-tokens", 10, "--seed", 1)
+    gen = events[events.index("token"):events.index("done")]
+    assert gen.count("token") == 10 and gen.count("echo") >= 5, events

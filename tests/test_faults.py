@@ -8,35 +8,13 @@ import shutil
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from conftest import TINY, run
 
 from llmc_cli import checkpoint as ckpt
-from llmc_cli.cli import main
 from llmc_cli.dataloader import write_evalfile, write_shard
 from llmc_cli.registry import create_backend, discover
 from llmc_cli.reliability import OutlierDetector
 from llmc_cli.train import TrainArgs, TrainDiverged, Trainer
-
-TINY = ["train", "--backend", "cpu", "--model", "d2", "--n-embd", "64", "-b", "2", "-t", "32", "--val-every", "0",
-        "--sample-every", "0"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fdata")
-    rng = np.random.default_rng(0)
-    phrase = rng.integers(0, 50257, 40)
-    tokens = np.concatenate([np.roll(phrase, k) for k in range(120)])
-    write_shard(d / "tiny_val_000000.bin", tokens[:2000])
-    write_shard(d / "tiny_train_000001.bin", tokens)
-    return d
-
-
-def run(*args, ok=True):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if ok and r.exit_code != 0:
-        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
-    return r
 
 
 def records(log):
@@ -149,13 +127,36 @@ def test_resume_keeps_outlier_state_bit_exact(shards, tmp_path):
     assert [x["loss"] for x in a] == [x["loss"] for x in b] and len(a) == 8
 
 
+# ---- checkpoint rotation ---------------------------------------------------------------------------------------
+def _steps(run_dir):
+    return sorted(p.name for p in run_dir.iterdir() if p.name.startswith("step_")), \
+        (run_dir / "latest").read_text().strip()
+
+
+def test_keep_rotates_checkpoints(shards, tmp_path):
+    rd = tmp_path / "r"
+    common = [*TINY, "--data", shards / "*train*.bin", "--checkpoint-every", 1, "--out", rd]
+    run(*common, "--steps", 5, "--keep", 2)
+    assert _steps(rd) == (["step_00000004", "step_00000005"], "step_00000005")
+    run(*common, "--steps", 7, "--keep", 3, "--resume")
+    assert _steps(rd) == (["step_00000005", "step_00000006", "step_00000007"], "step_00000007")
+    assert not [p for p in rd.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+    # resumed from an older step while a newer-named one lingers: the step just written is never rotated away
+    shutil.copytree(rd / "step_00000007", rd / "step_00000009")
+    (rd / "latest").write_text("step_00000005\n")
+    run(*common, "--steps", 6, "--keep", 1, "--resume")
+    assert _steps(rd) == (["step_00000006"], "step_00000006")
+    assert ckpt.read_run_checkpoint(rd)[3]["step"] == 6
+
+
 # ---- resume exactness on every usable backend ----------------------------------------------------------------
-USABLE = [p.name for p in discover() if p.usable and p.name not in ("cuda", "cpu")]  # cpu: tests/test_cli.py
+USABLE = [p.name for p in discover() if p.usable and p.name != "cpu"]  # cpu: tests/test_cli.py
 
 
 @pytest.mark.parametrize("backend", USABLE)
 def test_resume_bit_exact_per_backend(backend, shards, tmp_path):
-    """20 steps == 10 + resume + 10, identical losses, on every usable non-CPU backend (CPU: test_cli.py)."""
+    """20 steps == 10 + resume + 10, identical losses, on every usable non-CPU backend (CPU: test_cli.py):
+    OpenCL on PoCL in CI, CUDA (its default bf16) on the GPU machine."""
     common = [*TINY, "--data", shards / "*train*.bin", "--steps", 20, "--lr", "1e-3", "--warmup", 3,
               "--lr-decay-frac", "0.1", "--weight-decay", "0.1", "--shuffle"]
     common[common.index("cpu")] = backend
@@ -183,7 +184,8 @@ def _header(path, idx, value):
 
 CASES = ["shard_version", "model_version", "model_truncated", "init_magic", "state_version", "state_garbage",
          "optimizer_garbage", "optimizer_truncated", "latest_garbage", "resume_n_embd", "cpu_device", "oom",
-         "missing_backend_package", "missing_package", "llama_shard_vocab", "eval_magic", "skip_z_negative"]
+         "missing_backend_package", "missing_package", "llama_shard_vocab", "eval_magic", "eval_version",
+         "eval_truncated", "out_holds_run", "out_is_file", "skip_z_negative"]  # shard magic / truncation / ids >= vocab: tests/test_cli.py
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -273,25 +275,34 @@ def test_bad_input_one_line(case, shards, tmp_path, monkeypatch):
         write_shard(bad, np.arange(3000) % 1000, tokenizer="llama3")
         args[args.index(data)] = bad
         expect = "tokenized with the llama3 vocabulary"
-    elif case == "eval_magic":
+    elif case in ("eval_magic", "eval_version", "eval_truncated"):
         ev = work / "hs.bin"
         write_evalfile(ev, [{"label": 0, "ctx_tokens": [1, 2], "ending_tokens": [[3], [4], [5], [6]]}])
-        _header(ev, 0, 7)
-        from llmc_cli.dataloader import DataError, read_evalfile
-        with pytest.raises(DataError, match="bad magic 7"):
-            read_evalfile(ev)
-        if "--hellaswag" not in run("train", "--help").output:
-            return
-        args += ["--hellaswag", ev, "--hellaswag-every", 1]
-        expect = "bad magic 7"
+        if case == "eval_magic":
+            _header(ev, 0, 7)
+            expect = "bad magic 7"
+        elif case == "eval_version":
+            _header(ev, 1, 2)
+            expect = "unsupported eval file version 2"
+        else:
+            ev.write_bytes(ev.read_bytes()[:-4])
+            expect = "truncated in example 0"
+        args += ["--out", work / "r", "--hellaswag", ev, "--hellaswag-every", 1]
+        expect = "--hellaswag: " + str(ev) + ": " + expect
+    elif case == "out_holds_run":  # a fresh run (no --resume) must not clobber a run directory's checkpoints
+        run(*args, "--out", work / "r", "--log", work / "r" / "log.jsonl")
+        args += ["--out", work / "r", "--log", work / "r" / "log.jsonl"]
+        expect = f"--out {work / 'r'} already holds a run (checkpoints up to step_00000001); add --resume"
+    elif case == "out_is_file":
+        (work / "f").write_text("not a directory")
+        args += ["--out", work / "f"]
+        expect = "is a file; expected a run directory"
     elif case == "skip_z_negative":
         args += ["--skip-loss-z", "-1"]
         expect = "--skip-loss-z must be >= 0"
     before = _tree(tmp_path)
     r = run(*args, ok=False)
     msg = r.output.strip()
-    if case == "eval_magic":  # the HellaSwag file is opened at its first evaluation, after the banner
-        msg = msg.splitlines()[-1]
     assert r.exit_code == 2, msg
     assert msg.startswith("error:") and "\n" not in msg and "Traceback" not in msg, msg
     assert expect in msg, msg

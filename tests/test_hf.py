@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
+from conftest import run
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli import hf
-from llmc_cli.cli import main
 from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters
 
 CFG = GPT2Config(block_size=24, vocab_size=150, n_layer=2, n_head=4, n_embd=32)
@@ -28,13 +27,6 @@ def params(cfg=CFG, seed=0) -> np.ndarray:
     n = cfg.padded_vocab_size * cfg.n_embd
     p[n:] += rng.normal(0, 0.05, p.size - n).astype(np.float32)  # non-trivial biases and layernorms
     return p
-
-
-def run(*args, ok=True):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if ok and r.exit_code != 0:
-        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
-    return r
 
 
 def read_safetensors_torch(path) -> dict[str, torch.Tensor]:
@@ -193,3 +185,29 @@ def test_bad_input_one_line_error(tmp_path, case):
     if case in ("not_hf_dir", "llama_config"):  # the same one-liner from sample / eval
         r = run("sample", "--backend", "cpu", "--checkpoint", src, ok=False)
         assert r.exit_code == 2 and r.output.strip().startswith("error:") and "\n" not in r.output.strip()
+
+
+def test_convert_into_run_directory_every_direction(tmp_path):
+    """.bin -> run, HF -> run, run -> .bin / HF: bit-exact, and the run directory is one sample/eval read."""
+    p = params(seed=4)
+    ckpt.write_model(tmp_path / "a.bin", CFG, p)
+    run("convert", tmp_path / "a.bin", tmp_path / "hf")
+    run("convert", tmp_path / "a.bin", tmp_path / "run_b", "--to", "run")
+    r = run("convert", tmp_path / "hf", tmp_path / "run_h", "--to", "run")
+    assert "run directory" in r.output
+    for d in ("run_b", "run_h"):
+        assert (tmp_path / d / "latest").read_text().strip() == "step_00000000"
+        assert hf.load_model_any(tmp_path / d)[2] == "run"
+        run("convert", tmp_path / d, tmp_path / f"{d}.bin")
+        assert (tmp_path / f"{d}.bin").read_bytes() == (tmp_path / "a.bin").read_bytes()
+    run("convert", tmp_path / "run_h", tmp_path / "hf2")
+    assert np.array_equal(hf.import_hf(tmp_path / "hf2")[1], p)
+    from llmc_cli.dataloader import write_shard
+    write_shard(tmp_path / "v_val_000000.bin", np.arange(300) % CFG.vocab_size)
+    losses = {json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / src, "--data",
+                             tmp_path / "v_val_*.bin", "-t", 16, "--json").stdout)["loss"]
+              for src in ("a.bin", "run_b", "run_h", "hf")}
+    assert len(losses) == 1  # the same model, whichever form it is read from
+    # a directory that already holds something is not overwritten
+    bad = run("convert", tmp_path / "a.bin", tmp_path / "run_b", "--to", "run", ok=False)
+    assert bad.exit_code == 2 and "not an empty directory" in bad.output

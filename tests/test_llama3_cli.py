@@ -1,0 +1,248 @@
+"""Llama 3 through `llmc train / sample / eval / convert` with the same options as GPT-2, on the CPU backend:
+run-directory checkpoints and bit-exact --resume, sampling (KV cache == full recomputation) and evaluation from
+a run directory and from a Hugging Face directory, fine-tuning from one with --init, and bad input answered by one
+clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import losses, phrase_tokens, run
+from test_llama3_hf import CONFIG, hf_tensors, write_hf_dir
+
+from llmc_cli import checkpoint as ckpt
+from llmc_cli.dataloader import write_evalfile, write_shard
+from llmc_cli.generate import LlamaKVDecoder
+from llmc_cli.llama3 import Llama3, Llama3Config, init_parameters, parameter_shapes
+from llmc_cli.model import split_flat
+from llmc_cli.sample import generate
+
+TRAIN = ["train", "--backend", "cpu", "--model", "llama3-tiny", "-b", 2, "-t", 16, "--val-every", 0,
+         "--sample-every", 0]
+# an HF Llama whose vocabulary holds a byte-level Llama 3 tokenizer: 256 ranks + 256 specials
+HF_CONFIG = CONFIG | {"vocab_size": 512}
+
+
+def one_line_error(r, *needles):
+    msg = r.output.strip()
+    assert r.exit_code == 2, r.output
+    assert msg.startswith("error:") and "\n" not in msg and "Traceback" not in msg, msg
+    for n in needles:
+        assert n in msg, msg
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    phrase = phrase_tokens(1)
+    tokens = phrase_tokens(60)
+    write_shard(d / "tiny_val_000000.bin", tokens[:1000])
+    write_shard(d / "tiny_train_000001.bin", tokens)
+    # Llama 3 shards (uint32 ids) inside the small HF model's vocabulary
+    small = np.concatenate([np.roll(phrase % 500, k) for k in range(30)])
+    write_shard(d / "l3_val_000000.bin", small[:600], tokenizer="llama3")
+    write_shard(d / "l3_train_000001.bin", small, tokenizer="llama3")
+    return d
+
+
+@pytest.fixture(scope="module")
+def run_dir(shards, tmp_path_factory):
+    """A llama3-tiny run trained from scratch on GPT-2 shards."""
+    out = tmp_path_factory.mktemp("llama_run") / "run"
+    run(*TRAIN, "--data", shards / "tiny_train*.bin", "--steps", 3, "--out", out)
+    return out
+
+
+def write_byte_tokenizer(path):
+    """A tiktoken-format ranks file (Meta's tokenizer.model layout) of the 256 single bytes."""
+    path.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    d = tmp_path / "hf"
+    t = hf_tensors(HF_CONFIG, np.random.default_rng(0))
+    write_hf_dir(d, t)
+    (d / "config.json").write_text(json.dumps(HF_CONFIG))
+    write_byte_tokenizer(d / "tokenizer.model")
+    return d
+
+
+def test_train_resume_is_bit_exact(shards, tmp_path):
+    """6 steps == 3 steps, resume, 3 steps: identical losses (schedule, weight decay, clipping, shuffling on)."""
+    common = [*TRAIN, "--data", shards / "tiny_train*.bin", "--steps", 6, "--lr", "1e-3", "--warmup", 2,
+              "--lr-decay-frac", "0.1", "--weight-decay", "0.1", "--shuffle"]
+    run(*common, "--out", tmp_path / "a", "--log", tmp_path / "a.jsonl")
+    run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 3)
+    shutil.rmtree(tmp_path / "b" / "step_00000006")  # as if the run died after step 3
+    (tmp_path / "b" / "latest").write_text("step_00000003\n")
+    lines = open(tmp_path / "b.jsonl").read().splitlines()[:3]
+    (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+    r = run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--resume")
+    assert "resumed from" in r.output
+    a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+    assert len(a) == 6 and a == b
+    step = tmp_path / "a" / "step_00000006"
+    assert sorted(p.name for p in step.iterdir()) == ["model.safetensors", "optimizer.npz", "state.json"]
+    state = json.loads((step / "state.json").read_text())
+    assert state["family"] == "llama3" and state["tokenizer"] == "gpt2"
+    assert state["config"]["n_kv_head"] == 2
+    # the final weights of both runs, bit for bit
+    cfg_a, pa = ckpt.read_model_file(step / "model.safetensors")
+    cfg_b, pb = ckpt.read_model_file(tmp_path / "b" / "step_00000006" / "model.safetensors")
+    assert cfg_a == cfg_b and np.array_equal(pa, pb)
+    # a resumed Llama run refuses a changed shape like a GPT-2 one
+    r = run(*common, "--out", tmp_path / "b", "--resume", "--n-kv-head", 4, "--steps", 7, ok=False)
+    one_line_error(r, "--n-kv-head")
+
+
+def test_model_file_round_trip_and_errors(tmp_path):
+    cfg = Llama3Config(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                       multiple_of=16, rope_scaling=8.0, rope_original_context=16, tie_embeddings=True)
+    p = init_parameters(cfg, 1)
+    ckpt.write_model_file(tmp_path / "m.safetensors", cfg, p, tokenizer="gpt2")
+    cfg2, p2 = ckpt.read_model_file(tmp_path / "m.safetensors")
+    assert cfg2 == cfg and np.array_equal(p2, p)
+    ckpt.write_model_file(tmp_path / "h.safetensors", cfg, p, bf16=True)
+    assert np.allclose(ckpt.read_model_file(tmp_path / "h.safetensors")[1], p, rtol=2 ** -8, atol=0)
+    # a Hugging Face weights file is not an llmc model file: the error says to give its directory
+    ckpt.write_safetensors(tmp_path / "x.safetensors", {"a": np.ones(3, np.float32)})
+    with pytest.raises(ckpt.CheckpointError, match="config.json"):
+        ckpt.read_model_file(tmp_path / "x.safetensors")
+    t = split_flat(p, parameter_shapes(cfg))
+    del t["w2"]
+    meta = ckpt.read_safetensors_header(tmp_path / "m.safetensors")[0]["__metadata__"]
+    ckpt.write_safetensors(tmp_path / "y.safetensors", t, metadata=meta)
+    with pytest.raises(ckpt.CheckpointError, match="w2 is missing"):
+        ckpt.read_model_file(tmp_path / "y.safetensors")
+
+
+def test_sample_and_eval_from_run_dir(run_dir, shards, tmp_path):
+    ev = ["eval", "--backend", "cpu", "--data", shards / "tiny_val*.bin", "--batches", 2, "-b", 2, "-t", 16,
+          "--json"]
+    loss = json.loads(run(*ev, "--checkpoint", run_dir).stdout)["loss"]
+    assert 5 < loss < 12
+    step = run_dir / "step_00000003"
+    assert json.loads(run(*ev, "--checkpoint", step).stdout)["loss"] == loss
+    assert json.loads(run(*ev, "--checkpoint", step / "model.safetensors").stdout)["loss"] == loss
+    sm = ["sample", "--backend", "cpu", "--prompt", "Hello", "--max-new-tokens", 6, "--seed", 5, "--top-k", 20]
+    s1 = run(*sm, "--checkpoint", run_dir)
+    s2 = run(*sm, "--checkpoint", run_dir, "--no-kv-cache")
+    assert "KV cache" in s1.stderr and "full recomputation" in s2.stderr
+    assert s1.stdout == s2.stdout and s1.stdout.startswith("Hello") and len(s1.stdout) > len("Hello\n")
+    # to Hugging Face and back: the same text, the same loss, the GPT-2 tokenizer remembered
+    run("convert", run_dir, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["llmc_tokenizer"] == "gpt2"
+    assert run(*sm, "--checkpoint", tmp_path / "hf").stdout == s1.stdout
+    run("convert", tmp_path / "hf", tmp_path / "m.safetensors")
+    assert json.loads(run(*ev, "--checkpoint", tmp_path / "m.safetensors").stdout)["loss"] == loss
+    assert run(*sm, "--checkpoint", tmp_path / "m.safetensors").stdout == s1.stdout
+    # HellaSwag scoring builds its B=4 model of the checkpoint's family
+    exs = [{"label": i % 4, "ctx_tokens": [10 + i, 20, 30], "ending_tokens": [[1], [2, 3], [4], [5, 6, 7]]}
+           for i in range(3)]
+    hs = write_evalfile(tmp_path / "hs.bin", exs)
+    out = json.loads(run("eval", "--backend", "cpu", "--checkpoint", run_dir, "--hellaswag", hs, "--json").stdout)
+    assert out["hellaswag_examples"] == 3 and 0 <= out["hellaswag_acc_norm"] <= 1
+
+
+def test_kv_cache_matches_full_forward(cpu):
+    cfg = Llama3Config(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, multiple_of=16,
+                       rope_scaling=8.0, rope_original_context=16)
+    p = init_parameters(cfg, 3)
+    p += np.random.default_rng(4).normal(0, 0.3, p.shape).astype(np.float32)
+    m = Llama3(cfg, cpu, 1, 24, training=False)
+    m.load_parameters(p)
+    seq = np.random.default_rng(5).integers(0, cfg.vocab_size, 24).astype(np.int32)
+    dec = LlamaKVDecoder(m, chunk=8)
+    got = {10: dec.feed(seq[:10])}  # a prompt in two chunks, then one token at a time
+    for n in range(11, 25):
+        got[n] = dec.feed(seq[n - 1:n])
+    m.forward(seq[None])
+    logits = cpu.download(m.acts["logits"])[0]
+    for n, g in got.items():
+        assert np.abs(g[0] - logits[n - 1]).max() <= 1e-5 * np.abs(logits[n - 1]).max(), n
+    for prompt_len, new in ((1, 30), (20, 40)):  # the second runs past the window
+        prompt = seq[:prompt_len].tolist()
+        full = list(generate(m, prompt, new, np.random.default_rng(1), 1.0, kv_cache=False))
+        assert list(generate(m, prompt, new, np.random.default_rng(1), 1.0, kv_cache=True)) == full
+
+
+def test_hf_llama_dir_sample_and_eval(hf_dir, shards):
+    sm = ["sample", "--backend", "cpu", "--checkpoint", hf_dir, "--prompt", "Hi", "--max-new-tokens", 5,
+          "--seed", 1]
+    r = run(*sm)
+    assert r.stdout.startswith("Hi") and "5 tokens" in r.stderr and "KV cache" in r.stderr
+    assert run(*sm, "--no-kv-cache").stdout == r.stdout
+    ev = ["eval", "--backend", "cpu", "--data", shards / "l3_val*.bin", "--batches", 2, "-b", 2, "-t", 16, "--json"]
+    loss = json.loads(run(*ev, "--checkpoint", hf_dir).stdout)["loss"]
+    assert 0 < loss < 20
+    # without tokenizer.model an HF Llama still evaluates, but cannot sample
+    (hf_dir / "tokenizer.model").unlink()
+    one_line_error(run(*sm, ok=False), "tokenizer.model")
+    assert json.loads(run(*ev, "--checkpoint", hf_dir).stdout)["loss"] == loss
+
+
+def test_finetune_from_hf_llama_dir(shards, tmp_path):
+    """--init from Hugging Face weights of Llama 3's vocabulary, on Llama 3 shards: the run keeps the
+    directory's tokenizer.model beside its steps and hands it on to a Hugging Face export."""
+    conf = CONFIG | {"vocab_size": 128256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "tie_word_embeddings": True}
+    t = hf_tensors(conf, np.random.default_rng(2))
+    del t["lm_head.weight"]
+    write_hf_dir(tmp_path / "hf", t)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(conf))
+    write_byte_tokenizer(tmp_path / "hf" / "tokenizer.model")
+    ft = tmp_path / "ft"
+    r = run("train", "--backend", "cpu", "--init", tmp_path / "hf", "-b", 2, "-t", 16, "--steps", 2,
+            "--val-every", 0, "--sample-every", 0, "--data", shards / "l3_train*.bin", "--out", ft)
+    assert "L=1 NH=4 C=32 V=128256" in r.output
+    assert (ft / "tokenizer.model").read_bytes() == (tmp_path / "hf" / "tokenizer.model").read_bytes()
+    assert json.loads((ft / "step_00000002" / "state.json").read_text())["tokenizer"] == "llama3"
+    # the prompt goes through the run's tokenizer (<|begin_of_text|> first) and comes back as text
+    assert run("sample", "--backend", "cpu", "--checkpoint", ft, "--prompt", "Hi", "--max-new-tokens", 0).stdout \
+        == "Hi\n"
+    ev = ["eval", "--backend", "cpu", "--data", shards / "l3_val*.bin", "--batches", 2, "-b", 2, "-t", 16, "--json"]
+    ft_loss = json.loads(run(*ev, "--checkpoint", ft).stdout)["loss"]
+    assert ft_loss != json.loads(run(*ev, "--checkpoint", tmp_path / "hf").stdout)["loss"]
+    run("convert", ft, tmp_path / "hf2")
+    assert (tmp_path / "hf2" / "tokenizer.model").is_file()
+    assert "llmc_tokenizer" not in json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert json.loads(run(*ev, "--checkpoint", tmp_path / "hf2").stdout)["loss"] == ft_loss
+    # resuming the fine-tune keeps its tokenizer
+    run("train", "--backend", "cpu", "--init", tmp_path / "hf", "-b", 2, "-t", 16, "--steps", 3,
+        "--val-every", 0, "--sample-every", 0, "--data", shards / "l3_train*.bin", "--out", ft, "--resume")
+    assert json.loads((ft / "step_00000003" / "state.json").read_text())["tokenizer"] == "llama3"
+
+
+@pytest.mark.parametrize("case", ["neither", "model_type", "missing_shard", "bad_index", "llama_to_bin"])
+def test_bad_input_one_line_error(hf_dir, shards, tmp_path, case):
+    src = hf_dir
+    if case == "neither":
+        src = tmp_path / "plain"
+        src.mkdir()
+        (src / "notes.txt").write_text("not a model")
+    elif case == "model_type":
+        conf = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps(conf | {"model_type": "bert"}))
+    elif case == "missing_shard":
+        (hf_dir / "model-00002-of-00002.safetensors").unlink()
+    elif case == "bad_index":
+        (hf_dir / "model.safetensors.index.json").write_text("{\"weight_map\": 3}")
+    expect = {"neither": "not a run directory", "model_type": "'bert'",
+              "missing_shard": "model-00002-of-00002.safetensors", "bad_index": "index",
+              "llama_to_bin": ".bin"}[case]
+    if case == "llama_to_bin":
+        one_line_error(run("convert", src, tmp_path / "out.bin", ok=False), expect)
+        assert not (tmp_path / "out.bin").exists()
+        return
+    one_line_error(run("sample", "--backend", "cpu", "--checkpoint", src, ok=False), expect)
+    one_line_error(run("eval", "--backend", "cpu", "--checkpoint", src, "--data", shards / "l3_val*.bin",
+                       ok=False), expect)
+    one_line_error(run("convert", src, tmp_path / "out", ok=False), expect)
+    one_line_error(run("train", "--backend", "cpu", "--init", src, "--data", shards / "l3_train*.bin",
+                       "--steps", 1, "-b", 2, "-t", 16, ok=False), expect)
+    assert not (tmp_path / "out").exists()
