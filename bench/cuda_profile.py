@@ -37,8 +37,12 @@ def main():
     ap.add_argument("-b", type=int, default=64)
     ap.add_argument("-t", type=int, default=1024)
     ap.add_argument("--recompute", default="none")
+    ap.add_argument("--classifier-chunks", type=int, default=None, help="default: the engine's rule")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--sustained", action="store_true",
+                    help="profile the step right after the timed ones, with no spin kernel in front: the device "
+                         "runs at its sustained clocks and idles wherever the host is late (gaps are listed)")
     ap.add_argument("--json", default=None)
     o = ap.parse_args()
 
@@ -63,7 +67,11 @@ def main():
     write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 50257, B * T * (o.steps + 8) + 1).astype(np.uint16))
     args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, recompute=o.recompute,
                      steps=o.steps + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
+    if o.classifier_chunks is not None:  # the engine plans chunks by auto_classifier_chunks; override it here
+        from llmc_cli import gpt2
+        gpt2.auto_classifier_chunks = lambda *a, **k: o.classifier_chunks
     tr = Trainer(args, be, say=print)
+    print(f"classifier chunks: {tr.model.chunks}, logits buffer {tuple(tr.model.acts['logits'].shape)}")
     cfg = tr.cfg
     print(be.describe())
     print(tr.memory_line())
@@ -84,6 +92,7 @@ def main():
     flops = (6 * nparams + 6 * L * C * T) * B * T
     peak = be.peak_flops() if hasattr(be, "peak_flops") else None
     out = {"device": be.describe(), "model": o.model, "B": B, "T": T, "recompute": o.recompute,
+           "classifier_chunks": tr.model.chunks,
            "ms_step": ms, "tok_s": B * T / ms * 1e3, "tflops": flops / ms / 1e9,
            "mfu": (flops / ms / 1e-3 / peak) if peak else None, "device_used_gib": used,
            "allocated_gib": mem.allocated / 2**30, "by_tag_mib": {k: v / 2**20 for k, v in mem.by_tag.items()},
@@ -92,7 +101,7 @@ def main():
           f"{out['tflops']:.0f} TFLOP/s" + (f", MFU {out['mfu'] * 100:.1f}%" if peak else "") +
           f", device used {used:.2f} GiB (allocated {out['allocated_gib']:.2f} GiB)")
     if not o.no_profile:
-        out["kernels"] = profile(be, tr, cp, B, T, cfg)
+        out["kernels"] = profile(be, tr, cp, B, T, cfg, spin_first=not o.sustained)
     if o.json:
         with open(o.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -139,10 +148,10 @@ def cost(name, a, kw, be):
 NAMES = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
          "fused_residual_layernorm_forward", "residual_forward", "matmul_forward", "matmul_backward", "gelu_forward",
          "gelu_backward", "attention_forward", "attention_backward", "classifier_forward_backward",
-         "global_norm_squared", "adamw_update", "adamw_update_all", "scale", "fill", "copy", "upload"]
+         "global_norm_squared", "loss_sum", "step_guard", "adamw_update", "adamw_update_all", "scale", "fill", "copy", "upload"]
 
 
-def profile(be, tr, cp, B, T, cfg):
+def profile(be, tr, cp, B, T, cfg, spin_first=True):
     spin = cp.RawKernel(SPIN, "spin")
     x, y = tr._batch()
     model = tr.model
@@ -186,16 +195,17 @@ def profile(be, tr, cp, B, T, cfg):
             wrap(n)
     try:
         be.synchronize()
-        with be.stream:
-            spin((1,), (1,), (np.int64(int(6e8)),))
+        if spin_first:
+            with be.stream:
+                spin((1,), (1,), (np.int64(int(6e8)),))
         t0 = cp.cuda.Event()
         t0.record(be.stream)
         model.zero_grad()
         model.forward(x, y, dloss=1.0 / (B * T))
         model.backward()
-        opt = tr.opt
-        be.global_norm_squared(opt.norm_buf, [opt.grads.buf])
-        opt.step(3e-4, 0.5, seed=1)
+        opt = tr.opt  # the step as Trainer.train_step queues it: loss, norm, clip and verdict on the device
+        be.loss_sum(opt.loss_buf, model.acts["losses"], 1.0 / (B * T), False)
+        opt.guarded_step(3e-4, 1, float("inf"), float("inf"))
         t1 = cp.cuda.Event()
         t1.record(be.stream)
         t1.synchronize()
@@ -203,6 +213,13 @@ def profile(be, tr, cp, B, T, cfg):
         for n, f in orig.items():
             setattr(be, n, f)
     total = cp.cuda.get_elapsed_time(t0, t1)
+    # device idle time between consecutive calls (host late), the largest first
+    gaps = [(cp.cuda.get_elapsed_time(calls[i - 1][2], calls[i][1]), calls[i - 1][0], calls[i][0])
+            for i in range(1, len(calls))]
+    gaps.append((cp.cuda.get_elapsed_time(t0, calls[0][1]), "step start", calls[0][0]))
+    gaps.sort(key=lambda g: -g[0])
+    print(f"\nGAPS between calls: {sum(g[0] for g in gaps):.2f} ms in all; largest: " +
+          "; ".join(f"{ms:.3f} ms {a} -> {b}" for ms, a, b in gaps[:8]))
     agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for label, e0, e1, fl, by in calls:
         a = agg[label]

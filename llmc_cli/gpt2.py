@@ -89,21 +89,56 @@ def init_parameters(cfg: GPT2Config, seed: int) -> np.ndarray:
     return out
 
 
-RECOMPUTE = ("none", "gelu", "gelu+layernorm")
+RECOMPUTE = ("none", "gelu", "layernorm", "gelu+layernorm")
+
+# a training forward runs the lm-head product, the fused classifier and the lm-head backward chunk by chunk over
+# the batch, so only a (B/chunks, T, Vp) logits buffer exists (at d12, B=64, T=1024 the whole one is 6.1 GiB in
+# bf16). Chunks are at most CLASSIFIER_CHUNK_BYTES, and at least CLASSIFIER_CHUNK_MIN_BYTES unless the whole
+# logits are smaller, so that the lm-head products stay large enough to run at full speed and the re-read of
+# wte's gradient per chunk stays a small cost
+CLASSIFIER_CHUNK_BYTES = 1 << 30
+CLASSIFIER_CHUNK_MIN_BYTES = 256 << 20
+
+
+def auto_classifier_chunks(cfg: GPT2Config, B: int, T: int, training: bool, act_bytes: int = 2,
+                           recompute: str = "none") -> int:
+    """How many chunks (each of B/chunks whole sequences) the training classifier runs in: among the counts
+    whose logits chunk lies within [CLASSIFIER_CHUNK_MIN_BYTES, CLASSIFIER_CHUNK_BYTES] (or is the whole batch
+    under the maximum; B when even one sequence is over it), the one that needs the least memory for the logits
+    chunk plus the scratch that does not fit inside it; the fewest chunks on a tie. Inference keeps the whole
+    logits (sampling reads them back), so it is 1 there."""
+    if not training:
+        return 1
+    per_seq = T * cfg.padded_vocab_size * act_bytes
+    fits = [n for n in range(1, B + 1) if B % n == 0 and (B // n) * per_seq <= CLASSIFIER_CHUNK_BYTES
+            and (n == 1 or (B // n) * per_seq >= CLASSIFIER_CHUNK_MIN_BYTES)] or [B]
+    return min(fits, key=lambda n: (_logits_and_scratch(cfg, B, T, training, recompute, n), n))
+
+
+def _logits_and_scratch(cfg, B, T, training, recompute, chunks) -> int:
+    """Elements of the logits buffer plus the IN_LOGITS scratch that gets memory of its own."""
+    placed = in_logits(cfg, B, T, training, recompute, chunks)
+    own = sum(int(np.prod(shape)) for name, shape, kind, per_layer in
+              activation_shapes(cfg, B, T, training, recompute, chunks)
+              if name in IN_LOGITS and name not in placed and name not in SCRATCH_PARTNER and not per_layer)
+    return (B // chunks) * T * cfg.padded_vocab_size + own
 
 
 def activation_shapes(cfg: GPT2Config, B: int, T: int, training: bool,
-                      recompute: str = "none") -> list[tuple[str, tuple, str, bool]]:
+                      recompute: str = "none", chunks: int = 1) -> list[tuple[str, tuple, str, bool]]:
     """Everything forward keeps for backward, planned once for (B, T): (name, shape, dtype, one per layer).
     "act" is the backend's compute dtype. Without training nothing is kept per layer (one buffer serves every
-    layer); `recompute` keeps one shared GELU output ("gelu") and layernorm outputs ("gelu+layernorm") that the
-    backward pass recomputes, trading compute for activation memory."""
+    layer); `recompute` keeps one shared GELU output ("gelu") and/or shared layernorm outputs ("layernorm")
+    that the backward pass recomputes, trading compute for activation memory. The logits buffer holds one of
+    `chunks` batch chunks (see auto_classifier_chunks)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)} (got '{recompute}')")
+    if chunks < 1 or B % chunks:
+        raise ValueError(f"classifier chunks {chunks} must divide the batch size {B}")
     shared = set() if training else {"all"}
-    if recompute != "none":
+    if "gelu" in recompute:
         shared.add("fch_gelu")
-    if recompute == "gelu+layernorm":
+    if "layernorm" in recompute:
         shared |= {"ln1", "ln2"}
     C, NH, Vp = cfg.n_embd, cfg.n_head, cfg.padded_vocab_size
     act = "act"
@@ -116,7 +151,7 @@ def activation_shapes(cfg: GPT2Config, B: int, T: int, training: bool,
         ("fch", (B, T, 4 * C), act, True), ("fch_gelu", (B, T, 4 * C), act, True),
         ("residual3", (B, T, C), act, True),
         ("lnf", (B, T, C), act, False), ("lnf_mean", (B, T), FLOAT32, False), ("lnf_rstd", (B, T), FLOAT32, False),
-        ("logits", (B, T, Vp), act, False), ("losses", (B, T), FLOAT32, False),
+        ("logits", (B // chunks, T, Vp), act, False), ("losses", (B, T), FLOAT32, False),
         ("inputs", (B, T), INT32, False), ("targets", (B, T), INT32, False),
         ("btc", (B, T, C), act, False),  # scratch reused by every layer
     ]
@@ -127,17 +162,29 @@ def activation_shapes(cfg: GPT2Config, B: int, T: int, training: bool,
 
 
 # scratch buffers that are dead whenever the logits are live: the forward pass uses them before the logits are
-# computed and the backward pass after the dlogits were consumed (the classifier's backward product comes first),
-# so they are placed inside the (B,T,Vp) logits buffer instead of beside it (when shared, not one per layer)
+# computed and the backward pass after the classifier chunks were consumed (the lm-head backward runs inside the
+# training forward), so they are placed inside the logits buffer instead of beside it where they fit (when shared,
+# not one per layer). dbtc is not among them: the lm-head backward writes its rows while the logits are live.
 IN_LOGITS = ("btc", "fch_gelu", "dresidual", "dfch", "dqkv")
 
+# scratch that is never live at the same time as its partner, so it is a view of the partner's memory: the
+# residual gradient lives in backward only, the forward scratch btc in forward only; dqkv is used in a layer's
+# attention part, dfch in its MLP part (dqkv is the smaller of the two)
+SCRATCH_PARTNER = {"dresidual": "btc", "dqkv": "dfch"}
 
-def in_logits(cfg: GPT2Config, B: int, T: int, training: bool, recompute: str = "none") -> dict[str, int]:
-    """name -> element offset inside the logits buffer for the IN_LOGITS buffers of this plan that fit there."""
-    out, off, room = {}, 0, B * T * cfg.padded_vocab_size
-    for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training, recompute):
-        n = int(np.prod(shape))
-        if name in IN_LOGITS and not per_layer and kind == "act" and off + n <= room:
+
+def in_logits(cfg: GPT2Config, B: int, T: int, training: bool, recompute: str = "none",
+              chunks: int = 1) -> dict[str, int]:
+    """name -> element offset inside the logits buffer for the IN_LOGITS buffers of this plan that fit there,
+    largest first (a chunked logits buffer has room for only some of them; the rest get their own memory).
+    A SCRATCH_PARTNER buffer goes wherever its partner goes, so it is never listed here."""
+    room = (B // chunks) * T * cfg.padded_vocab_size
+    cand = [(int(np.prod(shape)), IN_LOGITS.index(name), name)
+            for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training, recompute, chunks)
+            if name in IN_LOGITS and name not in SCRATCH_PARTNER and not per_layer and kind == "act"]
+    out, off = {}, 0
+    for n, _, name in sorted(cand, key=lambda c: (-c[0], c[1])):
+        if off + n <= room:
             out[name] = off
             off += n
     return out
@@ -150,8 +197,9 @@ class GPT2(Model):
     DECAYED = frozenset(DECAYED)
 
     def __init__(self, cfg: GPT2Config, backend: Backend, B: int, T: int, training: bool = True,
-                 share_params: "GPT2 | None" = None, recompute: str = "none"):
-        """`share_params`: use another instance's parameters (an inference copy for sampling during training)."""
+                 share_params: "GPT2 | None" = None, recompute: str = "none", classifier_chunks: int | None = None):
+        """`share_params`: use another instance's parameters (an inference copy for sampling during training).
+        `classifier_chunks`: batch chunks of the training classifier (None = auto_classifier_chunks)."""
         cfg.validate()
         if T > cfg.block_size:
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
@@ -160,29 +208,52 @@ class GPT2(Model):
         self._alloc_parameters({n for n, s in parameter_shapes(cfg) if len(s) >= 2 and n not in ("wte", "wpe")},
                                training, share_params)
         self.recompute = recompute
+        if classifier_chunks is None:
+            classifier_chunks = auto_classifier_chunks(cfg, B, T, training, 4 if dt == FLOAT32 else 2, recompute)
+        if not training and classifier_chunks != 1:
+            raise ValueError("an inference model keeps the whole logits (classifier_chunks must be 1)")
+        self.chunks = classifier_chunks
         self.acts = {}        # name -> whole buffer
         self.acts_layer = {}  # name -> [layer 0 view, layer 1 view, ...] (the same buffer L times if shared)
         L = cfg.n_layer
-        aliased = in_logits(cfg, B, T, training, recompute)
-        plan = activation_shapes(cfg, B, T, training, recompute)
-        plan.sort(key=lambda e: e[0] in aliased)  # the logits buffer exists before the buffers placed inside it
+        aliased = in_logits(cfg, B, T, training, recompute, self.chunks)
+        plan = activation_shapes(cfg, B, T, training, recompute, self.chunks)
+        # the logits buffer exists before the buffers placed inside it, and a partner before the one sharing it
+        plan.sort(key=lambda e: (e[0] in SCRATCH_PARTNER, e[0] in aliased))
         for name, shape, kind, per_layer in plan:
             full = (L,) + shape if per_layer else shape
-            if name in aliased:
+            if name in SCRATCH_PARTNER and training:
+                buf = backend.view(self.acts[SCRATCH_PARTNER[name]], 0, full)
+            elif name in aliased:
                 buf = backend.view(self.acts["logits"], aliased[name], full)
             else:
                 buf = backend.alloc(full, dt if kind == "act" else kind, tag="activations")
             self.acts[name] = buf
             step = int(np.prod(shape))
             self.acts_layer[name] = [backend.view(buf, l * step, shape) if per_layer else buf for l in range(L)]
+        # per chunk: (lnf rows, dlnf rows, losses rows, targets rows), contiguous views of whole sequences
+        Bc, C, a = B // self.chunks, cfg.n_embd, self.acts
+        self.chunk_views = [
+            (backend.view(a["lnf"], c * Bc * T * C, (Bc, T, C)),
+             backend.view(a["dbtc"], c * Bc * T * C, (Bc, T, C)) if training else None,
+             backend.view(a["losses"], c * Bc * T, (Bc, T)), backend.view(a["targets"], c * Bc * T, (Bc, T)))
+            for c in range(self.chunks)]
 
     def forward(self, inputs: np.ndarray, targets: np.ndarray | None = None, dloss: float | None = None) -> None:
         """Runs the model on `inputs` (B,T) int32. With `targets`, per-token losses land in acts['losses'];
-        with `dloss` too, the logits buffer then holds dlogits for `backward` (the fused classifier)."""
+        with `dloss` too, the lm-head's backward runs here as well, chunk by chunk (the fused classifier turns each
+        logits chunk into dlogits, which the lm-head backward consumes at once): dlnf lands in acts['dbtc'] and
+        wte's gradient accumulates, for `backward` to continue from. Without targets (a model planned with
+        classifier chunks cannot do that) the logits buffer keeps the logits."""
         k, p, a, cfg = self.backend, self.params, self.acts, self.cfg
         L, NH = cfg.n_layer, cfg.n_head
         al = self.acts_layer
+        if targets is None and self.chunks > 1:
+            raise ValueError(f"this model computes its logits in {self.chunks} chunks of the batch (a training "
+                             f"plan); a forward without targets needs an inference model (training=False)")
         k.upload(a["inputs"], inputs)
+        if targets is not None:  # both uploads first: none waits behind the forward pass queued after it
+            k.upload(a["targets"], targets)
         k.encoder_forward(a["encoded"], a["inputs"], p.wte, p.wpe)
         k.layernorm_forward(al["ln1"][0], al["ln1_mean"][0], al["ln1_rstd"][0], a["encoded"],
                             p.layer("ln1w", 0), p.layer("ln1b", 0))
@@ -206,24 +277,28 @@ class GPT2(Model):
             else:
                 k.fused_residual_layernorm_forward(al["residual3"][l], a["lnf"], a["lnf_mean"], a["lnf_rstd"],
                                                    al["residual2"][l], a["btc"], p.lnfw, p.lnfb)
-        k.matmul_forward(a["logits"], a["lnf"], p.wte)
-        if targets is not None:
-            k.upload(a["targets"], targets)
-            k.classifier_forward_backward(a["logits"], a["losses"], a["targets"], cfg.vocab_size, dloss)
+        if targets is None:
+            k.matmul_forward(a["logits"], a["lnf"], p.wte)
+            return
+        for lnf, dlnf, losses, tgt in self.chunk_views:
+            k.matmul_forward(a["logits"], lnf, p.wte)
+            k.classifier_forward_backward(a["logits"], losses, tgt, cfg.vocab_size, dloss)
+            if dloss is not None:  # dwte accumulates over the chunks (the interface's += on dweight)
+                k.matmul_backward(dlnf, self.grads.wte, None, a["logits"], lnf, p.wte)
 
     def backward(self) -> None:
-        """Accumulates every parameter gradient; needs forward(..., dloss=...) first (logits hold dlogits)."""
+        """Accumulates every parameter gradient; needs forward(..., dloss=...) first, which already ran the lm-head's
+        backward (dlnf in acts['dbtc'], wte's share of the gradient accumulated)."""
         k, p, g, a, al, cfg = self.backend, self.params, self.grads, self.acts, self.acts_layer, self.cfg
         L, NH = cfg.n_layer, cfg.n_head
         dres, dbtc = a["dresidual"], a["dbtc"]
-        k.matmul_backward(dbtc, g.wte, None, a["logits"], a["lnf"], p.wte)
         k.fill(dres, 0.0)
         k.layernorm_backward(dres, g.lnfw, g.lnfb, dbtc, al["residual3"][L - 1], p.lnfw, a["lnf_mean"],
                              a["lnf_rstd"])
-        recompute_ln = self.recompute == "gelu+layernorm"
+        recompute_ln, recompute_gelu = "layernorm" in self.recompute, "gelu" in self.recompute
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
-            if self.recompute != "none":  # the GELU output (and layernorms) were not kept: recompute them
+            if recompute_gelu:  # the GELU output (and/or the layernorm outputs) were not kept: recompute them
                 k.gelu_forward(al["fch_gelu"][l], al["fch"][l])
             if recompute_ln:
                 k.layernorm_forward(al["ln2"][l], al["ln2_mean"][l], al["ln2_rstd"][l], al["residual2"][l],

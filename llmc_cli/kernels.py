@@ -227,12 +227,36 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def adamw_update(self, param: Buffer, grad: Buffer, m: Buffer, v: Buffer, master: Buffer | None, *,
                      lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                     grad_scale: float, seed: int) -> None:
+                     grad_scale: float, seed: int, guard: Buffer | None = None) -> None:
         """One AdamW step on a tensor (any shape, all buffers the same size; grad in the compute dtype, like
         param). g = grad * grad_scale;
         m, v float32 moments; decoupled weight decay p -= lr * wd * p; bias correction with `step` (1-based).
         With `master` (float32), the update is done on master and rounded into `param` (bfloat16) with
-        stochastic rounding seeded by `seed`; without it, `param` itself is float32 and updated in place."""
+        stochastic rounding seeded by `seed`; without it, `param` itself is float32 and updated in place.
+        With `guard` (the (4,) float32 buffer `step_guard` wrote), `grad_scale` is ignored: the scale is guard[2]
+        as the device holds it when the update runs, and guard[3] == 0 leaves every buffer untouched (a skipped
+        step), so the host need not read the norm or the loss before queuing the update. The moments' factors are
+        then float32((1 - beta1) * s) and float32((1 - beta2) * s * s), s = guard[2], products in float64."""
+
+    # ---- the step's loss and its guard, kept on the device ---------------------------------------------------
+    def loss_sum(self, out: Buffer, losses: Buffer, weight: float, accumulate: bool) -> None:
+        """out (1,) float32 = weight * sum(losses) (+ out when `accumulate`), summed in float64 in a fixed order
+        (deterministic), rounded to float32 once: the step's mean loss without a host round trip. This default
+        reads the buffers back to the host; a device backend overrides it."""
+        total = float(np.sum(self.download(losses).astype(np.float64))) * weight
+        if accumulate:
+            total += float(self.download(out)[0])
+        self.upload(out, np.array([total], np.float32))
+
+    def step_guard(self, guard: Buffer, loss: Buffer, norm_squared: Buffer, grad_clip: float, max_loss: float,
+                   max_norm: float) -> None:
+        """guard (4,) float32 = [loss, norm, scale, apply] from loss (1,) and norm_squared (1,) float32:
+        norm = sqrt(norm_squared) (in float64, then rounded); scale = grad_clip / norm (float64) when grad_clip > 0
+        and norm > grad_clip, else 1; apply = 1 when loss and norm are finite, loss <= max_loss and
+        norm <= max_norm (bounds rounded to float32, compared in float32; inf disables one), else 0. AdamW reads
+        scale and apply from here (adamw_update's `guard`). This default goes through the host."""
+        self.upload(guard, guard_values(float(self.download(loss)[0]), float(self.download(norm_squared)[0]),
+                                        grad_clip, max_loss, max_norm))
 
     @abc.abstractmethod
     def scale(self, buf: Buffer, factor: float) -> None:
@@ -242,6 +266,24 @@ class Backend(abc.ABC):
     def timer(self) -> "Timer":
         """A stopwatch over device work (host clock after a synchronize unless CAP_DEVICE_EVENTS)."""
         return HostTimer(self)
+
+
+def guard_values(loss: float, norm_squared: float, grad_clip: float, max_loss: float,
+                 max_norm: float) -> np.ndarray:
+    """What `step_guard` writes, computed on the host (the reference for every backend)."""
+    loss32, ns = np.float32(loss), np.float64(np.float32(norm_squared))
+    with np.errstate(invalid="ignore", over="ignore"):
+        norm = np.sqrt(ns)
+        norm32 = np.float32(norm)
+        scale = grad_clip / norm if (grad_clip > 0 and norm > grad_clip) else 1.0
+        ok = (np.isfinite(loss32) and np.isfinite(norm32) and not loss32 > np.float32(max_loss)
+              and not norm32 > np.float32(max_norm))
+    return np.array([loss32, norm32, scale, 1.0 if ok else 0.0], np.float32)
+
+
+def guard_scale(host_guard: np.ndarray) -> tuple[bool, float]:
+    """(apply, scale) of a guard buffer read back to the host (for backends that launch from the host)."""
+    return bool(host_guard[3] != 0.0), float(host_guard[2])
 
 
 class Timer(Protocol):

@@ -58,11 +58,14 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
         plan["optimizer (m, v" + (", fp32 master)" if dtype == BFLOAT16 else ")")] = \
             n * 4 * (3 if dtype == BFLOAT16 else 2)
     acts = 0
-    extra = {"recompute": recompute} if fam is GPT2 else {}
+    extra = {}
+    if fam is GPT2:  # the same classifier chunking and placement as GPT2.__init__ plans
+        extra = {"recompute": recompute,
+                 "chunks": gpt2.auto_classifier_chunks(cfg, B, T, training, act_bytes, recompute)}
     aliased = getattr(fam.module, "in_logits", lambda *a, **k: {})(cfg, B, T, training, **extra)
     for name, shape, kind, per_layer in fam.module.activation_shapes(cfg, B, T, training, **extra):
-        if name in aliased:  # placed inside the logits buffer, no memory of its own
-            continue
+        if name in aliased or (training and name in getattr(fam.module, "SCRATCH_PARTNER", {})):
+            continue  # placed inside the logits buffer or in its partner's memory: none of its own
         elems = int(np.prod(shape)) * (cfg.n_layer if per_layer else 1)
         acts += elems * (act_bytes if kind == "act" else 4)
     plan["activations"] = acts

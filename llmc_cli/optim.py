@@ -49,6 +49,8 @@ class AdamW:
         if backend.dtype == BFLOAT16:
             self.master = backend.alloc(n, FLOAT32, tag="optimizer")
         self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
+        self.loss_buf = backend.alloc(1, FLOAT32, tag="optimizer")   # the step's mean loss (loss_sum)
+        self.guard = backend.alloc(4, FLOAT32, tag="optimizer")      # [loss, norm, scale, apply] (step_guard)
         self.step_count = 0
         self._views = []
         off = 0
@@ -72,11 +74,29 @@ class AdamW:
         c = self.cfg
         self.step_count += 1
         scale = c.grad_clip / grad_norm if (c.grad_clip > 0 and grad_norm > c.grad_clip) else 1.0
+        self._updates(lr, self.step_count, scale, seed, None)
+
+    def _updates(self, lr: float, step: int, scale: float, seed: int, guard) -> None:
+        c = self.cfg
         for i, (name, decay, m, v, master) in enumerate(self._views):
             self.backend.adamw_update(
                 self.params.full[name], self.grads.full[name], m, v, master,
                 lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay if decay else 0.0,
-                step=self.step_count, grad_scale=scale, seed=(seed * 1000003 + self.step_count * 64 + i) & 0x7FFFFFFF)
+                step=step, grad_scale=scale, seed=(seed * 1000003 + step * 64 + i) & 0x7FFFFFFF, guard=guard)
+
+    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float) -> tuple[float, float, bool]:
+        """The whole update queued without the host waiting for the device in between: the grad norm, the clip
+        scale and the skip verdict (non-finite loss or norm, or one above its bound) are computed on the device
+        (`step_guard`) and every AdamW update reads them there. The step's mean loss must be in `loss_buf`
+        (`loss_sum`). One read at the end returns (loss, norm, applied); a skipped step changes nothing."""
+        b = self.backend
+        b.global_norm_squared(self.norm_buf, [self.grads.buf])
+        b.step_guard(self.guard, self.loss_buf, self.norm_buf, self.cfg.grad_clip, max_loss, max_norm)
+        self._updates(lr, self.step_count + 1, 1.0, seed, self.guard)
+        loss, norm, _, apply = (float(v) for v in b.download(self.guard))
+        if apply:
+            self.step_count += 1
+        return loss, norm, bool(apply)
 
     # state in and out as host arrays, for checkpoints
     def state_host(self) -> dict[str, np.ndarray]:

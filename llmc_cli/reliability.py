@@ -33,13 +33,25 @@ class OutlierDetector:
         self.min_count = window if min_count is None else max(2, min(min_count, window))
         self.values: deque[float] = deque(maxlen=window)
 
-    def zscore(self, x: float) -> float:
-        if not math.isfinite(x) or len(self.values) < self.min_count:
-            return float("nan")
+    def _stats(self) -> tuple[float, float]:
         n = len(self.values)
         mean = math.fsum(self.values) / n
         var = math.fsum((v - mean) ** 2 for v in self.values) / n
-        std = math.sqrt(var)
+        return mean, math.sqrt(var)
+
+    def bound(self, z: float) -> float:
+        """The largest value whose z-score is not above `z` (> 0): mean + z * std of the window, so that
+        `x > bound(z)` is `zscore(x) > z` (with std 0: any x above the mean); inf while z-scores are NaN (the
+        window not yet full) or when z <= 0 (off). Lets the device take the skip decision (`step_guard`)."""
+        if not z > 0 or len(self.values) < self.min_count:
+            return float("inf")
+        mean, std = self._stats()
+        return mean + z * std
+
+    def zscore(self, x: float) -> float:
+        if not math.isfinite(x) or len(self.values) < self.min_count:
+            return float("nan")
+        mean, std = self._stats()
         if std == 0.0:
             return 0.0 if x == mean else math.copysign(float("inf"), x - mean)
         return (x - mean) / std

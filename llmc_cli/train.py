@@ -51,7 +51,7 @@ class TrainArgs:
     vocab_size: int | None = None          # None = the preset's (GPT-2: 50257)
     batch_size: int = 4
     seq_len: int = 64
-    recompute: str = "none"               # GPT-2: none | gelu | gelu+layernorm (activation memory vs compute)
+    recompute: str = "none"               # GPT-2: none | gelu | layernorm | gelu+layernorm (memory vs compute)
     total_batch_size: int | None = None   # tokens per optimizer step; None = B*T (no accumulation)
     steps: int = 20
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -89,6 +89,14 @@ def model_config(a: TrainArgs):
     cfg = family.preset(a.model, **over)
     cfg.validate()
     return cfg
+
+
+def within_bounds(loss: float, norm: float, max_loss: float, max_norm: float) -> bool:
+    """The update goes ahead: loss and norm finite and not above their bounds, compared in float32 as the
+    device's step_guard compares them."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(loss) and np.isfinite(norm) and not np.float32(loss) > np.float32(max_loss)
+                    and not np.float32(norm) > np.float32(max_norm))
 
 
 class Trainer:
@@ -225,27 +233,40 @@ class Trainer:
         model.zero_grad()
         loss = 0.0
         dloss = 1.0 / (a.batch_size * a.seq_len * self.grad_accum)
-        for _ in range(self.grad_accum):
+        # one process: the loss, the norm and the skip verdict stay on the device until the update is queued
+        # (AdamW reads them there), so the device never idles waiting for the host inside a step
+        on_device = self.comm.world_size == 1 and isinstance(self.opt, AdamW)
+        for i in range(self.grad_accum):
             x, y = self._batch()
             model.forward(x, y, dloss=dloss)
             model.backward()
-            loss += model.mean_loss() / self.grad_accum
-        if self.comm.world_size > 1:  # data parallel: the step's loss and gradients are the ranks' average
-            loss = self.comm.all_reduce_value(loss, AVG)
-        self.opt.reduce_grads()
-        norm = self.opt.grad_norm()
+            if on_device:
+                self.backend.loss_sum(self.opt.loss_buf, model.acts["losses"], dloss, accumulate=i > 0)
+            else:
+                loss += model.mean_loss() / self.grad_accum
         lr = lr_at(step, a.optim.lr, a.warmup, a.steps, a.lr_decay_frac)
-        # llm.c's rule: z-scores against the last 128 steps; a spike skips the update (never a non-finite step)
+        # llm.c's rule: z-scores against the last 128 steps; a spike skips the update (never a non-finite step).
+        # z > Z is taken as value > mean + Z * std, the form the device evaluates too
+        max_loss, max_norm = self.loss_outliers.bound(a.skip_loss_z), self.norm_outliers.bound(a.skip_grad_z)
+        if on_device:
+            loss, norm, applied = self.opt.guarded_step(lr, a.seed + step, max_loss, max_norm)
+        else:
+            if self.comm.world_size > 1:  # data parallel: the step's loss and gradients are the ranks' average
+                loss = self.comm.all_reduce_value(loss, AVG)
+            self.opt.reduce_grads()
+            norm = self.opt.grad_norm()
+            applied = within_bounds(loss, norm, max_loss, max_norm)
+            if applied:
+                self.opt.step(lr, norm, seed=a.seed + step)
         zloss, znorm = self.loss_outliers.update(loss), self.norm_outliers.update(norm)
         reason = None
-        if not np.isfinite(loss) or not np.isfinite(norm):
-            reason = "non-finite loss" if not np.isfinite(loss) else "non-finite grad norm"
-        elif a.skip_loss_z > 0 and zloss > a.skip_loss_z:
-            reason = f"loss z-score {zloss:.1f} > --skip-loss-z {a.skip_loss_z:g}"
-        elif a.skip_grad_z > 0 and znorm > a.skip_grad_z:
-            reason = f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"
-        if reason is None:
-            self.opt.step(lr, norm, seed=a.seed + step)
+        if not applied:
+            if not np.isfinite(loss) or not np.isfinite(norm):
+                reason = "non-finite loss" if not np.isfinite(loss) else "non-finite grad norm"
+            elif not within_bounds(loss, 0.0, max_loss, float("inf")):
+                reason = f"loss z-score {zloss:.1f} > --skip-loss-z {a.skip_loss_z:g}"
+            else:
+                reason = f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"
         seconds = timer.stop()
         finite = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731  (JSON has no NaN / inf)
         rec = {"step": step + 1, "loss": finite(loss), "norm": finite(norm), "lr": lr, "ms": seconds * 1e3,

@@ -45,22 +45,20 @@ def _trainer(shards, **kw):
 
 
 def _poison(tr, steps, value=float("nan"), what="loss"):
-    """Make the model report `value` as the loss (or the optimizer as the grad norm) at the given 1-based steps."""
+    """Make the device's step loss (or the optimizer's grad norm) be `value` at the given 1-based steps: the
+    values are overwritten where the step computes them (loss_sum, global_norm_squared), so the skip verdict
+    is the one the device takes before AdamW runs."""
     calls = {"n": 0}
-    if what == "loss":
-        orig = tr.model.mean_loss
+    be = tr.backend
+    name = "loss_sum" if what == "loss" else "global_norm_squared"
+    orig = getattr(be, name)
 
-        def mean_loss():
-            calls["n"] += 1
-            return value if calls["n"] in steps else orig()
-        tr.model.mean_loss = mean_loss
-    else:
-        orig = tr.opt.grad_norm
-
-        def grad_norm():
-            calls["n"] += 1
-            return value if calls["n"] in steps else orig()
-        tr.opt.grad_norm = grad_norm
+    def poisoned(out, *args, **kw):
+        orig(out, *args, **kw)
+        calls["n"] += 1
+        if calls["n"] in steps:
+            be.upload(out, np.array([value if what == "loss" else value * value], np.float32))
+    setattr(be, name, poisoned)
 
 
 def test_nonfinite_step_is_skipped_never_applied(shards):
@@ -97,14 +95,16 @@ def test_consecutive_bad_steps_abort(shards, tmp_path):
 
 
 def test_cli_abort_message_and_jsonl(shards, tmp_path, monkeypatch):
-    from llmc_cli import gpt2
-    orig = gpt2.GPT2.mean_loss
+    from llmc_cli.kernels import Backend
+    orig = Backend.loss_sum
     calls = {"n": 0}
 
-    def mean_loss(self):
+    def loss_sum(self, out, *a, **kw):
+        orig(self, out, *a, **kw)
         calls["n"] += 1
-        return float("nan") if calls["n"] >= 3 else orig(self)
-    monkeypatch.setattr(gpt2.GPT2, "mean_loss", mean_loss)
+        if calls["n"] >= 3:
+            self.upload(out, np.array([np.nan], np.float32))
+    monkeypatch.setattr(Backend, "loss_sum", loss_sum)
     log = tmp_path / "l.jsonl"
     r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 10, "--max-bad-steps", 2, "--log", log, ok=False)
     assert r.exit_code == 3, r.output

@@ -165,7 +165,7 @@ def test_t_longer_than_block_size_is_refused(backend):
         GPT2(TINY, backend, 1, TINY.block_size + 1)
 
 
-@pytest.mark.parametrize("recompute", ["gelu", "gelu+layernorm"])
+@pytest.mark.parametrize("recompute", ["gelu", "layernorm", "gelu+layernorm"])
 def test_recompute_matches_keeping_activations(backend, recompute):
     """Recomputing GELU / layernorm outputs in backward gives the same loss and gradients as keeping them."""
     cfg, B, T = TINY, 2, 8
@@ -183,6 +183,82 @@ def test_recompute_matches_keeping_activations(backend, recompute):
     assert rel(grads[1][1], grads[0][1]) < tol(backend, 1e-6, 1e-2)
     with pytest.raises(ValueError, match="--recompute"):
         GPT2(cfg, backend, B, T, recompute="everything")
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_chunked_classifier_matches_whole_batch(backend, chunks):
+    """The training classifier run in batch chunks (lm-head forward, classifier, lm-head backward per chunk, wte's
+    gradient accumulated over them) gives the loss and every gradient of the whole-batch classifier, also with
+    gradient accumulation over two micro-steps and under recompute (the scratch placed in a smaller logits
+    buffer)."""
+    cfg, B, T = TINY, 4, 8
+    flat = perturbed_init(cfg, 17)
+    xs = [batch(cfg, B, T, s) for s in (5, 6)]
+    out = []
+    for n, recompute in ((1, "none"), (chunks, "none"), (chunks, "gelu+layernorm")):
+        m = GPT2(cfg, backend, B, T, recompute=recompute, classifier_chunks=n)
+        assert m.acts["logits"].shape == (B // n, T, cfg.padded_vocab_size)
+        m.load_parameters(flat)
+        m.zero_grad()
+        losses = []
+        for x, y in xs:
+            m.forward(x, y, dloss=1.0 / (2 * B * T))
+            m.backward()
+            losses.append(backend.download(m.acts["losses"]))
+        m.forward(xs[0][0], xs[0][1])  # an evaluation forward (no dloss) on the chunked plan
+        losses.append(backend.download(m.acts["losses"]))
+        out.append((losses, backend.download(m.grads.buf).astype(np.float64)))
+    (l1, g1) = out[0]
+    for ln, gn in out[1:]:
+        for a, b in zip(ln, l1):
+            np.testing.assert_allclose(a, b, rtol=tol(backend, 1e-6, 1e-2), atol=tol(backend, 1e-6, 1e-2))
+        assert rel(gn, g1) < tol(backend, 1e-6, 1e-2)
+    m = GPT2(cfg, backend, B, T, classifier_chunks=chunks)
+    with pytest.raises(ValueError, match="chunks"):
+        m.forward(xs[0][0])
+    with pytest.raises(ValueError, match="divide"):
+        GPT2(cfg, backend, B, T, classifier_chunks=3)
+
+
+def test_classifier_chunk_plan():
+    """d12 at B=64, T=1024 in bf16: 16 chunks of 4 sequences (a 393 MiB logits buffer instead of 6.1 GiB, with
+    dfch inside it and dqkv sharing dfch's memory), and the --dry-run plan counts what the model allocates."""
+    from llmc_cli.gpt2 import auto_classifier_chunks, in_logits
+    from llmc_cli.models import memory_plan
+    cfg = preset("d12")
+    assert auto_classifier_chunks(cfg, 64, 1024, True, 2) == 16
+    assert auto_classifier_chunks(cfg, 64, 1024, True, 4) == 16
+    assert auto_classifier_chunks(cfg, 64, 1024, False, 2) == 1
+    assert auto_classifier_chunks(cfg, 4, 64, True, 4) == 1
+    assert in_logits(cfg, 64, 1024, True, "none", 16) == {"dfch": 0}
+    assert set(in_logits(cfg, 64, 1024, True, "none", 8)) == {"dfch", "btc"}
+    plan = memory_plan(cfg, 64, 1024, "bfloat16", recompute="none")
+    assert plan["activations"] / 2**30 < 19.0  # was 24.6 GiB with the whole-batch logits
+
+
+def test_scratch_partners_share_memory(backend):
+    """dresidual lives in btc's memory and dqkv in dfch's (never live at the same time), and the results are
+    those of the plan without chunks."""
+    cfg, B, T = TINY, 4, 8
+    m = GPT2(cfg, backend, B, T, classifier_chunks=4)
+    for a, b in (("dresidual", "btc"), ("dqkv", "dfch")):
+        assert backend.download(m.acts[a]).size <= backend.download(m.acts[b]).size
+        backend.fill(m.acts[b], 0.0)
+        backend.fill(m.acts[a], 3.0)
+        assert backend.download(m.acts[b]).reshape(-1)[0] == 3.0, f"{a} does not share {b}'s memory"
+
+
+def test_dry_run_plan_matches_allocation(backend):
+    """memory_plan (what --dry-run prints) is what the model and the optimizer allocate, chunks included."""
+    from llmc_cli.models import memory_plan
+    cfg, B, T = TINY, 4, 8
+    for recompute in ("none", "layernorm"):
+        before = dict(backend.memory_report().by_tag)
+        m = GPT2(cfg, backend, B, T, recompute=recompute)
+        after = backend.memory_report().by_tag
+        plan = memory_plan(cfg, B, T, backend.dtype, recompute=recompute)
+        assert after.get("activations", 0) - before.get("activations", 0) == plan["activations"]
+        del m
 
 
 def test_inference_model_shares_layer_buffers(backend):

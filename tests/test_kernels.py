@@ -756,6 +756,80 @@ def test_adamw_master_weights(bf16_backend, rng):
     assert np.any(r1 != r3), "the seed does not change the rounding"
 
 
+@pytest.mark.parametrize("n", [1, 37, 65536 + 13])
+def test_loss_sum(backend, rng, n):
+    """The step's mean loss on the device: float64 sum, one float32 rounding, deterministic, accumulating."""
+    losses, h = to_device(backend, rng.uniform(0.0, 12.0, n).astype(np.float32), FLOAT32)
+    out = empty(backend, (1,), FLOAT32)
+    w = 1.0 / (3 * n)
+    backend.loss_sum(out, losses, w, accumulate=False)
+    first = from_device(backend, out)
+    ref = np.sum(h.astype(np.float64)) * w
+    assert abs(float(first[0]) - ref) <= 2 * np.spacing(np.float32(ref))
+    poison(backend, out)
+    backend.loss_sum(out, losses, w, accumulate=False)
+    np.testing.assert_array_equal(from_device(backend, out), first, err_msg="loss_sum not deterministic")
+    backend.loss_sum(out, losses, w, accumulate=True)
+    backend.loss_sum(out, losses, w, accumulate=True)
+    assert abs(float(from_device(backend, out)[0]) - 3 * ref) <= 4 * np.spacing(np.float32(3 * ref))
+
+
+GUARD_CASES = [  # loss, norm squared, clip, max loss, max norm -> apply
+    (3.5, 0.25, 1.0, np.inf, np.inf, 1),      # norm 0.5 under the clip: scale 1
+    (3.5, 16.0, 1.0, np.inf, np.inf, 1),      # norm 4: scale 0.25
+    (3.5, 16.0, 0.0, np.inf, np.inf, 1),      # clipping off
+    (np.nan, 1.0, 1.0, np.inf, np.inf, 0),    # non-finite loss
+    (3.5, np.inf, 1.0, np.inf, np.inf, 0),    # non-finite norm
+    (3.5, 1.0, 1.0, 3.25, np.inf, 0),         # loss above its bound
+    (3.25, 1.0, 1.0, 3.25, np.inf, 1),        # at the bound: kept
+    (3.5, 9.0, 1.0, np.inf, 2.9, 0),          # norm 3 above its bound
+]
+
+
+@pytest.mark.parametrize("case", GUARD_CASES)
+def test_step_guard(backend, case):
+    from llmc_cli.kernels import guard_values
+    loss, ns, clip, max_loss, max_norm, apply = case
+    lb, _ = to_device(backend, np.array([loss], np.float32), FLOAT32)
+    nb, _ = to_device(backend, np.array([ns], np.float32), FLOAT32)
+    guard = empty(backend, (4,), FLOAT32)
+    backend.step_guard(guard, lb, nb, clip, max_loss, max_norm)
+    got = from_device(backend, guard)
+    want = guard_values(loss, ns, clip, max_loss, max_norm)
+    np.testing.assert_array_equal(got, want)
+    assert got[3] == apply
+    if apply:
+        norm = math.sqrt(ns)
+        assert got[1] == np.float32(norm) and got[2] == np.float32(clip / norm if 0 < clip < norm else 1.0)
+
+
+@pytest.mark.parametrize("apply,scale", [(1, 0.37), (1, 1.0), (0, 0.5)])
+def test_adamw_update_reads_the_guard(backend, rng, apply, scale):
+    """With a guard, AdamW takes the scale from the device buffer, and apply == 0 leaves everything as it was;
+    with scale s it matches the host-scale update to the last bit."""
+    shape = (3, 1031)
+    beta1, beta2, eps, wd = 0.9, 0.95, 1e-8, 0.1
+    p_h, g_h = randn(rng, *shape), randn(rng, *shape, scale=0.1)
+    m_h, v_h = randn(rng, *shape, scale=0.01), np.abs(randn(rng, *shape, scale=0.01))
+    guard, _ = to_device(backend, np.array([2.0, 0.5, scale, apply], np.float32), FLOAT32)
+    out = []
+    for use_guard in (True, False):
+        param, _ = to_device(backend, p_h, FLOAT32)
+        grad, _ = to_device(backend, g_h, FLOAT32)
+        m, _ = to_device(backend, m_h, FLOAT32)
+        v, _ = to_device(backend, v_h, FLOAT32)
+        backend.adamw_update(param, grad, m, v, None, lr=1e-3, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                             step=3, grad_scale=1.0 if use_guard else float(np.float32(scale)), seed=9,
+                             guard=guard if use_guard else None)
+        out.append([from_device(backend, b) for b in (param, m, v)])
+    if apply:
+        for got, want, what in zip(out[0], out[1], ("param", "m", "v")):
+            np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        for got, want, what in zip(out[0], (p_h, m_h, v_h), ("param", "m", "v")):
+            np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=f"skipped step changed {what}")
+
+
 @pytest.mark.parametrize("shape,factor", [((7, 13), 0.37), ((1000,), 1.0 / 3.0), ((3, 4099), -2.0)])
 def test_scale(backend, rng, shape, factor):
     buf, x = to_device(backend, randn(rng, *shape))

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from llmc_cli.kernels import (CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable, Buffer,
-                              MemoryReport)
+                              MemoryReport, guard_scale)
 
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -418,7 +418,14 @@ class CpuBackend(Backend):
         out.reshape(-1)[0] = total
 
     def adamw_update(self, param, grad, m, v, master, *, lr, beta1, beta2, eps, weight_decay, step,
-                     grad_scale, seed):
+                     grad_scale, seed, guard=None):
+        if guard is not None:
+            apply, gs = guard_scale(guard)
+            if not apply:
+                return
+            c1, c2 = np.float32((1.0 - beta1) * gs), np.float32((1.0 - beta2) * gs * gs)
+        else:
+            c1, c2 = np.float32((1.0 - beta1) * grad_scale), np.float32((1.0 - beta2) * grad_scale * grad_scale)
         p = (master if master is not None else param).reshape(-1)
         g, mm, vv = grad.reshape(-1), m.reshape(-1), v.reshape(-1)
         n = p.size
@@ -426,7 +433,6 @@ class CpuBackend(Backend):
         rbc2 = np.float32(1.0 / math.sqrt(1.0 - beta2 ** step))
         decay = np.float32(1.0 - lr * weight_decay)
         b1, b2 = np.float32(beta1), np.float32(beta2)
-        c1, c2 = np.float32((1.0 - beta1) * grad_scale), np.float32((1.0 - beta2) * grad_scale * grad_scale)
         epsf = np.float32(eps)
 
         def work(lo: int, hi: int, t: np.ndarray, u: np.ndarray) -> None:

@@ -16,6 +16,7 @@ from llmc_cli.kernels import (BFLOAT16, CAP_BF16, CAP_DEVICE_EVENTS, FLOAT32, IN
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256
+_STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
 
 
 def _bf16_dtype():
@@ -68,6 +69,7 @@ class CudaBackend(Backend):
         self._modules: dict[bool, cp.RawModule] = {}
         self._kernels: dict[tuple, object] = {}
         self._scratch: dict[tuple, cp.ndarray] = {}
+        self._staging: dict[int, list] = {}  # nbytes -> [[pinned memory, event of its last copy], ...]
         self.use_cudnn = os.environ.get("LLMC_CUDNN", "1") != "0"
         self.use_epilogues = os.environ.get("LLMC_CUBLASLT_EPILOGUES", "1") != "0"
         from .cublaslt import CublasLt
@@ -160,8 +162,30 @@ class CudaBackend(Backend):
             raise ValueError(f"upload of {h.nbytes} bytes into a buffer of {dst.nbytes}")
         if not dst.flags.c_contiguous:
             raise ValueError("upload needs a contiguous destination")
-        dst.data.copy_from_host_async(h.ctypes.data, h.nbytes, stream=self.stream)
-        self.stream.synchronize()  # the host array may go away
+        if h.nbytes > _STAGE_MAX:  # parameters and optimizer state: rare, so copy from pageable memory and wait
+            dst.data.copy_from_host_async(h.ctypes.data, h.nbytes, stream=self.stream)
+            self.stream.synchronize()  # the host array may go away
+            return
+        # small uploads (a step's tokens) go through pinned staging memory, so the call returns at once and the
+        # device does not idle behind a host wait in the middle of a step; the caller's array may go away
+        mem, slot = self._stage(h.nbytes)
+        np.copyto(np.frombuffer(mem, np.uint8, h.nbytes), h.reshape(-1).view(np.uint8))
+        dst.data.copy_from_host_async(mem.ptr, h.nbytes, stream=self.stream)
+        slot[1] = cp.cuda.Event(block=False, disable_timing=True)
+        slot[1].record(self.stream)
+
+    def _stage(self, nbytes):
+        """A pinned buffer of `nbytes` whose last copy has finished (a few per size, reused round robin)."""
+        slots = self._staging.setdefault(nbytes, [])
+        for slot in slots:
+            if slot[1] is None or slot[1].done:
+                return slot[0], slot
+        if len(slots) < 4:
+            slots.append([cp.cuda.alloc_pinned_memory(nbytes), None])
+            return slots[-1][0], slots[-1]
+        slots.append(slots.pop(0))
+        slots[-1][1].synchronize()
+        return slots[-1][0], slots[-1]
 
     def download(self, src):
         with self.stream:
@@ -525,8 +549,17 @@ class CudaBackend(Backend):
             off += nb
         self._launch(self._k("sumsq_final", False), 1, 32, (out, part, np.int32(off)))
 
+    def loss_sum(self, out, losses, weight, accumulate):
+        self._launch(self._k("loss_sum", False), 1, 1024,
+                     (out, losses, np.int64(losses.size), np.float64(weight), np.int32(bool(accumulate))))
+
+    def step_guard(self, guard, loss, norm_squared, grad_clip, max_loss, max_norm):
+        with np.errstate(over="ignore"):
+            bounds = (np.float32(max_loss), np.float32(max_norm))
+        self._launch(self._k("step_guard", False), 1, 32, (guard, loss, norm_squared, np.float64(grad_clip)) + bounds)
+
     def adamw_update(self, param, grad, m, v, master, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-                     seed):
+                     seed, guard=None):
         n = param.size
         step_size = lr / (1.0 - beta1 ** step)
         rbc2 = 1.0 / math.sqrt(1.0 - beta2 ** step)
@@ -540,7 +573,8 @@ class CudaBackend(Backend):
                      (param, grad, m, v, master if master is not None else np.uint64(0), np.int64(n),
                       np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(decay),
                       np.int32(weight_decay != 0.0), np.float32(c1), np.float32(c2), np.float32(step_size),
-                      np.float32(rbc2), np.uint32(seed & 0xFFFFFFFF)))
+                      np.float32(rbc2), np.uint32(seed & 0xFFFFFFFF), guard if guard is not None else np.uint64(0),
+                      np.float64(1.0 - beta1), np.float64(1.0 - beta2)))
 
     def scale(self, buf, factor):
         n = buf.size

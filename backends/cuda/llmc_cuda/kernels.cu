@@ -646,6 +646,36 @@ extern "C" __global__ void sumsq_final(float* out, const float* partials, int P)
     out[0] = (float)s;
 }
 
+// the step's mean loss on the device: out = w * sum(losses) (+ out), one block, float64 in a fixed order
+extern "C" __global__ void loss_sum(float* out, const float* losses, long long n, double w, int accumulate) {
+    __shared__ double red[1024];
+    double acc = 0.0;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) acc += (double)losses[i];
+    red[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {  // blockDim.x is a power of two
+        if (threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        double t = w * red[0];
+        if (accumulate) t += (double)out[0];
+        out[0] = (float)t;
+    }
+}
+__device__ __forceinline__ bool finite_f(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+// guard = [loss, norm, clip scale, apply]: what AdamW needs, without the host reading loss and norm first
+extern "C" __global__ void step_guard(float* guard, const float* loss, const float* norm_squared, double clip,
+                                      float max_loss, float max_norm) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    float l = loss[0];
+    double norm = sqrt((double)norm_squared[0]);
+    float n = (float)norm;
+    double scale = (clip > 0.0 && norm > clip) ? clip / norm : 1.0;
+    bool ok = finite_f(l) && finite_f(n) && !(l > max_loss) && !(n > max_norm);
+    guard[0] = l; guard[1] = n; guard[2] = (float)scale; guard[3] = ok ? 1.0f : 0.0f;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // AdamW (same operation order as the CPU backend / torch.optim.AdamW). master != 0: update the fp32 master and
 // write param = stochastic_round_bf16(master), seeded by (seed, index).
@@ -666,7 +696,13 @@ __device__ __forceinline__ act_t stochastic_round(float f, unsigned int rnd) {
 extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* m, float* v, float* master,
                                         long long n, float lr, float beta1, float beta2, float eps, float decay,
                                         int has_decay, float c1, float c2, float step_size, float rbc2,
-                                        unsigned int seed) {
+                                        unsigned int seed, const float* guard, double omb1, double omb2) {
+    if (guard != 0) {  // scale and verdict from step_guard, read when the update runs
+        if (guard[3] == 0.0f) return;
+        double s = (double)guard[2];
+        c1 = (float)(omb1 * s);
+        c2 = (float)(omb2 * s * s);
+    }
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float p = master != 0 ? master[i] : to_f(param[i]);
         float g = to_f(grad[i]);

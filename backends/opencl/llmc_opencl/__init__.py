@@ -20,7 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from llmc_cli.kernels import (FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable, MemoryReport)
+from llmc_cli.kernels import (FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable, MemoryReport,
+                              guard_scale)
 
 try:
     import pyopencl as cl
@@ -632,7 +633,11 @@ class OpenCLBackend(Backend):
         self.k["sum_final"](self.queue, (ls,), (ls,), *_bo(out), p.data, total)
 
     def adamw_update(self, param, grad, m, v, master, *, lr, beta1, beta2, eps, weight_decay, step,
-                     grad_scale, seed):
+                     grad_scale, seed, guard=None):
+        if guard is not None:  # read back (a sync); the guarded step saves host round trips only on CUDA
+            apply, grad_scale = guard_scale(self.download(guard))
+            if not apply:
+                return
         p = master if master is not None else param
         n = p.size
         mir = _bo(param) if master is not None else (self._dummy.data, 0)
