@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -153,7 +154,7 @@ def backends(as_json: bool) -> None:
               help="Stop (exit 3) after this many consecutive skipped / non-finite steps (0 = never).")
 @click.option("--out", default=None, type=click.Path(), help="Run directory for checkpoints, e.g. checkpoints/run1.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
-@click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file.")
+@click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file  [default: OUT/log.jsonl with --out]")
 @click.option("--hellaswag", default=None, type=click.Path(), help="llm.c HellaSwag eval file to score during training.")
 @click.option("--hellaswag-every", type=int, default=0, show_default=True,
               help="Score --hellaswag every N steps and at the end (0 = off); acc_norm goes to the log.")
@@ -237,6 +238,8 @@ def train(**o) -> None:
         _abort_on_uncaught(comm)
     optim = AdamWConfig(lr=o.pop("lr"), beta1=o.pop("beta1"), beta2=o.pop("beta2"),
                         weight_decay=o.pop("weight_decay"), grad_clip=o.pop("grad_clip"))
+    if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
+        o["log"] = str(Path(o["out"]) / "log.jsonl")
     args = TrainArgs(optim=optim, init=o.pop("init"), **o)
     try:
         tok = load_tokenizer("gpt2")

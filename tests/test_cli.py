@@ -33,6 +33,22 @@ def test_train_resume_is_bit_exact(shards, tmp_path):
     assert a[-1] < a[0]
 
 
+def test_run_directory_keeps_its_own_log(shards, tmp_path):
+    """--out without --log logs to OUT/log.jsonl; a resume trims it to the checkpoint and continues it."""
+    common = [*TINY, "--data", shards / "*train*.bin", "--steps", 6, "--checkpoint-every", 3]
+    run(*common, "--out", tmp_path / "a")
+    full = losses(tmp_path / "a" / "log.jsonl")
+    assert len(full) == 6
+    run(*common, "--out", tmp_path / "b")
+    import shutil
+    shutil.rmtree(tmp_path / "b" / "step_00000006")  # the run died after step 3's checkpoint (and logged on)
+    (tmp_path / "b" / "latest").write_text("step_00000003\n")
+    run(*common, "--out", tmp_path / "b", "--resume")
+    assert losses(tmp_path / "b" / "log.jsonl") == full
+    run("plot", tmp_path / "a", "--out", tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
 def test_two_runs_are_identical_and_log_has_fields(shards, tmp_path):
     for name in ("x", "y"):
         r = run(*TINY, "--data", shards / "*train*.bin", "--val-data", shards / "*val*.bin", "--steps", 4,
