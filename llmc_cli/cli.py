@@ -107,7 +107,8 @@ def backends(as_json: bool) -> None:
 @click.option("--device", default=None, help="Backend-specific device selector (default: the backend's best).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
               help="Compute dtype; auto = the backend's default (fp32 on cpu/opencl, bf16 on cuda).")
-@click.option("--data", required=True, help="Glob of training shards, e.g. 'datasets/shakespeare/*train*.bin'.")
+@click.option("--data", default=None,
+              help="Glob of training shards, e.g. 'datasets/shakespeare/*train*.bin' (required unless --dry-run).")
 @click.option("--val-data", default=None, help="Glob of validation shards.")
 @click.option("--model", default="d12", show_default=True,
               help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; Llama 3 llama3-tiny, llama3.2-1b, "
@@ -177,9 +178,10 @@ def train(**o) -> None:
       llmc tokenize shakespeare
       llmc train --backend cpu --model d6 -b 4 -t 64 --steps 100 \\
           --data 'datasets/shakespeare/*train*.bin' --val-data 'datasets/shakespeare/*val*.bin' \\
-          --out checkpoints/shakespeare --log checkpoints/shakespeare/log.jsonl
+          --out checkpoints/shakespeare
       llmc train --backend cpu --model llama3-tiny -b 4 -t 64 --steps 100 \\
           --data 'datasets/shakespeare/*train*.bin' --out checkpoints/llama-tiny
+      llmc train --model llama3-8b --dry-run -b 1 -t 8192 --dtype bf16
     """
     from .dataloader import DataError
     from .optim import AdamWConfig
@@ -200,6 +202,8 @@ def train(**o) -> None:
             fail(f"--hellaswag: {e}")
     if o.pop("dry_run"):
         return dry_run(o)
+    if not o["data"]:
+        fail("--data: give a glob of training shards, e.g. --data 'datasets/shakespeare/*train*.bin'")
     if o["out"]:  # a run directory is continued only on purpose: a fresh run must not clobber its checkpoints
         from pathlib import Path
         out = Path(o["out"])
@@ -333,7 +337,7 @@ def dry_run(o: dict) -> None:
     from .models import memory_plan
     from .train import TrainArgs, model_config
     try:
-        cfg = model_config(TrainArgs(data=o["data"], model=o["model"], n_layer=o["n_layer"], n_head=o["n_head"],
+        cfg = model_config(TrainArgs(data=o["data"] or "", model=o["model"], n_layer=o["n_layer"], n_head=o["n_head"],
                                      n_embd=o["n_embd"], n_kv_head=o["n_kv_head"], block_size=o["block_size"]))
     except ValueError as e:
         fail(str(e))

@@ -168,3 +168,9 @@ def test_backends_and_help():
 def test_console_script_installed():
     out = subprocess.run([sys.executable, "-m", "llmc_cli.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and "llmc" in out.stdout
+
+
+def test_train_without_data_is_one_line_error():
+    r = run("train", "--backend", "cpu", "--model", "d2", ok=False)
+    msg = r.output.strip()
+    assert r.exit_code == 2 and msg.startswith("error:") and "--data" in msg and "\n" not in msg, msg

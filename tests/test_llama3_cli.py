@@ -246,3 +246,13 @@ def test_bad_input_one_line_error(hf_dir, shards, tmp_path, case):
     one_line_error(run("train", "--backend", "cpu", "--init", src, "--data", shards / "l3_train*.bin",
                        "--steps", 1, "-b", 2, "-t", 16, ok=False), expect)
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_plans_llama3_8b_without_data():
+    """The 8B model's memory is planned on the host, allocating nothing, with no shards at hand."""
+    r = run("train", "--model", "llama3-8b", "--dry-run", "-b", 1, "-t", 8192, "--dtype", "bf16")
+    assert "8,030,261,248 parameters" in r.output
+    for component in ("parameters", "gradients", "optimizer", "activations", "total"):
+        assert component in r.output
+    # m, v and the fp32 master copy: 12 bytes a parameter
+    assert "89.75" in r.output
