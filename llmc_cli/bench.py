@@ -1026,6 +1026,21 @@ def _progress(as_json: bool):
     return status
 
 
+def _report_header(console, res: dict, backends, skipped, as_json: bool) -> bool:
+    """Adds the machine and the skipped backends to `res`; prints all of it as JSON (returns False) or prints the
+    machine lines and skips for the table that follows (returns True)."""
+    res["machine"] = describe_machine(backends)
+    res["skipped"] = [{"backend": n, "reason": r} for n, r in skipped]
+    if as_json:
+        _emit_json(res)
+        return False
+    for line in machine_lines(res["machine"]):
+        console.print(f"[dim]{line}[/]")
+    for n, r in skipped:
+        console.print(f"[dim]not benchmarked: {n} ({r})[/]")
+    return True
+
+
 def _emit_json(obj: dict) -> None:
     import json
 
@@ -1087,15 +1102,7 @@ def kernels(**o) -> None:
     finally:
         if status:
             status.stop()
-    res["machine"] = describe_machine(backends)
-    res["skipped"] = [{"backend": n, "reason": r} for n, r in skipped]
-    if o["as_json"]:
-        _emit_json(res)
-    else:
-        for line in machine_lines(res["machine"]):
-            console.print(f"[dim]{line}[/]")
-        for n, r in skipped:
-            console.print(f"[dim]not benchmarked: {n} ({r})[/]")
+    if _report_header(console, res, backends, skipped, o["as_json"]):
         if ref is None:
             console.print("[yellow]no cpu reference backend: errors are not checked[/]")
         print_wide(console, kernels_table(res))
@@ -1149,15 +1156,7 @@ def train(**o) -> None:
     finally:
         if status:
             status.stop()
-    res["machine"] = describe_machine(backends)
-    res["skipped"] = [{"backend": n, "reason": r} for n, r in skipped]
-    if o["as_json"]:
-        _emit_json(res)
-    else:
-        for line in machine_lines(res["machine"]):
-            console.print(f"[dim]{line}[/]")
-        for n, r in skipped:
-            console.print(f"[dim]not benchmarked: {n} ({r})[/]")
+    if _report_header(console, res, backends, skipped, o["as_json"]):
         console.print(f"[dim]data: {res['config']['data']}; {res['config']['flops_per_step'] / 1e9:.2f} GFLOP/step[/]")
         print_wide(console, train_table(res))
         for n in res["notes"]:

@@ -205,7 +205,6 @@ def train(**o) -> None:
     if not o["data"]:
         fail("--data: give a glob of training shards, e.g. --data 'datasets/shakespeare/*train*.bin'")
     if o["out"]:  # a run directory is continued only on purpose: a fresh run must not clobber its checkpoints
-        from pathlib import Path
         out = Path(o["out"])
         if out.exists() and not out.is_dir():
             fail(f"--out {out} is a file; expected a run directory (new or holding a run to --resume)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .kernels import FLOAT32, INT32, Backend
-from .model import Model
+from .model import Model, split_flat
 
 
 @dataclass(frozen=True)
@@ -74,18 +74,14 @@ def init_parameters(cfg: GPT2Config, seed: int) -> np.ndarray:
     projections scaled by 1/sqrt(2L), layernorm weights 1, biases 0, padded vocabulary rows 0."""
     rng = np.random.default_rng(seed)
     out = np.zeros(num_parameters(cfg), dtype=np.float32)
-    off = 0
-    for name, shape in parameter_shapes(cfg):
-        n = int(np.prod(shape))
-        t = out[off:off + n].reshape(shape)
+    for name, t in split_flat(out, parameter_shapes(cfg)).items():
         if name in ("ln1w", "ln2w", "lnfw"):
             t[...] = 1.0
         elif name == "wte":
             t[:cfg.vocab_size] = rng.normal(0.0, 0.02, (cfg.vocab_size, cfg.n_embd))
         elif name in DECAYED:
             std = 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("attprojw", "fcprojw") else 0.02
-            t[...] = rng.normal(0.0, std, shape)
-        off += n
+            t[...] = rng.normal(0.0, std, t.shape)
     return out
 
 

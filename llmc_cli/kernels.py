@@ -69,9 +69,15 @@ class Backend(abc.ABC):
     def alloc(self, shape: Sequence[int] | int, dtype: str = FLOAT32, tag: str = "other") -> Buffer:
         """A new uninitialised buffer; `tag` groups it in the memory report (params, grads, acts, optim...)."""
 
-    @abc.abstractmethod
     def view(self, buf: Buffer, offset: int, shape: Sequence[int] | int) -> Buffer:
-        """A buffer sharing memory with `buf`: `prod(shape)` elements starting at element `offset`."""
+        """A buffer sharing memory with `buf`: `prod(shape)` elements starting at element `offset`. This default
+        serves buffers that slice and reshape like numpy arrays (numpy, CuPy, pyopencl.array)."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        n = int(np.prod(shape))
+        flat = buf.reshape(-1)
+        if offset < 0 or offset + n > flat.size:
+            raise ValueError(f"view of {n} elements at {offset} overruns a buffer of {flat.size}")
+        return flat[offset:offset + n].reshape(shape)
 
     @abc.abstractmethod
     def upload(self, dst: Buffer, host: np.ndarray) -> None:

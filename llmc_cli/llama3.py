@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .kernels import FLOAT32, INT32, Backend
-from .model import Model, Tensors
+from .model import Model, Tensors, split_flat
 
 
 @dataclass(frozen=True)
@@ -114,16 +114,12 @@ def init_parameters(cfg: Llama3Config, seed: int) -> np.ndarray:
     """N(0, 0.02) matrices, output projections (wo, w2) scaled by 1/sqrt(2L), norms 1 (host, seeded)."""
     rng = np.random.default_rng(seed)
     out = np.zeros(num_parameters(cfg), dtype=np.float32)
-    off = 0
-    for name, shape in parameter_shapes(cfg):
-        n = int(np.prod(shape))
-        t = out[off:off + n].reshape(shape)
+    for name, t in split_flat(out, parameter_shapes(cfg)).items():
         if name in ("attn_norm", "ffn_norm", "norm"):
             t[...] = 1.0
         else:
             std = 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("wo", "w2") else 0.02
-            t[...] = rng.normal(0.0, std, shape)
-        off += n
+            t[...] = rng.normal(0.0, std, t.shape)
     return out
 
 

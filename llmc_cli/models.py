@@ -9,7 +9,7 @@ from types import ModuleType
 import numpy as np
 
 from . import gpt2, llama3
-from .kernels import BFLOAT16, FLOAT32
+from .kernels import BFLOAT16
 
 
 @dataclass(frozen=True)

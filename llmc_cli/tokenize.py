@@ -460,7 +460,7 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
     """
     if shard_size < 1:
         raise DataError(f"--shard-size must be at least 1 token, got {shard_size}")
-    fmt = shard_format(tok.name)
+    shard_format(tok.name)  # an unknown tokenizer fails here, before anything is written
     out_dir = Path(out_dir)
     manifest_path = out_dir / f"{src.name}_manifest.json"
     fp = {"source": src.ident, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
@@ -589,7 +589,7 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
                 continue
             yield i, split, text
 
-    prog = task = None
+    task = None
     console = console or _console()
     workers = max(1, int(workers))
     total = src.total_bytes

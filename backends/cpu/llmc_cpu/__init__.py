@@ -11,11 +11,10 @@ import math
 import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import numpy as np
 
-from llmc_cli.kernels import (CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable, Buffer,
+from llmc_cli.kernels import (CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
                               MemoryReport, guard_scale)
 
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
@@ -64,13 +63,6 @@ class CpuBackend(Backend):
         a = np.empty(shape, dtype=_NP_DTYPES[dtype])
         self._allocated[tag] += a.nbytes
         return a
-
-    def view(self, buf, offset, shape):
-        n = int(np.prod(shape))
-        flat = buf.reshape(-1)
-        if offset + n > flat.size:
-            raise ValueError(f"view of {n} elements at {offset} overruns a buffer of {flat.size}")
-        return flat[offset:offset + n].reshape(shape)
 
     def upload(self, dst, host):
         dst[...] = np.asarray(host).reshape(dst.shape)

@@ -143,13 +143,6 @@ class CudaBackend(Backend):
         self._allocated[tag] += a.nbytes
         return a
 
-    def view(self, buf, offset, shape):
-        n = int(np.prod(shape))
-        flat = buf.reshape(-1)
-        if offset + n > flat.size:
-            raise ValueError(f"view of {n} elements at {offset} overruns a buffer of {flat.size}")
-        return flat[offset:offset + n].reshape(shape)
-
     def upload(self, dst, host):
         h = np.ascontiguousarray(np.asarray(host).reshape(dst.shape))
         if dst.dtype == self.bf16:

@@ -16,7 +16,6 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -215,14 +214,6 @@ class OpenCLBackend(Backend):
         a = cla.empty(self.queue, shape, _NP_DTYPES[dtype])
         self._allocated[tag] += a.nbytes
         return a
-
-    def view(self, buf, offset, shape):
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        n = int(np.prod(shape))
-        flat = buf.reshape(-1)
-        if offset < 0 or offset + n > flat.size:
-            raise ValueError(f"view of {n} elements at {offset} overruns a buffer of {flat.size}")
-        return flat[offset:offset + n].reshape(shape)
 
     def upload(self, dst, host):
         h = np.ascontiguousarray(np.asarray(host).reshape(dst.shape), dtype=dst.dtype)
