@@ -148,10 +148,13 @@ def test_autotune_cache_survives_garbage(tmp_path, monkeypatch):
 
 
 # ---- SGEMM on awkward sizes ------------------------------------------------------------------------------------
-SIZES = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (130, 67, 129), (3, 200, 1), (64, 64, 64), (97, 1, 300)]
+# (M, N, K); the multiples of 4 take the float4 global reads of the VEC tiles, partial tiles included
+SIZES = [(1, 1, 1), (7, 13, 5), (33, 65, 17), (130, 67, 129), (3, 200, 1), (64, 64, 64), (97, 1, 300),
+         (132, 68, 260), (132, 68, 67), (36, 260, 12)]
 CONFIGS = {"direct": tune.DIRECT[0], "tiled": tune.TILED[0], "direct-4x16": tune.DIRECT[2],
            "direct-8x16": tune.DIRECT[3], "tiled-128": tune.TILED[1], "tiled-128-k8": tune.TILED[6],
-           "tiled-prefetch": tune.TILED[9], "tiled-prefetch-64x128": tune.TILED[11]}
+           "tiled-prefetch": tune.TILED[9], "tiled-prefetch-64x128": tune.TILED[11],
+           "tiled-float4": tune.TILED[12], "tiled-float4-k16": tune.TILED[13], "tiled-float4-128x64": tune.TILED[15]}
 
 
 def rel(a, b):
@@ -184,6 +187,39 @@ def test_sgemm_awkward_sizes(kind, layout):
         be.gemm(a_t, b_t, M, N, K, A.data, 0, M if a_t else K, B.data, 0, K if b_t else N, C.data, 0, N,
                 config=c, alpha=0.5, accumulate=True)
         assert rel(C.get().astype(np.float64), c0 + 0.5 * ref) <= 1e-5, (layout, kind, M, N, K, "acc")
+
+
+@needs_device
+@pytest.mark.parametrize("T", [40, 37])
+def test_attention_with_float4_tiles(T):
+    """Attention walks (batch, head) through packed qkv with grouped-query heads and the causal modes; the VEC
+    tiles (float4 reads where T and the head offsets allow, scalar reads where not) against the default tiles."""
+    be = get_backend()
+    B, NH, NKV, hd = 2, 4, 2, 16
+    W = (NH + 2 * NKV) * hd
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((B, T, W)).astype(np.float32)
+    g = rng.standard_normal((B, T, NH * hd)).astype(np.float32)
+    saved = dict(be.gemm_config)
+    res = []
+    try:
+        for c in (tune.TILED[0], tune.TILED[12]):
+            be.gemm_config.update({lay: dict(c) for lay in tune.LAYOUTS})
+            qkv, dout = be.alloc(B * T * W), be.alloc(B * T * NH * hd)
+            qkv, dout = be.view(qkv, 0, (B, T, W)), be.view(dout, 0, (B, T, NH * hd))
+            be.upload(qkv, x)
+            be.upload(dout, g)
+            out = be.view(be.alloc(B * T * NH * hd), 0, (B, T, NH * hd))
+            lse = be.view(be.alloc(B * NH * T), 0, (B, NH, T))
+            dqkv = be.view(be.alloc(B * T * W), 0, (B, T, W))
+            be.attention_forward(out, lse, qkv, NH, NKV)
+            be.attention_backward(dqkv, dout, qkv, out, lse, NH, NKV)
+            res.append([be.download(t).astype(np.float64) for t in (out, lse, dqkv)])
+    finally:
+        be.gemm_config.clear()
+        be.gemm_config.update(saved)
+    for a, b in zip(*res):
+        assert rel(b, a) <= 1e-5
 
 
 @needs_device

@@ -276,9 +276,9 @@ class OpenCLBackend(Backend):
                 f"({self.device.max_compute_units} CUs, {self.device.global_mem_size >> 20} MiB); {gemm}")
 
     # ---- SGEMM ---------------------------------------------------------------------------------------------
-    def _gemm_kernel(self, a_t: int, b_t: int, config: dict | None = None):
+    def _gemm_kernel(self, a_t: int, b_t: int, config: dict | None = None, va: int = 0, vb: int = 0):
         c = config or self.gemm_config[("T" if a_t else "N") + ("T" if b_t else "N")]
-        key = (a_t, b_t) + self._tune.config_key(c)
+        key = (a_t, b_t, va, vb) + self._tune.config_key(c)
         hit = self._gemm_kernels.get(key)
         if hit is None:
             if c.get("kind", "tiled") == "direct":
@@ -286,7 +286,8 @@ class OpenCLBackend(Backend):
                 _, ks = build_program(self.ctx, "sgemm_direct.cl", opts)
             else:
                 opts = (f"-DTM={c['TM']} -DTN={c['TN']} -DTK={c['TK']} -DWPTM={c['WPTM']} -DWPTN={c['WPTN']} "
-                        f"-DA_T={a_t} -DB_T={b_t} -DPREF={int(c.get('PREF', 0))}")
+                        f"-DA_T={a_t} -DB_T={b_t} -DPREF={int(c.get('PREF', 0))} -DVEC={int(c.get('VEC', 0))} "
+                        f"-DVA={va} -DVB={vb}")
                 _, ks = build_program(self.ctx, "sgemm.cl", opts)
             hit = self._gemm_kernels[key] = (ks["sgemm"], c)
         return hit
@@ -315,7 +316,16 @@ class OpenCLBackend(Backend):
             self._ew("splitk_reduce", M * N, Cb, c_off, ldc, P.data, S, M, N, alpha, int(bool(accumulate)),
                      bb, bo, int(bias is not None), xb, xo, epi)
             return
-        knl, c = self._gemm_kernel(a_t, b_t, config)
+        c = config or self.gemm_config[("T" if a_t else "N") + ("T" if b_t else "N")]
+        va = vb = 0
+        if c.get("VEC") and c.get("PREF"):
+            # float4 global reads need every operand start 16-byte aligned (buffer bases are) and whole float4s
+            # along the contiguous dimension, so that the kernel's per-float4 edge test is exact
+            def vec_ok(off, ld, so, si, inner, tile):
+                return all(v % 4 == 0 for v in (off, ld, so, si, inner, tile))
+            va = int(vec_ok(a_off, lda, a_so, a_si, M if a_t else K, c["TM"] if a_t else c["TK"]))
+            vb = int(vec_ok(b_off, ldb, b_so, b_si, K if b_t else N, c["TK"] if b_t else c["TN"]))
+        knl, c = self._gemm_kernel(a_t, b_t, c, va, vb)
         if c.get("kind", "tiled") == "direct":
             lx, ly = c["LX"], c["LY"]
             gsize = (-(-N // (c["RN"] * lx)) * lx, -(-M // (c["RM"] * ly)) * ly, batch)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-TUNE_VERSION = 4  # 4: fma() in the direct kernels, one-item reductions on CPU devices
+TUNE_VERSION = 5  # 5: VEC tiles (float4 local-memory reads, float4 global reads where aligned)
 LAYOUTS = ("NT", "NN", "TN")  # forward, dinp, dweight
 TILED_KEYS = ("TM", "TN", "TK", "WPTM", "WPTN")
 DIRECT_KEYS = ("RM", "RN", "VK", "LX", "LY")
@@ -33,6 +33,10 @@ TILED = [
     {"kind": "tiled", "TM": 128, "TN": 128, "TK": 8, "WPTM": 8, "WPTN": 8, "PREF": 1},
     {"kind": "tiled", "TM": 128, "TN": 128, "TK": 16, "WPTM": 8, "WPTN": 8, "PREF": 1},
     {"kind": "tiled", "TM": 64, "TN": 128, "TK": 16, "WPTM": 4, "WPTN": 8, "PREF": 1},
+    {"kind": "tiled", "TM": 128, "TN": 128, "TK": 8, "WPTM": 8, "WPTN": 8, "PREF": 1, "VEC": 1},
+    {"kind": "tiled", "TM": 128, "TN": 128, "TK": 16, "WPTM": 8, "WPTN": 8, "PREF": 1, "VEC": 1},
+    {"kind": "tiled", "TM": 64, "TN": 128, "TK": 8, "WPTM": 4, "WPTN": 8, "PREF": 1, "VEC": 1},
+    {"kind": "tiled", "TM": 128, "TN": 64, "TK": 8, "WPTM": 8, "WPTN": 4, "PREF": 1, "VEC": 1},
 ]
 # register blocks straight from global memory (no barriers): CPUs
 DIRECT = [
@@ -50,14 +54,19 @@ DEFAULT_CPU = DIRECT[2]
 def config_key(c: dict) -> tuple:
     if c.get("kind", "tiled") == "direct":
         return ("direct",) + tuple(int(c[k]) for k in DIRECT_KEYS)
-    return ("tiled",) + tuple(int(c[k]) for k in TILED_KEYS) + ((1,) if c.get("PREF") else ())
+    # trailing flags only when set, so configurations cached before they existed keep their keys
+    flags = (1,) if c.get("PREF") else ()
+    if c.get("VEC"):
+        flags = (int(bool(c.get("PREF"))), 1)
+    return ("tiled",) + tuple(int(c[k]) for k in TILED_KEYS) + flags
 
 
 def config_name(c: dict) -> str:
     k = config_key(c)
     if k[0] == "direct":
         return f"direct {k[1]}x{k[2]} per item, vec {k[3]}, work-group {k[4]}x{k[5]}"
-    return f"tiled {k[1]}x{k[2]}x{k[3]}, {k[4]}x{k[5]} per item" + (", prefetch" if len(k) > 6 else "")
+    return (f"tiled {k[1]}x{k[2]}x{k[3]}, {k[4]}x{k[5]} per item" + (", prefetch" if len(k) > 6 and k[6] else "")
+            + (", float4" if len(k) > 7 and k[7] else ""))
 
 
 def default_config(device) -> dict:
@@ -109,9 +118,11 @@ def fits(device, c: dict) -> bool:
     if c.get("kind", "tiled") == "direct":
         return c["LX"] * c["LY"] <= device.max_work_group_size
     threads = (c["TM"] // c["WPTM"]) * (c["TN"] // c["WPTN"])
-    local = 4 * c["TK"] * (c["TM"] + c["TN"] + 2)
+    pad = 4 if c.get("VEC") else 1
+    local = 4 * c["TK"] * (c["TM"] + c["TN"] + 2 * pad)
     return (threads <= device.max_work_group_size and local <= device.local_mem_size
             and c["TM"] % c["WPTM"] == 0 and c["TN"] % c["WPTN"] == 0
+            and (not c.get("VEC") or (c["WPTM"] % 4 == 0 and c["WPTN"] % 4 == 0))
             and c["TN"] // c["WPTN"] <= device.max_work_item_sizes[0]
             and c["TM"] // c["WPTM"] <= device.max_work_item_sizes[1])
 
