@@ -272,3 +272,13 @@ def losses(log) -> list[float]:
     """The training losses of a --log JSONL file, in order."""
     import json
     return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]
+
+
+def rewind_run(run_dir, died_after: int, dropped: int) -> None:
+    """Make a run directory look as if the run died after its step `died_after` checkpoint: the later checkpoint
+    step_`dropped` is gone and `latest` points back."""
+    import shutil
+    from pathlib import Path
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir / f"step_{dropped:08d}")
+    (run_dir / "latest").write_text(f"step_{died_after:08d}\n")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli.dataloader import DataError, DataLoader, read_evalfile, read_shard, write_evalfile
-from llmc_cli.gpt2 import GPT2Config, init_parameters, num_parameters
+from llmc_cli.gpt2 import GPT2Config, init_parameters
 from llmc_cli.tokenizer import TokenizerError, read_tokenizer_bin
 
 HEADER = 256 * 4

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TINY, losses, run
+from conftest import TINY, losses, rewind_run, run
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli.dataloader import write_shard
@@ -20,10 +20,7 @@ def test_train_resume_is_bit_exact(shards, tmp_path):
               "--lr-decay-frac", "0.1", "--weight-decay", "0.1", "--shuffle"]
     run(*common, "--out", tmp_path / "a", "--log", tmp_path / "a.jsonl")
     run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 10)
-    # pretend the run died after step 10: drop the final checkpoint, point latest back
-    import shutil
-    shutil.rmtree(tmp_path / "b" / "step_00000020")
-    (tmp_path / "b" / "latest").write_text("step_00000010\n")
+    rewind_run(tmp_path / "b", 10, 20)  # as if the run died after step 10
     lines = open(tmp_path / "b.jsonl").read().splitlines()[:10]
     (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
     r = run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--resume")
@@ -40,9 +37,7 @@ def test_run_directory_keeps_its_own_log(shards, tmp_path):
     full = losses(tmp_path / "a" / "log.jsonl")
     assert len(full) == 6
     run(*common, "--out", tmp_path / "b")
-    import shutil
-    shutil.rmtree(tmp_path / "b" / "step_00000006")  # the run died after step 3's checkpoint (and logged on)
-    (tmp_path / "b" / "latest").write_text("step_00000003\n")
+    rewind_run(tmp_path / "b", 3, 6)  # the run died after step 3's checkpoint (and logged on)
     run(*common, "--out", tmp_path / "b", "--resume")
     assert losses(tmp_path / "b" / "log.jsonl") == full
     run("plot", tmp_path / "a", "--out", tmp_path / "curves.png")

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import losses, phrase_tokens
+from conftest import losses, phrase_tokens, rewind_run
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli import comm as comm_mod
@@ -83,8 +83,7 @@ def test_zero_checkpoint_is_whole_and_resumes_on_one_rank(data, tmp_path):
     assert state["world_size"] == 2 and state["args"]["zero"] == 1
 
     shutil.copytree(tmp_path / "run", tmp_path / "one")
-    shutil.rmtree(tmp_path / "one" / "step_00000006")
-    (tmp_path / "one" / "latest").write_text("step_00000003\n")
+    rewind_run(tmp_path / "one", 3, 6)
     lines = open(tmp_path / "ref.jsonl").read().splitlines()[:3]
     (tmp_path / "one.jsonl").write_text("\n".join(lines) + "\n")
     r = llmc(*common, "--out", tmp_path / "one", "--log", tmp_path / "one.jsonl", "--resume")
@@ -92,8 +91,7 @@ def test_zero_checkpoint_is_whole_and_resumes_on_one_rank(data, tmp_path):
     assert_close(losses(tmp_path / "one.jsonl"), ref)
 
     # and the other way: a 1-rank checkpoint continues on 2 ranks with ZeRO (state sliced into shards)
-    shutil.rmtree(tmp_path / "one" / "step_00000006")
-    (tmp_path / "one" / "latest").write_text("step_00000003\n")
+    rewind_run(tmp_path / "one", 3, 6)
     (tmp_path / "two.jsonl").write_text("\n".join(lines) + "\n")
     llmc(*common, "--procs", 2, "--zero", 1, "--out", tmp_path / "one", "--log", tmp_path / "two.jsonl", "--resume")
     assert_close(losses(tmp_path / "two.jsonl"), ref)

@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import TINY, run
+from conftest import TINY, rewind_run, run
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli.dataloader import write_evalfile, write_shard
@@ -120,8 +120,7 @@ def test_resume_keeps_outlier_state_bit_exact(shards, tmp_path):
     common = [*TINY, "--data", shards / "*train*.bin", "--steps", 8, "--skip-loss-z", "1.5", "--skip-grad-z", "1.5"]
     run(*common, "--out", tmp_path / "a", "--log", tmp_path / "a.jsonl")
     run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 4)
-    shutil.rmtree(tmp_path / "b" / "step_00000008")
-    (tmp_path / "b" / "latest").write_text("step_00000004\n")
+    rewind_run(tmp_path / "b", 4, 8)
     run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--resume")  # trims the log itself
     a, b = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
     assert [x["loss"] for x in a] == [x["loss"] for x in b] and len(a) == 8
@@ -162,8 +161,7 @@ def test_resume_bit_exact_per_backend(backend, shards, tmp_path):
     common[common.index("cpu")] = backend
     run(*common, "--out", tmp_path / "a", "--log", tmp_path / "a.jsonl")
     run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 10)
-    shutil.rmtree(tmp_path / "b" / "step_00000020")
-    (tmp_path / "b" / "latest").write_text("step_00000010\n")
+    rewind_run(tmp_path / "b", 10, 20)
     run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--resume")
     a = [x["loss"] for x in records(tmp_path / "a.jsonl")]
     b = [x["loss"] for x in records(tmp_path / "b.jsonl")]

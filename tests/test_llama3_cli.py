@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 
 import numpy as np
 import pytest
-from conftest import losses, phrase_tokens, run
+from conftest import losses, phrase_tokens, rewind_run, run
 from test_llama3_hf import CONFIG, hf_tensors, write_hf_dir
 
 from llmc_cli import checkpoint as ckpt
@@ -78,8 +77,7 @@ def test_train_resume_is_bit_exact(shards, tmp_path):
               "--lr-decay-frac", "0.1", "--weight-decay", "0.1", "--shuffle"]
     run(*common, "--out", tmp_path / "a", "--log", tmp_path / "a.jsonl")
     run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 3)
-    shutil.rmtree(tmp_path / "b" / "step_00000006")  # as if the run died after step 3
-    (tmp_path / "b" / "latest").write_text("step_00000003\n")
+    rewind_run(tmp_path / "b", 3, 6)  # as if the run died after step 3
     lines = open(tmp_path / "b.jsonl").read().splitlines()[:3]
     (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
     r = run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--resume")
