@@ -372,8 +372,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise CheckpointError(f"{path}/latest points to {name!r}, which is not a step directory with a "
                                   f"model.bin or model.safetensors")
         return _model_in(step)
-    if path.is_dir() and _model_in(path) is not None:
-        return _model_in(path)
+    if path.is_dir() and (model := _model_in(path)) is not None:
+        return model
     raise CheckpointError(f"{path}: not a model file, a run directory with 'latest', or a step directory "
                           f"(model.bin or model.safetensors)")
 

@@ -21,7 +21,7 @@ from .model import Model
 def has_kv_cache(model: Model) -> bool:
     """True when `model` has a decoder here (GPT-2, Llama 3) and its backend announces CAP_KV_CACHE; other
     models and backends fall back to full recomputation."""
-    return isinstance(model, (GPT2, Llama3)) and CAP_KV_CACHE in model.backend.capabilities
+    return type(model) in _DECODERS and CAP_KV_CACHE in model.backend.capabilities
 
 
 class KVDecoder:
@@ -150,10 +150,13 @@ class LlamaKVDecoder(KVDecoder):
         return Tn
 
 
+_DECODERS: dict[type, type[KVDecoder]] = {GPT2: KVDecoder, Llama3: LlamaKVDecoder}  # model class -> its decoder
+
+
 def decoder_for(model: Model) -> KVDecoder:
     """The model's KV decoder (B=1, window model.T), planned on first use and kept on the model."""
     dec = getattr(model, "_kv_decoder", None)
     if dec is None:
-        dec = (LlamaKVDecoder if isinstance(model, Llama3) else KVDecoder)(model, B=1, max_len=model.T)
+        dec = _DECODERS[type(model)](model, B=1, max_len=model.T)
         model._kv_decoder = dec
     return dec

@@ -212,11 +212,8 @@ def load_model_any(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]
     if not path.exists():
         raise ckpt.CheckpointError(f"{path}: no such file or directory")
     if is_hf_dir(path):
-        if hf_model_type(path) == "llama":
-            from .llama3_hf import import_hf as import_llama
-            cfg, params = import_llama(path)
-        else:
-            cfg, params = import_hf(path)
+        importer, _ = _hf_readers(path)
+        cfg, params = importer(path)
         return cfg, params, "hf"
     cfg, params = ckpt.read_model_file(_resolve(path))
     return cfg, params, ("llmc" if path.is_file() else "run")
@@ -225,11 +222,18 @@ def load_model_any(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]
 def load_config_any(path: str | Path) -> ckpt.ModelConfig:
     """The model config alone (cheap: no parameters read)."""
     if is_hf_dir(path):
-        if hf_model_type(path) == "llama":
-            from .llama3_hf import read_hf_config as read_llama_config
-            return read_llama_config(path)
-        return read_hf_config(path)
+        _, read_config = _hf_readers(path)
+        return read_config(path)
     return ckpt.read_model_file_config(_resolve(path))
+
+
+def _hf_readers(path: Path):
+    """(import_hf, read_hf_config) for a Hugging Face directory of this model_type: GPT-2's here, Llama's in
+    llama3_hf."""
+    if hf_model_type(path) == "llama":
+        from . import llama3_hf
+        return llama3_hf.import_hf, llama3_hf.read_hf_config
+    return import_hf, read_hf_config
 
 
 def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:

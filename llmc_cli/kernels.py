@@ -277,14 +277,21 @@ class Backend(abc.ABC):
 def guard_values(loss: float, norm_squared: float, grad_clip: float, max_loss: float,
                  max_norm: float) -> np.ndarray:
     """What `step_guard` writes, computed on the host (the reference for every backend)."""
-    loss32, ns = np.float32(loss), np.float64(np.float32(norm_squared))
+    ns = np.float64(np.float32(norm_squared))
     with np.errstate(invalid="ignore", over="ignore"):
         norm = np.sqrt(ns)
-        norm32 = np.float32(norm)
         scale = grad_clip / norm if (grad_clip > 0 and norm > grad_clip) else 1.0
-        ok = (np.isfinite(loss32) and np.isfinite(norm32) and not loss32 > np.float32(max_loss)
-              and not norm32 > np.float32(max_norm))
-    return np.array([loss32, norm32, scale, 1.0 if ok else 0.0], np.float32)
+    ok = update_applies(loss, norm, max_loss, max_norm)
+    return np.array([np.float32(loss), np.float32(norm), scale, 1.0 if ok else 0.0], np.float32)
+
+
+def update_applies(loss: float, norm: float, max_loss: float, max_norm: float) -> bool:
+    """The skip rule `step_guard` evaluates: loss and norm finite and not above their bounds, all compared in
+    float32 (inf disables a bound). Host-side callers use it too, so host and device decide alike."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        loss32, norm32 = np.float32(loss), np.float32(norm)
+        return bool(np.isfinite(loss32) and np.isfinite(norm32) and not loss32 > np.float32(max_loss)
+                    and not norm32 > np.float32(max_norm))
 
 
 def guard_scale(host_guard: np.ndarray) -> tuple[bool, float]:

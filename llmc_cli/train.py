@@ -12,7 +12,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from .dataloader import DataLoader, ValLoader
 from .evaluate import evaluate_loss  # noqa: F401  (lives in evaluate.py; still importable from here)
-from .kernels import BFLOAT16, Backend
+from .kernels import BFLOAT16, Backend, update_applies
 from .models import family_for, family_of_config
 from .optim import AdamW, AdamWConfig, lr_at
 from .comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
@@ -88,14 +88,6 @@ def model_config(a: TrainArgs):
     cfg = family.preset(a.model, **over)
     cfg.validate()
     return cfg
-
-
-def within_bounds(loss: float, norm: float, max_loss: float, max_norm: float) -> bool:
-    """The update goes ahead: loss and norm finite and not above their bounds, compared in float32 as the
-    device's step_guard compares them."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return bool(np.isfinite(loss) and np.isfinite(norm) and not np.float32(loss) > np.float32(max_loss)
-                    and not np.float32(norm) > np.float32(max_norm))
 
 
 class Trainer:
@@ -254,7 +246,7 @@ class Trainer:
                 loss = self.comm.all_reduce_value(loss, AVG)
             self.opt.reduce_grads()
             norm = self.opt.grad_norm()
-            applied = within_bounds(loss, norm, max_loss, max_norm)
+            applied = update_applies(loss, norm, max_loss, max_norm)
             if applied:
                 self.opt.step(lr, norm, seed=a.seed + step)
         zloss, znorm = self.loss_outliers.update(loss), self.norm_outliers.update(norm)
@@ -262,7 +254,7 @@ class Trainer:
         if not applied:
             if not np.isfinite(loss) or not np.isfinite(norm):
                 reason = "non-finite loss" if not np.isfinite(loss) else "non-finite grad norm"
-            elif not within_bounds(loss, 0.0, max_loss, float("inf")):
+            elif not update_applies(loss, 0.0, max_loss, float("inf")):
                 reason = f"loss z-score {zloss:.1f} > --skip-loss-z {a.skip_loss_z:g}"
             else:
                 reason = f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"

@@ -442,12 +442,9 @@ class CpuBackend(Backend):
     def adamw_update(self, param, grad, m, v, master, *, lr, beta1, beta2, eps, weight_decay, step,
                      grad_scale, seed, guard=None):
         if guard is not None:
-            apply, gs = guard_scale(guard)
+            apply, grad_scale = guard_scale(guard)
             if not apply:
                 return
-            c1, c2 = np.float32((1.0 - beta1) * gs), np.float32((1.0 - beta2) * gs * gs)
-        else:
-            c1, c2 = np.float32((1.0 - beta1) * grad_scale), np.float32((1.0 - beta2) * grad_scale * grad_scale)
         p = (master if master is not None else param).reshape(-1)
         g, mm, vv = grad.reshape(-1), m.reshape(-1), v.reshape(-1)
         n = p.size
@@ -455,6 +452,7 @@ class CpuBackend(Backend):
         rbc2 = np.float32(1.0 / math.sqrt(1.0 - beta2 ** step))
         decay = np.float32(1.0 - lr * weight_decay)
         b1, b2 = np.float32(beta1), np.float32(beta2)
+        c1, c2 = np.float32((1.0 - beta1) * grad_scale), np.float32((1.0 - beta2) * grad_scale * grad_scale)
         epsf = np.float32(eps)
 
         def work(lo: int, hi: int, t: np.ndarray, u: np.ndarray) -> None:
