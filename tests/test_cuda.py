@@ -233,6 +233,34 @@ def test_cudnn_attention_matches_own_kernels():
         assert rel(down(b, d1), down(b, d2)) < 2e-2
 
 
+def test_cudnn_attention_backward_in_batch_slices_is_exact():
+    """A workspace limit that forces one sequence per cuDNN call gives the bits of the whole-batch call."""
+    b = cuda(BFLOAT16)
+    if not b._cudnn_ready():
+        pytest.skip(f"cuDNN not available: {b.cudnn_reason}")
+    rng = np.random.default_rng(3)
+    B, T, NH, NKV, hd = 4, 96, 4, 2, 64
+    W = (NH + 2 * NKV) * hd
+    qkv = up(b, rng.standard_normal((B, T, W)))
+    out, lse = poisoned(b, (B, T, NH * hd)), poisoned(b, (B, NH, T), FLOAT32)
+    b.attention_forward(out, lse, qkv, NH, NKV)
+    dout = up(b, rng.standard_normal((B, T, NH * hd)))
+    att = b._cudnn
+    whole = poisoned(b, (B, T, W))
+    b.attention_backward(whole, dout, qkv, out, lse, NH, NKV)
+    assert att.bwd_slices[(B, T, NH, NKV, hd)][1] == B
+    limit, att.bwd_workspace_max = att.bwd_workspace_max, -1
+    try:
+        att.bwd_slices.clear()
+        sliced = poisoned(b, (B, T, W))
+        b.attention_backward(sliced, dout, qkv, out, lse, NH, NKV)
+        assert att.bwd_slices[(B, T, NH, NKV, hd)][1] == 1
+    finally:
+        att.bwd_workspace_max = limit
+        att.bwd_slices.clear()
+    np.testing.assert_array_equal(down(b, sliced), down(b, whole))
+
+
 # =============================================================================================================
 # bf16 kernels vs the CPU backend (fp32) within bf16 bounds
 
@@ -264,6 +292,48 @@ def test_bf16_kernels_within_bounds(cpu):
     b.classifier_forward_backward(l_g, loss_g, up(b, tg), V, 1.0 / 64)
     assert rel(down(b, loss_g), loss_c) < 1e-4
     assert rel(down(b, l_g), l_c) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+def test_cublaslt_tuner_keeps_the_heuristic_bits(dtype):
+    """The tuned algorithm choice computes the bits of the heuristic's first algorithm, for every epilogue."""
+    b = cuda(dtype)
+    rng = np.random.default_rng(5)
+    N, C, OC = 2048, 768, 2304
+    x, w = up(b, rng.standard_normal((N, C))), up(b, rng.standard_normal((OC, C)) / math.sqrt(C))
+    bias, dout = up(b, rng.standard_normal(OC)), up(b, rng.standard_normal((N, OC)))
+    g_in = up(b, rng.standard_normal((N, C)))
+
+    def products():
+        out, pre = poisoned(b, (N, OC)), poisoned(b, (N, OC))
+        b.matmul_forward(out, x, w, bias, pre_gelu=pre)
+        out2 = poisoned(b, (N, OC))
+        b.matmul_forward(out2, x, w, bias)
+        dinp, dw, db = poisoned(b, (N, C)), up(b, np.full((OC, C), 0.5)), up(b, np.full(OC, 0.25))
+        b.matmul_backward(dinp, dw, db, dout, x, w)
+        dinp2 = poisoned(b, (N, C))
+        b.matmul_backward(dinp2, dw, db, dout, x, w, pre_gelu=g_in)  # accumulates a second time
+        return [down(b, t) for t in (out, pre, out2, dinp, dinp2, dw, db)]
+
+    lt = b.lt
+    saved = lt.plans, lt.tune, lt.candidates, dict(lt.tuning), lt.tune_after
+    try:
+        lt.plans, lt.tune, lt.candidates = {}, False, 1
+        want = products()
+        lt.plans, lt.tune, lt.candidates, lt.tune_after = {}, True, 8, 0
+        lt.tuning.clear()
+        got = products()
+        again = products()  # the second call runs the kept algorithm without tuning
+        assert lt.tuning, "nothing was tuned"
+        assert any(len(rows) > 1 for rows in lt.tuning.values())
+    finally:
+        lt.plans, lt.tune, lt.candidates = saved[:3]
+        lt.tuning.clear()
+        lt.tuning.update(saved[3])
+        lt.tune_after = saved[4]
+    for g, a, wnt in zip(got, again, want):
+        np.testing.assert_array_equal(g, wnt)
+        np.testing.assert_array_equal(a, wnt)
 
 
 # =============================================================================================================

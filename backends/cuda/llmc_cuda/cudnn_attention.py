@@ -5,6 +5,10 @@ q is (B, NH, T, hd) with strides (T*W, hd, W, 1) starting at element 0, k and v 
 starting at NH*hd and (NH+NKV)*hd. The output (B, T, NH*hd) and the float32 log-sum-exp statistics
 (B, NH, T, 1) are written in place. Graphs are built once per (B, T, NH, NKV, hd) and executed with raw
 pointers; the backward graph asks for cuDNN's deterministic algorithm.
+
+That deterministic backward wants a workspace that grows with B (about 1.5 GiB at GPT-2 124M, B=64, T=1024), so
+the backward runs over batch slices, the largest whose workspace stays within `bwd_workspace_max`: sequences
+are independent, so the slices compute exactly what one call would.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class CudnnAttention:
         self.graphs: dict[tuple, object] = {}
         self.failed: dict[tuple, str] = {}
         self.workspace = None
+        self.bwd_workspace_max = 512 << 20  # bytes
+        self.bwd_slices: dict[tuple, tuple] = {}  # (B, T, NH, NKV, hd) -> (graph, sequences per slice)
 
     def _ws(self, size: int):
         if self.workspace is None or self.workspace.size < size:
@@ -68,7 +74,6 @@ class CudnnAttention:
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans()
-        self._ws(g.get_workspace_size())
         return g
 
     def graph(self, kind, B, T, NH, NKV, hd):
@@ -86,17 +91,40 @@ class CudnnAttention:
         g = self.graph("fwd", B, T, NH, NKV, hd)
         if g is None:
             return False
+        self._ws(g.get_workspace_size())
         pack = {Q: qkv_ptr, K: qkv_ptr + NH * hd * elsize, V: qkv_ptr + (NH + NKV) * hd * elsize,
                 O: out_ptr, STATS: lse_ptr}
         g.execute(pack, self.workspace.data.ptr, handle=self.handle)
         return True
 
+    def _backward_plan(self, B, T, NH, NKV, hd):
+        """The backward graph for the largest batch slice (B, B/2, B/4, ...) whose workspace fits, or None."""
+        key = (B, T, NH, NKV, hd)
+        if key not in self.bwd_slices:
+            plan = None
+            Bs = B
+            while True:
+                g = self.graph("bwd", Bs, T, NH, NKV, hd)
+                if g is None:
+                    break
+                plan = (g, Bs)
+                if g.get_workspace_size() <= self.bwd_workspace_max or Bs % 2:
+                    break
+                Bs //= 2
+            self.bwd_slices[key] = plan
+        return self.bwd_slices[key]
+
     def backward(self, dqkv_ptr, dout_ptr, qkv_ptr, out_ptr, lse_ptr, B, T, NH, NKV, hd, elsize=2) -> bool:
-        g = self.graph("bwd", B, T, NH, NKV, hd)
-        if g is None:
+        plan = self._backward_plan(B, T, NH, NKV, hd)
+        if plan is None:
             return False
+        g, Bs = plan
+        ws = self._ws(g.get_workspace_size()).data.ptr
         ko, vo = NH * hd * elsize, (NH + NKV) * hd * elsize
-        pack = {Q: qkv_ptr, K: qkv_ptr + ko, V: qkv_ptr + vo, O: out_ptr, DO: dout_ptr, STATS: lse_ptr,
-                DQ: dqkv_ptr, DK: dqkv_ptr + ko, DV: dqkv_ptr + vo}
-        g.execute(pack, self.workspace.data.ptr, handle=self.handle)
+        W = (NH + 2 * NKV) * hd
+        for b in range(0, B, Bs):  # byte offsets of sequence b in each buffer
+            oq, oo, ol = b * T * W * elsize, b * T * NH * hd * elsize, b * NH * T * 4
+            pack = {Q: qkv_ptr + oq, K: qkv_ptr + oq + ko, V: qkv_ptr + oq + vo, O: out_ptr + oo, DO: dout_ptr + oo,
+                    STATS: lse_ptr + ol, DQ: dqkv_ptr + oq, DK: dqkv_ptr + oq + ko, DV: dqkv_ptr + oq + vo}
+            g.execute(pack, ws, handle=self.handle)
         return True
