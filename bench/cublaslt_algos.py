@@ -2,8 +2,8 @@
 
     python bench/cublaslt_algos.py --model d12 -b 64 -t 1024 [--candidates 16] [--reps 20] [--json out.json]
 
-Three training steps run with the backend asking cuBLASLt's heuristic for up to --candidates algorithms per
-product (the backend's tuner keeps the fastest of those bit-identical to the first); then every product is
+Six training steps run with the backend asking cuBLASLt's heuristic for up to --candidates algorithms per
+product (the backend's tuner keeps the fastest of those bit-identical to the first, timed in the steps); then every product is
 replayed on the pointers of its last call with each candidate, timed with CUDA events (median of --reps bursts
 of 4 calls after 3 warm-up calls). Each candidate is listed with its configuration (id, tile, stages, split-k,
 reduction scheme, swizzle, custom option, cluster, inner shape), "=" where the tuner found its output
@@ -45,11 +45,11 @@ def main():
     B, T = o.b, o.t
     tmp = tempfile.mkdtemp()
     rng = np.random.default_rng(0)
-    write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 50257, B * T * 4 + 1).astype(np.uint16))
-    args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, steps=3,
+    write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 50257, B * T * 8 + 1).astype(np.uint16))
+    args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, steps=6,
                      optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
     tr = Trainer(args, be, say=print)
-    for step in range(3):  # the backend tunes a plan at its 25th call (d12: in step 3)
+    for step in range(6):  # the backend's tuner has settled every d12 product by step 5
         tr.train_step(step)
     be.synchronize()
 

@@ -3,7 +3,8 @@
     python bench/cuda_profile.py --model d12 -b 64 -t 1024 [--recompute gelu] [--steps 10] [--json out.json]
 
 End to end: `Trainer.train_step` (data loader, forward, backward, norm, AdamW) timed by the trainer itself
-(device events), median over --steps after 3 warm-up steps, and device memory (total - free).
+(device events), median over --steps after --warmup steps (default 6: the CUDA backend's cuBLASLt tuner
+races its candidates in steps 2-5 at d12), and device memory (total - free).
 
 Per kernel: one more step is queued behind a ~0.3 s spin kernel with a pair of CUDA events around every backend
 call (inputs already uploaded, the norm read back afterwards), so the GPU runs the calls back to back with no
@@ -38,6 +39,7 @@ def main():
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--classifier-chunks", type=int, default=None, help="default: the engine's rule")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=6, help="steps before the timed ones")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--sustained", action="store_true",
                     help="profile the step right after the timed ones, with no spin kernel in front: the device "
@@ -63,9 +65,9 @@ def main():
     B, T = o.b, o.t
     tmp = tempfile.mkdtemp()
     rng = np.random.default_rng(0)
-    write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 50257, B * T * (o.steps + 8) + 1).astype(np.uint16))
+    write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 50257, B * T * (o.steps + o.warmup + 8) + 1).astype(np.uint16))
     args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, recompute=o.recompute,
-                     steps=o.steps + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
+                     steps=o.steps + o.warmup + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
     if o.classifier_chunks is not None:  # the engine plans chunks by auto_classifier_chunks; override it here
         from llmc_cli import gpt2
         gpt2.auto_classifier_chunks = lambda *a, **k: o.classifier_chunks
@@ -76,14 +78,14 @@ def main():
     print(tr.memory_line())
     used("model planned")
     recs = []
-    for s in range(3 + o.steps):
+    for s in range(o.warmup + o.steps):
         r = tr.train_step(s)
         recs.append(r)
         if s == 0:
             used("after step 1")
         print(f"step {s + 1}: loss {r['loss']:.6f} norm {r['norm']:.4f} {r['ms']:.1f} ms {r['tok_per_s'] / 1e3:.0f}k tok/s",
               flush=True)
-    ms = float(np.median([r["ms"] for r in recs[3:]]))
+    ms = float(np.median([r["ms"] for r in recs[o.warmup:]]))
     mem = be.memory_report()
     used = (mem.device_total - mem.device_free) / 2**30
     L, C = cfg.n_layer, cfg.n_embd

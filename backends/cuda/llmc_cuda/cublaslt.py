@@ -13,10 +13,11 @@ products and its own kernels for the rest.
 
 Algorithm choice: the heuristic's first algorithm is often not the fastest on a given GPU (the K=768 products
 of GPT-2 leave 5-25% on the table), but taking the fastest by timing would make the bits of a run depend on
-timing noise. So at a plan's 25th call every candidate the heuristic offers runs once on the real operands,
-and only those whose outputs are bit-identical to the first candidate's are timed; the fastest of those is kept.
-A run computes exactly what it would with the heuristic's choice, whichever candidate wins
-(`LLMC_CUBLASLT_TUNE=0` keeps the heuristic's first).
+timing noise. So at a plan's 13th call every candidate the heuristic offers runs once on the real operands and
+only those whose outputs are bit-identical to the first candidate's stay in the race; the next calls of the plan
+(real calls, in the step, where the L2 state, the neighbours and the power cap are what training sees) go to
+those candidates in turn, timed with events, and the fastest is kept. A run computes exactly what it would
+with the heuristic's choice, whichever candidate wins (`LLMC_CUBLASLT_TUNE=0` keeps the heuristic's first).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ CUDA_R_16BF = 14
 COMPUTE_32F = 68
 OP_N, OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
-TUNE_ROUNDS = 5  # timed bursts per bit-identical candidate at a plan's first call
-TUNE_BURST = 4  # calls per burst
+TUNE_AFTER = 12  # calls of a plan before its candidates are compared (d12: the first step runs untouched)
+TRIAL_CALLS = 4  # timed real calls per bit-identical candidate (d12, 8 candidates: done within step 5)
 TUNE_MARGIN = 0.02  # how much faster than the heuristic's first a candidate must be to be kept
 
 _DESC = lt.MatmulDescAttribute
@@ -104,6 +105,8 @@ class Plan:
         self.m, self.n = m, n
         self.tuned = False
         self.calls = 0
+        self.trials = None  # bit-identical candidates under trial
+        self.samples = []  # (candidate, start event, end event) of the trial calls
         self.count = int(count[0])
         self.ok = self.count > 0 and int(np.atleast_1d(self.heur.state)[0]) == 0
         self.algo = self.heur.ptr  # the heuristic's first choice unless `choose` says otherwise
@@ -148,9 +151,8 @@ class CublasLt:
         self.plans: dict[tuple, Plan | None] = {}
         self.tune = os.environ.get("LLMC_CUBLASLT_TUNE", "1") != "0"
         self.candidates = 8 if self.tune else 1  # heuristic results asked for per plan
-        # calls of a plan before it is tuned: the ranking of candidates at boost clocks (a cold GPU) differs from
-        # the one under sustained load and the power cap, and only the latter matters (d12: tuned in step 3)
-        self.tune_after = 24
+        self.tune_after = TUNE_AFTER
+        self._streams: dict[int, object] = {}
         self.tuning: dict[tuple, list] = {}  # key -> [(candidate, config, bit-identical, ms or None)], for bench
         self._bits_sum = cupy.ReductionKernel("T x", "uint64 y", "(unsigned long long)x", "a + b", "y = a", "0",
                                               "llmc_bits_sum")
@@ -176,71 +178,89 @@ class CublasLt:
         if not plan.tuned:
             plan.calls += 1
             if plan.calls > self.tune_after:
-                plan.tuned = True
-                if self.tune and plan.count > 1:
-                    self._tune(plan, args, accumulate, bias, aux, outputs)
+                return self._trial_call(plan, args, accumulate, bias, aux, outputs)
         plan.run(*args, bias_ptr=bias, aux_ptr=aux)
+
+    def _stream(self, ptr):
+        s = self._streams.get(ptr)
+        if s is None:
+            s = self._streams[ptr] = self.cp.cuda.ExternalStream(ptr)
+        return s
 
     def _raw(self, ptr, nbytes, elsize):
         cp = self.cp
         mem = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, nbytes, self), 0)
         return cp.ndarray((nbytes // elsize,), dtype=np.uint16 if elsize == 2 else np.uint32, memptr=mem)
 
-    def _tune(self, plan, args, accumulate, bias, aux, outputs):
-        """Keep the fastest candidate whose outputs are bit-identical to the heuristic's first (see the top)."""
+    def _trial_call(self, plan, args, accumulate, bias, aux, outputs):
+        """One real call during the race between the bit-identical candidates (see the top)."""
         cp = self.cp
-        stream = cp.cuda.ExternalStream(args[-1])
-        with stream:
+        stream = self._stream(args[-1])
+        if plan.trials is None:
+            many = self.tune and plan.count > 1
+            plan.trials = self._identical(plan, args, accumulate, bias, aux, outputs) if many else [0]
+            if len(plan.trials) < 2:
+                return self._settle(plan, args, bias, aux, {})
+        k = len(plan.samples)
+        i = plan.trials[k % len(plan.trials)]  # round robin: neighbouring calls (layers) try different ones
+        plan.choose(i)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        plan.run(*args, bias_ptr=bias, aux_ptr=aux)
+        e1.record(stream)
+        plan.samples.append((i, e0, e1))
+        if len(plan.samples) == len(plan.trials) * TRIAL_CALLS:
+            e1.synchronize()
+            times: dict[int, list] = {}
+            for c, s0, s1 in plan.samples:
+                times.setdefault(c, []).append(cp.cuda.get_elapsed_time(s0, s1))
+            self._settle(plan, None, bias, aux, {c: float(np.median(t)) for c, t in times.items()})
+
+    def _settle(self, plan, args, bias, aux, ms):
+        """Keep the fastest candidate if it beats the heuristic's first by TUNE_MARGIN; run `args` if given."""
+        base = ms.get(0)
+        fast = [i for i in ms if base is not None and ms[i] < base * (1 - TUNE_MARGIN)]
+        pick = min(fast, key=ms.get) if fast else 0
+        plan.choose(pick)
+        plan.tuned = True
+        self.tuning[plan.key] = [(i, plan.config(i), i in (plan.trials or [0]), ms.get(i)) for i in range(plan.count)]
+        plan.samples = []
+        if args is not None:
+            plan.run(*args, bias_ptr=bias, aux_ptr=aux)
+
+    def _identical(self, plan, args, accumulate, bias, aux, outputs) -> list[int]:
+        """The candidates whose outputs are bit-identical to the first candidate's, on these operands. Leaves an
+        accumulated output (beta = 1) as it found it."""
+        cp = self.cp
+        with self._stream(args[-1]) as stream:
             d = self._raw(args[2], plan.m * plan.n * plan.elsize, plan.elsize)
             outs = [d] + [self._raw(p, n, plan.elsize) for p, n in outputs]
             before = d.copy() if accumulate else None  # weight gradients: at most vocab x C
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-
-            def run(i):
-                plan.choose(i)
-                if before is not None:
-                    d[...] = before
-                plan.run(*args, bias_ptr=bias, aux_ptr=aux)
 
             def signature():
                 return tuple((int(self._bits_sum(o)), int(self._bits_sq(o))) for o in outs)
 
             ref, same = None, []
             for i in range(plan.count):
+                plan.choose(i)
+                if before is not None:
+                    d[...] = before
                 try:
-                    run(i)
+                    plan.run(*args, bias_ptr=bias, aux_ptr=aux)
                     sig = signature()
                 except Exception:  # a candidate this device cannot run after all
                     sig = None
                 if i == 0:
                     ref = sig
-                same.append(sig is not None and sig == ref)
-            ok = [i for i, y in enumerate(same) if y]
-            times = {i: [] for i in ok}
-            # bursts of back-to-back calls, candidates interleaved round by round so clock drift hits all alike;
-            # a burst of an accumulating product keeps accumulating (the gradient is restored afterwards)
-            for r in range(TUNE_ROUNDS + 1 if len(ok) > 1 else 0):
-                for i in ok:
-                    plan.choose(i)
-                    e0.record(stream)
-                    for _ in range(TUNE_BURST):
-                        plan.run(*args, bias_ptr=bias, aux_ptr=aux)
-                    e1.record(stream)
-                    e1.synchronize()
-                    if r:  # round 0 warms up
-                        times[i].append(cp.cuda.get_elapsed_time(e0, e1) / TUNE_BURST)
-            ms = {i: float(np.median(t)) for i, t in times.items() if t}
-            base = ms.get(0)  # another candidate only when clearly faster than the heuristic's first
-            fast = [i for i in ms if base is not None and ms[i] < base * (1 - TUNE_MARGIN)]
-            pick = min(fast, key=ms.get) if fast else 0
-            plan.choose(pick)
+                if sig is not None and sig == ref:
+                    same.append(i)
+            plan.choose(0)
             if before is not None:
                 d[...] = before
                 stream.synchronize()
                 del before
                 cp.get_default_memory_pool().free_all_blocks()  # the copy would stay in "device used"
-            rows = [(i, plan.config(i), same[i], ms.get(i)) for i in range(plan.count)]
-            self.tuning[plan.key] = rows
+        return same
 
     # ---- the three products of a linear layer, for row-major buffers ---------------------------------------
     def forward(self, out, inp, weight, N, C, OC, dtype, stream, bias=0, aux=0, epilogue=None):
