@@ -274,11 +274,14 @@ def losses(log) -> list[float]:
     return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]
 
 
-def rewind_run(run_dir, died_after: int, dropped: int) -> None:
+def rewind_run(run_dir, died_after: int, dropped: int, log=None) -> None:
     """Make a run directory look as if the run died after its step `died_after` checkpoint: the later checkpoint
-    step_`dropped` is gone and `latest` points back."""
+    step_`dropped` is gone and `latest` points back; with `log`, that JSONL log ends at step `died_after` too."""
     import shutil
     from pathlib import Path
     run_dir = Path(run_dir)
     shutil.rmtree(run_dir / f"step_{dropped:08d}")
     (run_dir / "latest").write_text(f"step_{died_after:08d}\n")
+    if log is not None:
+        lines = Path(log).read_text().splitlines()[:died_after]
+        Path(log).write_text("\n".join(lines) + "\n")
