@@ -40,8 +40,6 @@ def main():
 
     be = next(p for p in registry.discover() if p.name == "cuda").plugin.create(dtype="bfloat16")
     be.lt.candidates = o.candidates
-    from nvmath.bindings import cublasLt
-    lt_itemsize = cublasLt.matmul_heuristic_result_dtype.itemsize
     B, T = o.b, o.t
     tmp = tempfile.mkdtemp()
     rng = np.random.default_rng(0)
@@ -75,7 +73,7 @@ def main():
         epi = key[5]
         flops = 2 * N * C * OC
         rows = []
-        chosen = plan.algo
+        pick = plan.choice
         tuned = {r[0]: r for r in be.lt.tuning.get(key, [])}
         for i in range(plan.count):
             plan.choose(i)
@@ -86,8 +84,7 @@ def main():
                 continue
             same = tuned[i][2] if i in tuned else None
             rows.append({"i": i, "config": plan.config(i), "ms": ms, "tflops": flops / ms / 1e9, "identical": same})
-        plan.algo = chosen
-        pick = (chosen - plan.heur.ptr) // lt_itemsize
+        plan.choose(pick)
         ok = [r for r in rows if "ms" in r]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         label = f"{kind} N={N} C={C} OC={OC} epi={epi}"

@@ -109,12 +109,12 @@ class Plan:
         self.samples = []  # (candidate, start event, end event) of the trial calls
         self.count = int(count[0])
         self.ok = self.count > 0 and int(np.atleast_1d(self.heur.state)[0]) == 0
-        self.algo = self.heur.ptr  # the heuristic's first choice unless `choose` says otherwise
+        self.choose(0)  # the heuristic's first choice unless the tuner picks another
         self.last = None  # the pointers of the last call, for bench/cublaslt_algos.py to replay
 
     def config(self, i: int) -> tuple[int, ...]:
         """Candidate i's algorithm as (id, tile, stages, split-k, reduction, swizzle, custom, cluster, inner)."""
-        algo = self.heur.ptr + i * lt.matmul_heuristic_result_dtype.itemsize
+        algo = self._algo(i)
         out = []
         for attr in _CONFIG:
             v = np.zeros(1, dtype=np.uint64)  # zeroed, so a 2- or 4-byte attribute reads right (little-endian)
@@ -126,8 +126,12 @@ class Plan:
                 out.append(-1)
         return tuple(out)
 
+    def _algo(self, i: int) -> int:
+        """Pointer to candidate i's algorithm (the first field of its heuristic result)."""
+        return self.heur.ptr + i * lt.matmul_heuristic_result_dtype.itemsize
+
     def choose(self, i: int):
-        self.algo = self.heur.ptr + i * lt.matmul_heuristic_result_dtype.itemsize
+        self.choice, self.algo = i, self._algo(i)
 
     def run(self, a_ptr, b_ptr, d_ptr, alpha_ptr, beta_ptr, workspace_ptr, stream, bias_ptr=0, aux_ptr=0):
         if bias_ptr:
