@@ -42,6 +42,7 @@ from . import registry
 from .gpt2 import GPT2Config, num_parameters, preset
 from .kernels import BFLOAT16, CAP_DEVICE_EVENTS, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendUnavailable
 from .model import split_flat
+from .options import COUNT, POSITIVE, SEED, Real
 
 # relative error (max |got - ref| / max |ref|) above which a kernel is a mismatch, by the backend's dtype
 TOLERANCES = {FLOAT32: 1e-4, BFLOAT16: 3e-2}
@@ -930,8 +931,18 @@ def plot_kernels(res: dict, path: str) -> None:
     ax.set_title(f"llmc kernels, L={c['n_layer']} C={c['n_embd']} B={c['B']} T={c['T']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
+
+
+def _save(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+    from .plot import PlotError, save_png
+    try:
+        save_png(fig, path, dpi=120, option="--plot")
+    except PlotError as e:
+        raise BenchError(str(e)) from None
+    finally:
+        plt.close(fig)
 
 
 def plot_train(res: dict, path: str) -> None:
@@ -950,8 +961,7 @@ def plot_train(res: dict, path: str) -> None:
     c = res["config"]
     ax.set_title(f"llmc train step, L={c['n_layer']} C={c['n_embd']} B={c['B']} T={c['T']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -966,16 +976,16 @@ def _model_options(f):
         click.option("--model", default="d12", show_default=True,
                      help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; for `kernels` also Llama 3 "
                           "(llama3-tiny, llama3.2-1b, ...: rmsnorm, RoPE, GQA attention, SwiGLU)."),
-        click.option("--n-layer", type=int, default=None, help="Override the preset's layer count."),
-        click.option("--n-head", type=int, default=None, help="Override the preset's head count."),
-        click.option("--n-embd", type=int, default=None, help="Override the preset's channels."),
-        click.option("--vocab-size", type=int, default=None, help="Vocabulary (tokens) [default: GPT-2's 50257, "
+        click.option("--n-layer", type=POSITIVE, default=None, help="Override the preset's layer count."),
+        click.option("--n-head", type=POSITIVE, default=None, help="Override the preset's head count."),
+        click.option("--n-embd", type=POSITIVE, default=None, help="Override the preset's channels."),
+        click.option("--vocab-size", type=POSITIVE, default=None, help="Vocabulary (tokens) [default: GPT-2's 50257, "
                      "or the Llama preset's]."),
-        click.option("--block-size", type=int, default=None, help="Max sequence length (tokens) [default: 1024 for "
+        click.option("--block-size", type=POSITIVE, default=None, help="Max sequence length (tokens) [default: 1024 for "
                      "GPT-2, or the Llama preset's]."),
-        click.option("-b", "--batch-size", type=int, default=4, show_default=True, help="Batch size (sequences)."),
-        click.option("-t", "--seq-len", type=int, default=64, show_default=True, help="Sequence length (tokens)."),
-        click.option("--seed", type=int, default=1337, show_default=True, help="Seed for inputs, weights, data."),
+        click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True, help="Batch size (sequences)."),
+        click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True, help="Sequence length (tokens)."),
+        click.option("--seed", type=SEED, default=1337, show_default=True, help="Seed for inputs, weights, data."),
         click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout (no table)."),
         click.option("--plot", default=None, type=click.Path(dir_okay=False),
                      help="Also draw the comparison into this PNG (needs matplotlib)."),
@@ -1009,9 +1019,11 @@ def _setup(o: dict):
     if T > cfg.block_size:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
     if o["plot"]:
+        from .plot import PlotError, check_png_target
         try:
             require_matplotlib()
-        except BenchError as e:
+            check_png_target(o["plot"], "--plot")
+        except (BenchError, PlotError) as e:
             fail(str(e))
     try:
         backends, skipped = resolve_backends(o["backend_names"], DTYPES[o["dtype"]])
@@ -1068,9 +1080,9 @@ def bench() -> None:
 
 @bench.command()
 @_model_options
-@click.option("--repeat", type=int, default=10, show_default=True, help="Timed calls per kernel (median taken).")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed calls per kernel first.")
-@click.option("--tol", type=float, default=None,
+@click.option("--repeat", type=POSITIVE, default=10, show_default=True, help="Timed calls per kernel (median taken).")
+@click.option("--warmup", type=COUNT, default=2, show_default=True, help="Untimed calls per kernel first.")
+@click.option("--tol", type=Real(0, min_open=True), default=None,
               help="Max relative error before a kernel is flagged [default: 1e-4 for fp32, 3e-2 for bf16].")
 @click.option("--only", multiple=True, help="Only kernels whose name starts with this (repeatable), e.g. matmul.")
 def kernels(**o) -> None:
@@ -1107,7 +1119,10 @@ def kernels(**o) -> None:
             console.print("[yellow]no cpu reference backend: errors are not checked[/]")
         print_wide(console, kernels_table(res))
     if o["plot"]:
-        plot_kernels(res, o["plot"])
+        try:
+            plot_kernels(res, o["plot"])
+        except BenchError as e:
+            fail(str(e))
         err_console.print(f"plot: {o['plot']}")
     if res["mismatches"]:
         bad = ", ".join(f"{m['kernel']} on {m['backend']} ({m['max_rel_err']:.1e} > {m['tol']:.0e})"
@@ -1117,8 +1132,8 @@ def kernels(**o) -> None:
 
 @bench.command()
 @_model_options
-@click.option("--steps", type=int, default=10, show_default=True, help="Timed training steps (median taken).")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed training steps first.")
+@click.option("--steps", type=POSITIVE, default=10, show_default=True, help="Timed training steps (median taken).")
+@click.option("--warmup", type=COUNT, default=2, show_default=True, help="Untimed training steps first.")
 @click.option("--data", default=None, help="Glob of token shards [default: a temporary shard of random tokens].")
 @click.option("--compare", type=click.Choice(["torch", "torch-eager", "torch-compile"]), multiple=True,
               help="Also time PyTorch on the same model, weights, data and optimizer: torch = eager and "
@@ -1162,5 +1177,8 @@ def train(**o) -> None:
         for n in res["notes"]:
             console.print(f"[yellow]{n}[/]")
     if o["plot"]:
-        plot_train(res, o["plot"])
+        try:
+            plot_train(res, o["plot"])
+        except BenchError as e:
+            fail(str(e))
         err_console.print(f"plot: {o['plot']}")

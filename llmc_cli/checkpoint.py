@@ -303,41 +303,53 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
     The model file is model.bin for GPT-2, model.safetensors for Llama; `tokenizer_file` (a Llama 3
     tokenizer.model the run was started with) is copied once to the run directory, beside the steps."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if tokenizer_file is not None and not (run_dir / TOKENIZER_FILE).is_file():
-        atomic_write_bytes(run_dir / TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
     final = run_dir / step_dir_name(step)
     tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
-    for stale in run_dir.glob(".step_*.tmp-*"):  # left behind by a killed writer (one writer per run dir)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
-    fault_delay("model")
-    write_model_file(tmp / model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=state.get("tokenizer", "gpt2"))
-    fault_delay("optimizer")
-    opt_path = tmp / "optimizer.npz"
-    with open(opt_path, "wb") as f:
-        np.savez(f, **optimizer)
-        f.flush()
-        os.fsync(f.fileno())
-    fault_delay("state")
-    atomic_write_bytes(tmp / "state.json", [json.dumps(state, indent=1, sort_keys=True).encode()])
-    fsync_dir(tmp)
-    fault_delay("rename")
-    if final.exists():  # rewriting the same step: move the old one aside first, drop it after
-        old = run_dir / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if tokenizer_file is not None and not (run_dir / TOKENIZER_FILE).is_file():
+            atomic_write_bytes(run_dir / TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
+        for stale in run_dir.glob(".step_*.tmp-*"):  # left behind by a killed writer (the run's lock: one writer)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        fault_delay("model")
+        write_model_file(tmp / model_file_name(cfg), cfg, params, bf16=bf16,
+                         tokenizer=state.get("tokenizer", "gpt2"))
+        fault_delay("optimizer")
+        with open(tmp / "optimizer.npz", "wb") as f:
+            np.savez(f, **optimizer)
+            f.flush()
+            os.fsync(f.fileno())
+        fault_delay("state")
+        atomic_write_bytes(tmp / "state.json", [json.dumps(state, indent=1, sort_keys=True).encode()])
+        fsync_dir(tmp)
+        fault_delay("rename")
+        if final.exists():  # rewriting the same step: move the old one aside first, drop it after
+            old = run_dir / f".{final.name}.old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(run_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not stay full of a half checkpoint
+        if isinstance(e, OSError):
+            where = e.filename or tmp
+            raise CheckpointError(f"cannot write the checkpoint {final}: {where}: {e.strerror or e}; "
+                                  "the earlier checkpoints are untouched") from None
+        raise
     fault_delay("latest")
-    atomic_write_bytes(run_dir / "latest", [final.name.encode() + b"\n"])
+    try:
+        atomic_write_bytes(run_dir / "latest", [final.name.encode() + b"\n"])
+    except OSError as e:  # the step is complete; --resume finds the newest complete step without `latest`
+        raise CheckpointError(f"{final} was written but {run_dir / 'latest'} could not be updated "
+                              f"({e.strerror or e}); it still names the step before") from None
     fault_delay("rotate")
     if keep > 0:  # the step just written always stays (even if a resumed run left newer-named steps behind)
         others = sorted(p for p in run_dir.glob("step_*") if p.is_dir() and p.name != final.name)
         for p in others[:max(len(others) - (keep - 1), 0)]:
-            shutil.rmtree(p)
+            shutil.rmtree(p, ignore_errors=True)
     return final
 
 
@@ -374,6 +386,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return _model_in(step)
     if path.is_dir() and (model := _model_in(path)) is not None:
         return model
+    if path.is_dir() and (complete := _complete_steps(path)):  # killed before its first `latest` was written
+        return _model_in(complete[-1])
     raise CheckpointError(f"{path}: not a model file, a run directory with 'latest', or a step directory "
                           f"(model.bin or model.safetensors)")
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+from .options import COUNT, POSITIVE, SEED, Real, usage_error_line
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
@@ -57,6 +58,8 @@ class _Main(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2
+            fail(usage_error_line(e), code=e.exit_code)
         except ModuleNotFoundError as e:
             from .reliability import missing_package_message
             fail(missing_package_message(e))
@@ -116,52 +119,52 @@ def backends(as_json: bool) -> None:
 @click.option("--init", "init", default=None, type=click.Path(),
               help="Start from these weights instead: an llm.c .bin, a run directory, or a Hugging Face GPT-2 / "
                    "Llama directory (fine-tuning).")
-@click.option("--n-layer", type=int, default=None, help="Override the preset's layer count.")
-@click.option("--n-head", type=int, default=None, help="Override the preset's head count.")
-@click.option("--n-embd", type=int, default=None, help="Override the preset's channels.")
-@click.option("--n-kv-head", type=int, default=None, help="Llama: key/value heads (grouped-query attention).")
-@click.option("--block-size", type=int, default=None, help="Max sequence length in tokens (default: the preset's).")
+@click.option("--n-layer", type=POSITIVE, default=None, help="Override the preset's layer count.")
+@click.option("--n-head", type=POSITIVE, default=None, help="Override the preset's head count.")
+@click.option("--n-embd", type=POSITIVE, default=None, help="Override the preset's channels.")
+@click.option("--n-kv-head", type=POSITIVE, default=None, help="Llama: key/value heads (grouped-query attention).")
+@click.option("--block-size", type=POSITIVE, default=None, help="Max sequence length in tokens (default: the preset's).")
 @click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default="none",
               show_default=True, help="GPT-2: recompute these activations in backward instead of keeping them.")
 @click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component, then exit.")
-@click.option("-b", "--batch-size", type=int, default=4, show_default=True, help="Micro-batch size (sequences).")
-@click.option("-t", "--seq-len", type=int, default=64, show_default=True, help="Sequence length (tokens).")
-@click.option("--total-batch-size", type=int, default=None,
+@click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True, help="Micro-batch size (sequences).")
+@click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True, help="Sequence length (tokens).")
+@click.option("--total-batch-size", type=POSITIVE, default=None,
               help="Tokens per optimizer step; a multiple of B*T (gradient accumulation). Default B*T.")
-@click.option("--steps", type=int, default=20, show_default=True, help="Optimizer steps.")
-@click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak learning rate.")
-@click.option("--warmup", type=int, default=0, show_default=True, help="Linear warmup (steps).")
-@click.option("--lr-decay-frac", type=float, default=1.0, show_default=True,
+@click.option("--steps", type=COUNT, default=20, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=Real(0), default=3e-4, show_default=True, help="Peak learning rate.")
+@click.option("--warmup", type=COUNT, default=0, show_default=True, help="Linear warmup (steps).")
+@click.option("--lr-decay-frac", type=Real(0, 1), default=1.0, show_default=True,
               help="Final LR as a fraction of --lr, reached by cosine decay (1.0 = constant, llm.c -q).")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW decay (matrices only).")
-@click.option("--grad-clip", type=float, default=1.0, show_default=True, help="Global grad-norm clip (0 = off).")
-@click.option("--beta1", type=float, default=0.9, show_default=True)
-@click.option("--beta2", type=float, default=0.95, show_default=True)
-@click.option("--seed", type=int, default=1337, show_default=True, help="Seed for init, shuffling, sampling.")
+@click.option("--weight-decay", type=Real(0), default=0.0, show_default=True, help="AdamW decay (matrices only).")
+@click.option("--grad-clip", type=Real(0), default=1.0, show_default=True, help="Global grad-norm clip (0 = off).")
+@click.option("--beta1", type=Real(0, 1, max_open=True), default=0.9, show_default=True)
+@click.option("--beta2", type=Real(0, 1, max_open=True), default=0.95, show_default=True)
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="Seed for init, shuffling, sampling.")
 @click.option("--overfit-batch", is_flag=True, help="Train on the first batch every step (llm.c -a 1).")
 @click.option("--shuffle", is_flag=True, help="Shuffle shards and sample positions per epoch (seeded).")
-@click.option("--val-every", type=int, default=20, show_default=True, help="Validate every N steps (0 = off).")
-@click.option("--val-batches", type=int, default=20, show_default=True, help="Batches per validation.")
-@click.option("--sample-every", type=int, default=20, show_default=True, help="Sample every N steps (0 = off).")
-@click.option("--sample-tokens", type=int, default=64, show_default=True, help="Tokens per sample.")
-@click.option("--checkpoint-every", type=int, default=0, show_default=True,
+@click.option("--val-every", type=COUNT, default=20, show_default=True, help="Validate every N steps (0 = off).")
+@click.option("--val-batches", type=COUNT, default=20, show_default=True, help="Batches per validation.")
+@click.option("--sample-every", type=COUNT, default=20, show_default=True, help="Sample every N steps (0 = off).")
+@click.option("--sample-tokens", type=COUNT, default=64, show_default=True, help="Tokens per sample.")
+@click.option("--checkpoint-every", type=COUNT, default=0, show_default=True,
               help="Write a checkpoint every N steps (0 = only at the end, when --out is given).")
-@click.option("--keep", type=int, default=0, show_default=True, help="Keep the newest N checkpoints (0 = all).")
-@click.option("--skip-loss-z", type=float, default=0.0, show_default=True,
+@click.option("--keep", type=COUNT, default=0, show_default=True, help="Keep the newest N checkpoints (0 = all).")
+@click.option("--skip-loss-z", type=Real(0), default=0.0, show_default=True,
               help="Skip the update when the loss is this many std devs above the last 128 steps' (0 = off).")
-@click.option("--skip-grad-z", type=float, default=0.0, show_default=True,
+@click.option("--skip-grad-z", type=Real(0), default=0.0, show_default=True,
               help="Same for the grad norm (0 = off). Non-finite steps are always skipped.")
-@click.option("--max-bad-steps", type=int, default=5, show_default=True,
+@click.option("--max-bad-steps", type=COUNT, default=5, show_default=True,
               help="Stop (exit 3) after this many consecutive skipped / non-finite steps (0 = never).")
 @click.option("--out", default=None, type=click.Path(), help="Run directory for checkpoints, e.g. checkpoints/run1.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file  [default: OUT/log.jsonl with --out]")
 @click.option("--hellaswag", default=None, type=click.Path(), help="llm.c HellaSwag eval file to score during training.")
-@click.option("--hellaswag-every", type=int, default=0, show_default=True,
+@click.option("--hellaswag-every", type=COUNT, default=0, show_default=True,
               help="Score --hellaswag every N steps and at the end (0 = off); acc_norm goes to the log.")
-@click.option("--gpus", type=int, default=0, help="Data parallel on N GPUs of this machine: starts N processes "
+@click.option("--gpus", type=COUNT, default=0, help="Data parallel on N GPUs of this machine: starts N processes "
               "(one per GPU, NCCL). Under mpirun/srun leave it out: the ranks come from the launcher.")
-@click.option("--procs", type=int, default=0, help="Data parallel over N MPI processes (mpiexec -n N; for the "
+@click.option("--procs", type=COUNT, default=0, help="Data parallel over N MPI processes (mpiexec -n N; for the "
               "cpu/OpenCL backends). Needs pip install 'llmc[mpi]'.")
 @click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
               help="1 = ZeRO-1: optimizer state sharded over the ranks (reduce-scatter + all-gather).")
@@ -182,18 +185,23 @@ def train(**o) -> None:
       llmc train --backend cpu --model llama3-tiny -b 4 -t 64 --steps 100 \\
           --data 'datasets/shakespeare/*train*.bin' --out checkpoints/llama-tiny
       llmc train --model llama3-8b --dry-run -b 1 -t 8192 --dtype bf16
+
+    \b
+    Exit status:
+      0    finished
+      2    bad options or files, or an error that stopped the run (one line; with --out the last
+           completed step is checkpointed first)
+      3    --max-bad-steps non-finite or skipped steps in a row
+      75   stopped by SIGINT, SIGTERM or SIGHUP after writing a checkpoint: continue with --resume
+      130  stopped by a signal with nothing saved (no --out, or a second signal during the checkpoint)
     """
     from .dataloader import DataError
     from .optim import AdamWConfig
+    from .rundir import RunDirError, check_out
+    from .runlog import LogError, check_log
     from .tokenizer import load_tokenizer
     from .train import TrainArgs, Trainer, TrainError
 
-    for opt in ("steps", "val_every", "sample_every", "checkpoint_every", "keep", "warmup"):
-        if o[opt] < 0:
-            fail(f"--{opt.replace('_', '-')} must be >= 0 (got {o[opt]})")
-    for opt in ("skip_loss_z", "skip_grad_z", "max_bad_steps"):
-        if not o[opt] >= 0:
-            fail(f"--{opt.replace('_', '-')} must be >= 0 (got {o[opt]}; 0 = off)")
     if o["hellaswag"]:  # checked now: a bad eval file is one line before anything runs, not after the banner
         from .dataloader import read_evalfile
         try:
@@ -204,14 +212,15 @@ def train(**o) -> None:
         return dry_run(o)
     if not o["data"]:
         fail("--data: give a glob of training shards, e.g. --data 'datasets/shakespeare/*train*.bin'")
-    if o["out"]:  # a run directory is continued only on purpose: a fresh run must not clobber its checkpoints
-        out = Path(o["out"])
-        if out.exists() and not out.is_dir():
-            fail(f"--out {out} is a file; expected a run directory (new or holding a run to --resume)")
-        if not o["resume"] and (out / "latest").exists():  # `latest` is what --resume continues from
-            held = sorted(p.name for p in out.glob("step_*") if p.is_dir())
-            fail(f"--out {out} already holds a run (checkpoints up to {held[-1] if held else '?'}); add --resume "
-                 "to continue it, or give another --out; nothing was changed")
+    if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
+        o["log"] = str(Path(o["out"]) / "log.jsonl")
+    try:  # said before any rank starts; the trainer checks again under the run directory's lock
+        if o["out"]:  # a run directory is continued only on purpose: a fresh run must not clobber its checkpoints
+            check_out(o["out"], o["resume"])
+        if o["log"]:
+            check_log(o["log"])
+    except (RunDirError, LogError) as e:
+        fail(str(e))
     # data parallel (issue 7): start the ranks here, or take this process's place among them
     from . import comm as comm_mod
     gpus, procs, init_file, init_addr = o.pop("gpus"), o.pop("procs"), o.pop("init_file"), o.pop("init_addr")
@@ -241,8 +250,6 @@ def train(**o) -> None:
         _abort_on_uncaught(comm)
     optim = AdamWConfig(lr=o.pop("lr"), beta1=o.pop("beta1"), beta2=o.pop("beta2"),
                         weight_decay=o.pop("weight_decay"), grad_clip=o.pop("grad_clip"))
-    if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
-        o["log"] = str(Path(o["out"]) / "log.jsonl")
     args = TrainArgs(optim=optim, init=o.pop("init"), **o)
     try:
         tok = load_tokenizer("gpt2")
@@ -252,7 +259,24 @@ def train(**o) -> None:
     try:
         trainer = Trainer(args, backend, say=console.print, decode=decode, eot=eot, comm=comm)
     except (TrainError, DataError, ValueError, OSError) as e:
-        fail(str(e))
+        fail(one_line(e))
+    try:
+        _train_run(trainer, args, backend, comm, rank_info, load_tokenizer)
+    finally:
+        trainer.close()
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as the one line `fail` prints; an OSError names its file and the system's reason."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
+    from .dataloader import DataError
+    from .train import TrainError
     if trainer.tokenizer != "gpt2":  # Llama 3 shards: samples need Meta's ranks, from --init's directory
         try:
             tok = load_tokenizer(trainer.tokenizer, trainer.tokenizer_file)
@@ -275,7 +299,7 @@ def train(**o) -> None:
     def show(r: dict) -> None:
         num = lambda v, f: "nan" if v is None else format(v, f)  # noqa: E731  (non-finite values log as null)
         console.print(f"step {r['step']:5d}/{args.steps} | loss {num(r['loss'], '.6f')} | norm {num(r['norm'], '.4f')} | "
-                      f"lr {r['lr']:.2e} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s"
+                      f"lr {num(r['lr'], '.2e')} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s"
                       + (" | skipped" if r.get("skipped") else ""))
     from .reliability import StopSignals, TrainAborted, resume_command
     from .train import TrainDiverged
@@ -290,16 +314,22 @@ def train(**o) -> None:
         fail(f"aborted by a second {e.signame}{where}", code=130)
     except TrainDiverged as e:
         fail(str(e), code=3)
-    except (TrainError, DataError, ValueError) as e:
-        fail(str(e))
+    except (TrainError, DataError, ValueError, OSError) as e:
+        msg = one_line(e)
+        if trainer.rescued is not None:
+            msg += f"; checkpoint {trainer.rescued} written (the last completed step), resume with: {how}"
+        elif trainer.rescue_error:
+            msg += f"; the checkpoint of the last completed step could not be written either ({trainer.rescue_error})"
+        fail(msg + ("" if trainer.rescued is not None else trainer.last_good()))
     if trainer.stopped:
         st = trainer.stopped
         if args.out:
             console.print(f"stopped by {st['signal']} after step {st['step']}; checkpoint {st['checkpoint']} "
                           f"written. Resume with:\n  {how}")
-        else:
-            console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
-                          f"--out DIR, so this run cannot be resumed")
+            sys.exit(75)
+        console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
+                      f"--out DIR, so this run cannot be resumed")
+        sys.exit(130)
 
 
 def _abort_on_uncaught(comm) -> None:

@@ -19,6 +19,16 @@ class AdamWConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
 
+    def validate(self) -> None:
+        """Each value finite and where AdamW is defined (beta = 1 divides by zero in the bias correction)."""
+        checks = (("--lr", self.lr, 0.0, None), ("--beta1", self.beta1, 0.0, 1.0), ("--beta2", self.beta2, 0.0, 1.0),
+                  ("eps", self.eps, 0.0, None), ("--weight-decay", self.weight_decay, 0.0, None),
+                  ("--grad-clip", self.grad_clip, 0.0, None))
+        for name, v, lo, hi in checks:
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= lo and (hi is None or v < hi)):
+                want = f"in [{lo:g}, {hi:g})" if hi is not None else f">= {lo:g}"
+                raise ValueError(f"{name} must be a finite number {want} (got {v})")
+
 
 def lr_at(step: int, max_lr: float, warmup: int, total_steps: int, final_frac: float) -> float:
     """llm.c's schedule: linear warmup over `warmup` steps, then cosine decay to `final_frac * max_lr` at the

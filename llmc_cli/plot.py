@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import click
+
+from .options import Real
 
 PANELS = [  # (title, [(record key, label suffix, line style)], log-scale y)
     ("loss", [("loss", "train", "-"), ("val_loss", "val", "--")], False),
@@ -92,7 +95,43 @@ def series(recs: list[dict], key: str, x: str, tps: float | None) -> tuple[list[
     return xs, ys
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png_target(path: str | Path, option: str = "--out") -> None:
+    """A picture may replace only a PNG: anything else already at `path` is the user's and stays."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise PlotError(f"{option} {path}: not a file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(PNG_MAGIC))
+    except OSError as e:
+        raise PlotError(f"{option} {path}: cannot read it ({e.strerror or e})") from None
+    if head != PNG_MAGIC:
+        raise PlotError(f"{option} {path}: exists and is not a PNG; llmc replaces only PNG files, so give a new "
+                        "path; nothing was changed")
+
+
+def save_png(fig, path: str | Path, dpi: int, option: str = "--out") -> Path:
+    """`fig` as a PNG at `path`, written under a temporary name and renamed (see check_png_target)."""
+    check_png_target(path, option)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PlotError(f"{option} {path}: cannot write it ({e.strerror or e})") from None
+    return path
+
+
 def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float = 0.0) -> Path:
+    check_png_target(out)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -128,11 +167,10 @@ def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float =
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    try:
+        return save_png(fig, out, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 @click.command()
@@ -140,7 +178,7 @@ def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float =
 @click.option("--out", default="plot.png", show_default=True, type=click.Path(), help="PNG file to write.")
 @click.option("--x", "x", type=click.Choice(["step", "tokens"]), default="step", show_default=True,
               help="Horizontal axis.")
-@click.option("--smooth", type=float, default=0.0, show_default=True,
+@click.option("--smooth", type=Real(0, 1, max_open=True), default=0.0, show_default=True,
               help="EMA factor in [0, 1) applied to train loss, grad norm and tok/s (0 = raw).")
 def plot(runs, out, x, smooth) -> None:
     """Plot loss (train and val), learning rate, grad norm and tok/s of one or more runs into a PNG.
@@ -151,8 +189,6 @@ def plot(runs, out, x, smooth) -> None:
       llmc plot checkpoints/run1 checkpoints/run2/log.jsonl --smooth 0.9 --x tokens --out curves.png
     """
     from .cli import console, fail
-    if not 0 <= smooth < 1:
-        fail(f"--smooth must be in [0, 1) (got {smooth})")
     try:
         path = plot_runs(list(runs), out, x, smooth)
     except PlotError as e:

@@ -1,22 +1,20 @@
 """Keeping long runs alive and honest: outlier detection, graceful stop on SIGINT/SIGTERM, resume hints,
-out-of-memory reports, missing optional packages, and the JSONL log trimmed back to a checkpoint on resume.
+out-of-memory reports and missing optional packages.
 
 * ``OutlierDetector`` is llm.c's (``llmc/outlier_detector.h``): a sliding window of the last 128 values; the
   z-score of a new value against the window, NaN until the window is (nearly) full.
-* ``StopSignals`` turns the first SIGINT/SIGTERM into a request the training loop honours after the current
-  step (then it checkpoints and exits 0); a second signal raises ``TrainAborted`` at once.
+* ``StopSignals`` turns the first SIGINT/SIGTERM/SIGHUP into a request the training loop honours after the
+  current step (then it checkpoints, and `llmc train` exits 75); a second signal raises ``TrainAborted`` at once.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shlex
 import signal
 import threading
 from collections import deque
-from pathlib import Path
 
 
 class OutlierDetector:
@@ -83,7 +81,7 @@ class StopSignals:
     returns); a second one raises TrainAborted from wherever the main thread is. Outside the main thread it
     installs nothing."""
 
-    SIGNALS = ("SIGINT", "SIGTERM")
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")  # SIGHUP: the terminal or ssh session went away
 
     def __init__(self, note=None):
         self.requested: str | None = None
@@ -188,31 +186,6 @@ def missing_package_message(e: ModuleNotFoundError) -> str:
     mod = (e.name or str(e)).split(".")[0]
     pip = PIP_NAMES.get(mod, mod)
     return f"this needs the optional package '{mod}', which is not installed: pip install {pip}"
-
-
-# ---- the JSONL log on resume --------------------------------------------------------------------------------------
-def trim_log(path: str | Path, step: int) -> None:
-    """Keep only what a run resumed at `step` will not write again: training records up to `step`, validation
-    records before it; drops torn lines (a kill mid-write). Rewritten atomically."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    keep = []
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-                s = int(rec["step"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            if ("loss" in rec and s <= step) or ("loss" not in rec and s < step):
-                keep.append(line if line.endswith(b"\n") else line + b"\n")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.writelines(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def fault_delay(phase: str) -> None:

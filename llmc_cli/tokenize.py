@@ -30,6 +30,7 @@ from llmc_cli.dataloader import (
     DataError, atomic_write_bytes, read_shard_header, shard_format, write_evalfile, write_shard,
 )
 from llmc_cli.tokenizer import TOKENIZERS, load_tokenizer
+from llmc_cli.options import POSITIVE, Real
 
 URLS = {
     "tinyshakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
@@ -649,8 +650,8 @@ class _Tokens(click.ParamType):
             v = float(s) * mult
         except ValueError:
             self.fail(f"{value!r} is not a token count (e.g. 100M, 32768)", param, ctx)
-        if v < 1 or v != int(v):
-            self.fail(f"{value!r} must be a positive whole number of tokens", param, ctx)
+        if not (math.isfinite(v) and v >= 1 and v == int(v)):
+            self.fail(f"must be a positive whole number of tokens (got {value!r})", param, ctx)
         return int(v)
 
 
@@ -681,7 +682,7 @@ def _common(fn):
                      help="Output directory  [default: datasets/<name>/ under the current directory]"),
         click.option("--shard-size", type=TOKENS, default="100M", show_default=True,
                      help="Tokens per shard (plain number or with K/M/B suffix)."),
-        click.option("--workers", type=click.IntRange(1), default=os.cpu_count() or 1,
+        click.option("--workers", type=POSITIVE, default=os.cpu_count() or 1,
                      show_default="number of CPUs", help="Tokenizer worker processes."),
         click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default="gpt2",
                      show_default=True, help="Vocabulary (recorded in the shard format: gpt2 -> uint16 "
@@ -703,7 +704,7 @@ def _val_opts(default_tokens=None, fraction=True):
                           help="Tokens in the val split (shard 0)  [default: one shard; corpora of at most "
                                "two shards' worth split off --val-fraction]")(fn)
         if fraction:
-            fn = click.option("--val-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+            fn = click.option("--val-fraction", type=Real(0, 1, min_open=True, max_open=True),
                               default=0.1, show_default=True,
                               help="Share of a small corpus (<= 2 shards of tokens) used as val.")(fn)
         return fn

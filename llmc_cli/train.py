@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,7 +17,9 @@ from .models import family_for, family_of_config
 from .optim import AdamW, AdamWConfig, lr_at
 from .comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
 from .distributed import make_optimizer, reshard_loader_state
-from .reliability import OutlierDetector, is_out_of_memory, out_of_memory_message, trim_log
+from .reliability import OutlierDetector, is_out_of_memory, out_of_memory_message
+from .rundir import RunDirError, RunLock, check_out
+from .runlog import LogError, check_log, open_log, record_line
 from .sample import generate
 
 
@@ -82,7 +84,7 @@ def model_config(a: TrainArgs):
     family = family_for(a.model)
     over = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd),
                                ("n_kv_head", a.n_kv_head), ("block_size", a.block_size),
-                               ("vocab_size", a.vocab_size)) if v}
+                               ("vocab_size", a.vocab_size)) if v is not None}
     if "n_kv_head" in over and family.name != "llama3":
         raise ValueError(f"--n-kv-head applies to Llama models, not {a.model}")
     cfg = family.preset(a.model, **over)
@@ -90,14 +92,61 @@ def model_config(a: TrainArgs):
     return cfg
 
 
+def check_args(a: TrainArgs) -> None:
+    """The options a Python caller could get wrong that the command line's types already refuse."""
+    try:
+        a.optim.validate()
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    for name in ("batch_size", "seq_len"):
+        if not getattr(a, name) > 0:
+            raise TrainError(f"--{name.replace('_', '-')} must be positive (got {getattr(a, name)})")
+    for name in ("steps", "warmup", "val_every", "val_batches", "sample_every", "sample_tokens", "checkpoint_every",
+                 "keep", "max_bad_steps", "hellaswag_every"):
+        if not getattr(a, name) >= 0:
+            raise TrainError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(a, name)})")
+    for name in ("skip_loss_z", "skip_grad_z"):
+        if not (math.isfinite(getattr(a, name)) and getattr(a, name) >= 0):
+            raise TrainError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {getattr(a, name)}; 0 = off)")
+    if not (math.isfinite(a.lr_decay_frac) and 0 <= a.lr_decay_frac <= 1):
+        raise TrainError(f"--lr-decay-frac must be in [0, 1] (got {a.lr_decay_frac})")
+    if a.total_batch_size is not None and not a.total_batch_size > 0:
+        raise TrainError(f"--total-batch-size must be positive (got {a.total_batch_size})")
+
+
 class Trainer:
+    """One training run. With `out`, rank 0 holds the run directory's lock from here until `close()`."""
+
     def __init__(self, a: TrainArgs, backend: Backend, say: Callable[[str], None] = print,
                  decode: Callable[[list[int]], str] | None = None, eot: int | None = None, comm=None):
         self.a, self.backend, self.say, self.decode, self.eot = a, backend, say, decode, eot
         self.comm = comm or SingleProcess()  # this process's place among data-parallel ranks (llmc_cli.comm)
+        check_args(a)
+        self.lock = None
+        lead = self.comm.rank == 0
+        try:
+            if a.log and lead:
+                check_log(a.log)
+            if a.out and lead:
+                self.lock = RunLock(a.out).acquire()  # before anything reads the directory: one writer at a time
+                check_out(a.out, a.resume)
+            self._setup()
+        except (RunDirError, LogError) as e:
+            self.close()
+            raise TrainError(str(e)) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Releases the run directory (safe to call twice)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _setup(self) -> None:
+        a, backend = self.a, self.backend
         B, T = a.batch_size, a.seq_len
-        if B <= 0 or T <= 0:
-            raise TrainError(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
         self.start_step = 0
         resume_state = None
         if a.resume:
@@ -147,9 +196,6 @@ class Trainer:
                 raise TrainError(out_of_memory_message(e, backend, cfg, B, T)) from None
             raise
         self.opt.sync_master_from_params()
-        for opt, z in (("--skip-loss-z", a.skip_loss_z), ("--skip-grad-z", a.skip_grad_z)):
-            if not z >= 0:
-                raise TrainError(f"{opt} must be >= 0 (got {z}; 0 = off)")
         self.loss_outliers = OutlierDetector(a.outlier_window)
         self.norm_outliers = OutlierDetector(a.outlier_window)
         self.bad_streak = 0
@@ -201,6 +247,10 @@ class Trainer:
             except (TypeError, ValueError, KeyError, AttributeError) as e:
                 raise TrainError(f"{a.out}: state.json has a damaged RNG / outlier state ({e})") from None
         self.sampler = None
+        self.updating = False                 # inside the optimizer update of a step (see run's rescue)
+        self.saved = self.start_step          # the newest step whose checkpoint is on disk (start_step: none yet)
+        self.rescued: Path | None = None      # the checkpoint written after an error stopped the run
+        self.rescue_error: str | None = None  # why that checkpoint could not be written
 
     def memory_line(self) -> str:
         r = self.backend.memory_report()
@@ -239,6 +289,9 @@ class Trainer:
         # llm.c's rule: z-scores against the last 128 steps; a spike skips the update (never a non-finite step).
         # z > Z is taken as value > mean + Z * std, the form the device evaluates too
         max_loss, max_norm = self.loss_outliers.bound(a.skip_loss_z), self.norm_outliers.bound(a.skip_grad_z)
+        if not math.isfinite(lr):  # no update can be applied with it (the schedule of finite options never gets here)
+            max_loss = -math.inf
+        self.updating = True  # from here an error may leave the weights half-updated: no rescue checkpoint
         if on_device:
             loss, norm, applied = self.opt.guarded_step(lr, a.seed + step, max_loss, max_norm)
         else:
@@ -250,9 +303,12 @@ class Trainer:
             if applied:
                 self.opt.step(lr, norm, seed=a.seed + step)
         zloss, znorm = self.loss_outliers.update(loss), self.norm_outliers.update(norm)
+        self.updating = False
         reason = None
         if not applied:
-            if not np.isfinite(loss) or not np.isfinite(norm):
+            if not math.isfinite(lr):
+                reason = f"non-finite learning rate {lr}"
+            elif not np.isfinite(loss) or not np.isfinite(norm):
                 reason = "non-finite loss" if not np.isfinite(loss) else "non-finite grad norm"
             elif not update_applies(loss, 0.0, max_loss, float("inf")):
                 reason = f"loss z-score {zloss:.1f} > --skip-loss-z {a.skip_loss_z:g}"
@@ -260,7 +316,7 @@ class Trainer:
                 reason = f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"
         seconds = timer.stop()
         finite = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731  (JSON has no NaN / inf)
-        rec = {"step": step + 1, "loss": finite(loss), "norm": finite(norm), "lr": lr, "ms": seconds * 1e3,
+        rec = {"step": step + 1, "loss": finite(loss), "norm": finite(norm), "lr": finite(lr), "ms": seconds * 1e3,
                "tok_per_s": self.tokens_per_step / seconds}
         if reason is not None:
             rec |= {"skipped": True, "reason": reason}
@@ -287,34 +343,52 @@ class Trainer:
                             temperature=1.0, stop_token=self.eot))
         return self.decode(ids)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, loader_state: dict | None = None) -> Path:
+        """Checkpoint after `step` optimizer steps (`loader_state`: the data position then, when the loader has
+        moved on since). Refuses non-finite weights or optimizer state: no checkpoint is ever garbage."""
         opt_state = self.opt.state_host()  # collective under ZeRO (gathers the whole state to rank 0)
         if self.comm.rank != 0:  # only rank 0 writes
             return Path(self.a.out) / ckpt.step_dir_name(step)
-        state = {"step": step, "config": asdict(self.cfg), "dataloader": self.train_loader.state(),
-                 "rng": self.rng.bit_generator.state, "dtype": self.backend.dtype, "backend": self.backend.name,
+        params = self.model.parameters_host()
+        bad = [name for name, arr in (("weights", params), *opt_state.items()) if not np.isfinite(arr).all()]
+        if bad:
+            raise TrainError(f"step {step}: the {' and '.join(bad)} hold NaN or inf, so no checkpoint was written"
+                             + self.last_good())
+        state = {"step": step, "config": asdict(self.cfg), "rng": self.rng.bit_generator.state,
+                 "dataloader": loader_state if loader_state is not None else self.train_loader.state(),
+                 "dtype": self.backend.dtype, "backend": self.backend.name,
                  "args": {k: v for k, v in asdict(self.a).items() if k != "optim"} | {"optim": asdict(self.a.optim)}}
         state |= {"version": ckpt.RUN_STATE_VERSION, "optimizer_steps": self.opt.step_count,
                   "outliers": {"loss": self.loss_outliers.state(), "norm": self.norm_outliers.state(),
                                "bad_streak": self.bad_streak}}
         state |= {"world_size": self.comm.world_size, "tokens_per_step": self.tokens_per_step}
         state |= {"family": self.family.name, "tokenizer": self.tokenizer}
-        return ckpt.write_run_checkpoint(self.a.out, step, self.cfg, self.model.parameters_host(),
-                                         bf16=self.backend.dtype == BFLOAT16, optimizer=opt_state,
-                                         state=state, keep=self.a.keep, tokenizer_file=self.tokenizer_file)
+        path = ckpt.write_run_checkpoint(self.a.out, step, self.cfg, params, bf16=self.backend.dtype == BFLOAT16,
+                                         optimizer=opt_state, state=state, keep=self.a.keep,
+                                         tokenizer_file=self.tokenizer_file)
+        self.saved = step
+        return path
+
+    def last_good(self) -> str:
+        """'; the last good checkpoint is RUN/step_N' (or '' when this run has none on disk)."""
+        if not self.a.out or not self.saved:
+            return ""
+        return f"; the last good checkpoint is {Path(self.a.out) / ckpt.step_dir_name(self.saved)}"
 
     def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
+        """Trains from `start_step` to `a.steps`. When an error stops it between two updates (a bad shard, a
+        full disk), the step before is checkpointed first (`rescued`), so nothing trained is lost."""
         a = self.a
         log = None
         lead = self.comm.rank == 0  # only rank 0 logs, validates, samples and writes checkpoints
-        if a.log and lead:
-            Path(a.log).parent.mkdir(parents=True, exist_ok=True)
-            if a.resume:  # drop what the dead run logged past its checkpoint (and a torn last line)
-                trim_log(a.log, self.start_step)
-            log = open(a.log, "a" if a.resume else "w")
-        saved = self.start_step
         records = []
+        step, before = self.start_step, None
         try:
+            if a.log and lead:
+                try:  # on resume, drop what the dead run logged past its checkpoint (and a torn last line)
+                    log = open_log(a.log, self.start_step if a.resume else None)
+                except LogError as e:
+                    raise TrainError(str(e)) from None
             for step in range(self.start_step, a.steps + 1):
                 last = step == a.steps
                 rec = None
@@ -331,19 +405,19 @@ class Trainer:
                         self.say(f"sample at step {step}:\n{text}\n---")
                 if a.out and step > self.start_step and (last or (a.checkpoint_every > 0 and
                                                                   step % a.checkpoint_every == 0)):
-                    path = self.save(step)
-                    saved = step
-                    self.say(f"checkpoint: {path}")
+                    self.say(f"checkpoint: {self.save(step)}")
                 if rec is not None:
                     records.append(rec)
                     if log:
-                        log.write(json.dumps(rec) + "\n")
+                        log.write(record_line(rec))
                 if last:
                     break
+                before = self.train_loader.state()  # the data position a checkpoint of `step` records
                 rec = self.train_step(step)
+                before = None
                 records.append(rec)
                 if log:
-                    log.write(json.dumps(rec) + "\n")
+                    log.write(record_line(rec))
                     log.flush()
                 if on_step:
                     on_step(rec)
@@ -352,11 +426,10 @@ class Trainer:
                     self.say(f"step {rec['step']}: update skipped ({rec['reason']}); "
                              f"{self.bad_streak} bad step(s) in a row")
                     if a.max_bad_steps and self.bad_streak >= a.max_bad_steps:
-                        where = f"; the last good checkpoint is in {a.out}" if a.out and saved else ""
                         raise TrainDiverged(
                             f"step {rec['step']}: {self.bad_streak} consecutive bad steps (last: {rec['reason']}), "
-                            f"stopping rather than training on garbage{where}; lower --lr, raise --warmup or "
-                            f"check the data (--max-bad-steps sets the limit)")
+                            f"stopping rather than training on garbage{self.last_good()}; lower --lr, raise --warmup "
+                            f"or check the data (--max-bad-steps sets the limit)")
                 else:
                     self.bad_streak = 0
                 signame = self.stop_requested()
@@ -365,14 +438,34 @@ class Trainer:
                     signame = signame or ("a stop request on another rank" if anyone else None)
                 if signame and step + 1 < a.steps:
                     path = None
-                    if a.out and saved != step + 1:
+                    if a.out and self.saved != step + 1:
                         path = self.save(step + 1)
                         self.say(f"checkpoint: {path}")
                     elif a.out:
                         path = Path(a.out) / ckpt.step_dir_name(step + 1)
                     self.stopped = {"signal": signame, "step": step + 1, "checkpoint": path}
                     break
+        except TrainDiverged:
+            raise
+        except Exception:
+            self._rescue(step, before)
+            raise
         finally:
             if log:
-                log.close()
+                try:
+                    log.close()
+                except OSError:  # a full disk: the error that stopped the run is the one to report
+                    pass
         return records
+
+    def _rescue(self, step: int, before: dict | None) -> None:
+        """After an error inside step `step` (0-based) but before its update, write the checkpoint of `step`
+        completed steps, with the data position from before the failed step. Alone only: under data parallel
+        the other ranks are not in the collective a checkpoint needs."""
+        if (not self.a.out or self.comm.world_size > 1 or self.updating or before is None
+                or step <= self.saved):
+            return
+        try:
+            self.rescued = self.save(step, loader_state=before)
+        except Exception as e:  # noqa: BLE001  (the first error is the one to raise; this one is reported beside it)
+            self.rescue_error = str(e).splitlines()[0] if str(e) else type(e).__name__

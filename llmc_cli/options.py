@@ -1,0 +1,90 @@
+"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed.
+
+click's own FloatRange lets NaN through (every comparison with NaN is false) and infinity through any open
+side, so a float option here is `Real`: finite, then in its range. Integers are `Int`. Every numeric option of
+every command takes one of these, so a bad value is one line naming the option (`--lr must be a finite
+number (got nan)`), exit 2, before anything is opened or written. Their messages start with "must", which the
+command layer prints after the option's name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+
+class _Bounded(click.ParamType):
+    def __init__(self, min: float | None = None, max: float | None = None, min_open: bool = False,
+                 max_open: bool = False):
+        self.min, self.max, self.min_open, self.max_open = min, max, min_open, max_open
+
+    def _parse(self, value):
+        raise NotImplementedError
+
+    def _range(self) -> str:
+        lo, hi = (f"{v:g}" if isinstance(v, float) else str(v) for v in (self.min, self.max))
+        if self.min is not None and self.max is not None:
+            return f"in {'(' if self.min_open else '['}{lo}, {hi}{')' if self.max_open else ']'}"
+        if self.min is not None:
+            return f"{'>' if self.min_open else '>='} {lo}"
+        return f"{'<' if self.max_open else '<='} {hi}"
+
+    def convert(self, value, param, ctx):
+        x = self._parse(value, param, ctx)
+        lo, hi = self.min, self.max
+        if ((lo is not None and (x < lo or (self.min_open and x == lo)))
+                or (hi is not None and (x > hi or (self.max_open and x == hi)))):
+            self.fail(f"must be {self._range()} (got {value})", param, ctx)
+        return x
+
+
+class Real(_Bounded):
+    """A finite float, optionally bounded; `min_open`/`max_open` exclude the bound itself."""
+
+    name = "float"
+
+    def _parse(self, value, param, ctx) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"must be a number (got {value!r})", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"must be a finite number (got {value})", param, ctx)
+        return x
+
+
+class Int(_Bounded):
+    """An integer, optionally bounded (bounds inclusive)."""
+
+    name = "integer"
+
+    def _parse(self, value, param, ctx) -> int:
+        if isinstance(value, bool):
+            self.fail(f"must be an integer (got {value!r})", param, ctx)
+        if isinstance(value, int):
+            return value
+        try:
+            return int(str(value).strip(), 10)
+        except ValueError:
+            self.fail(f"must be an integer (got {value!r})", param, ctx)
+
+
+POSITIVE = Int(1)         # counts and sizes that cannot be zero: batch size, sequence length, dimensions
+COUNT = Int(0)            # counts where 0 means "off" or "all"
+SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
+PROBABILITY = Real(0.0, 1.0)
+
+
+def usage_error_line(e: click.UsageError) -> str:
+    """click's usage errors as one line: `--lr must be ... (got ...)`, `--dtype: 'x' is not one of ...`."""
+    msg = e.format_message() if not isinstance(e, click.BadParameter) else e.message
+    param = getattr(e, "param", None)
+    if isinstance(e, click.BadParameter) and param is not None:
+        name = max(param.opts, key=len) if getattr(param, "opts", None) else param.name
+        if isinstance(param, click.Argument):
+            name = param.human_readable_name
+        msg = f"{name} {msg}" if msg.startswith("must") else f"{name}: {msg}"
+    ctx = getattr(e, "ctx", None)
+    where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return " ".join(msg.split()) + where
