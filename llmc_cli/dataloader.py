@@ -108,6 +108,21 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -
     fsync_dir(path.parent)  # make the rename itself durable
 
 
+def check_replaceable(path: str | os.PathLike, magics: Sequence[int], what: str) -> None:
+    """llmc writes over a file only when it is one of its own kind (its int32 magic number is one of `magics`);
+    anything else at `path` is the user's and is refused before a byte is written."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        head = np.fromfile(path, dtype="<i4", count=1) if path.is_file() else np.zeros(0, "<i4")
+    except OSError:
+        head = np.zeros(0, "<i4")
+    if head.size < 1 or int(head[0]) not in magics:
+        raise DataError(f"{path}: exists and is not an llm.c {what}, so llmc will not replace it; move it or "
+                        "choose another path")
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so the names created or renamed in it survive a crash (no-op where unsupported)."""
     try:
@@ -145,6 +160,7 @@ def _shard_bytes(tokens, fmt: _Format, name: str) -> list:
 def write_shard(path: str | os.PathLike, tokens, tokenizer: str = "gpt2") -> Path:
     """Write one shard atomically. ``tokens``: a sequence / array of ids. Returns the path."""
     path = Path(path)
+    check_replaceable(path, [f.magic for f in SHARD_FORMATS.values()], "token shard")
     atomic_write_bytes(path, _shard_bytes(tokens, shard_format(tokenizer), str(path)))
     return path
 
@@ -443,6 +459,7 @@ def write_evalfile(path: str | os.PathLike, examples: Sequence[dict]) -> Path:
     """``examples``: dicts with ``label`` (int), ``ctx_tokens`` (ids) and ``ending_tokens`` (list of 4
     id lists), in order. Written atomically, byte for byte as llm.c writes them."""
     path = Path(path)
+    check_replaceable(path, [EVAL_MAGIC], "eval file")
     if not 0 < len(examples) < 2**16:
         raise DataError(f"{path}: an eval file holds 1..65535 examples, got {len(examples)}")
     stream: list[int] = []

@@ -501,6 +501,20 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
     if stale and not force and manifest is None:
         raise DataError(f"{out_dir} already has {len(stale)} {src.name} shard(s) (e.g. {stale[0].name}) without a "
                         "manifest to resume from; pass --force to overwrite them or choose another --out-dir")
+    for p in stale:  # --force replaces llm.c shards only: a file of the user's under a shard's name stays
+        try:
+            read_shard_header(p)
+        except DataError:
+            raise DataError(f"{p}: not an llm.c token shard, so llmc will not replace it (even with --force); move "
+                            "it or choose another --out-dir") from None
+    if manifest_path.exists() and manifest is None:
+        try:
+            ours = isinstance(json.loads(manifest_path.read_bytes()).get("fingerprint"), dict)
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise DataError(f"{manifest_path}: not an llmc tokenize manifest, so llmc will not replace it (even "
+                            "with --force); move it or choose another --out-dir")
     for p in stale:
         p.unlink()
     # (out_dir is made by the first shard's write: input that fails before it leaves nothing behind)

@@ -239,7 +239,9 @@ def load_tokenizer(name: str = "gpt2", path: str | os.PathLike | None = None) ->
 
 def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
     """Write llm.c's tokenizer file for ``tok`` (anything with vocab_size, eot, token_bytes)."""
+    from llmc_cli.dataloader import check_replaceable
     path = Path(path)
+    check_replaceable(path, [TOKENIZER_MAGIC], "tokenizer file")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2], header[3] = TOKENIZER_MAGIC, TOKENIZER_VERSION, tok.vocab_size, tok.eot
     parts = [header.tobytes()]

@@ -16,6 +16,7 @@ import tiktoken
 import tiktoken.load
 from click.testing import CliRunner
 
+from llmc_cli.dataloader import write_shard
 from llmc_cli import tokenize as tz
 from llmc_cli.tokenize import tokenize
 
@@ -254,7 +255,7 @@ def test_resume_after_interruption(tmp_path, enc, monkeypatch):
 def test_existing_shards_without_manifest_are_not_clobbered(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
-    (out / "x_train_000001.bin").write_bytes(b"old")
+    write_shard(out / "x_train_000001.bin", [1, 2, 3])  # an llm.c shard of an earlier run (a user's file: see below)
     f = tmp_path / "x.txt"
     f.write_text("hello there")
     r = run(["text", f, "--out-dir", out, "--workers", "1"], ok=False)
@@ -379,3 +380,34 @@ def test_tokenizer_bin_command(tmp_path):
 def test_console_script_has_the_group():
     r = subprocess.run([sys.executable, "-m", "llmc_cli.cli", "tokenize", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "shakespeare" in r.stdout
+
+
+def test_never_replaces_a_file_that_is_not_its_own(tmp_path, monkeypatch):
+    """--force discards llmc's shards, never a user's file that happens to carry a shard's, a manifest's, an
+    eval file's or a tokenizer file's name."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello world. " * 200)
+    (tmp_path / "h.jsonl").write_text('{"ctx": "a b", "endings": ["c", "d", "e", "f"], "label": 0}\n')
+    precious = b"precious, not a shard"
+    for name in ("x_val_000000.bin", "x_train_000001.bin", "x_manifest.json"):
+        d = tmp_path / name.replace(".", "_")
+        d.mkdir()
+        (d / name).write_bytes(precious)
+        r = run(["text", tmp_path / "a.txt", "--name", "x", "--out-dir", d, "--force"], ok=False)
+        assert r.exit_code == 2 and "llmc will not replace it" in r.output, r.output
+        assert (d / name).read_bytes() == precious and sorted(p.name for p in d.iterdir()) == [name]
+    (tmp_path / "hs").mkdir()
+    (tmp_path / "hs" / "hellaswag_val.bin").write_bytes(precious)
+    (tmp_path / "tok.bin").write_bytes(precious)
+    for args, victim in ((["hellaswag", "--local", tmp_path / "h.jsonl", "--out-dir", tmp_path / "hs"],
+                          tmp_path / "hs" / "hellaswag_val.bin"),
+                         (["tokenizer-bin", tmp_path / "tok.bin"], tmp_path / "tok.bin")):
+        r = run(args, ok=False)
+        assert r.exit_code == 2 and "is not an llm.c" in r.output and "Traceback" not in r.output, r.output
+        assert victim.read_bytes() == precious
+        victim.unlink()
+        run(args)  # its own file it writes, and writes again
+        run(args)
+    d = tmp_path / "ok"
+    run(["text", tmp_path / "a.txt", "--name", "x", "--out-dir", d])
+    run(["text", tmp_path / "a.txt", "--name", "x", "--out-dir", d, "--force"])  # llmc's own shards: replaced
