@@ -490,9 +490,12 @@ def read_evalfile(path: str | os.PathLike) -> list[dict]:
     """Read an llm.c eval file back into the dicts :func:`write_evalfile` takes (plus ``index``)."""
     path = str(path)
     try:
-        data = open(path, "rb").read()
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise DataError(f"eval file {path} not found") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise DataError(f"{path}: cannot read the eval file ({e.strerror or e})") from None
     if len(data) < HEADER_BYTES:
         raise DataError(f"{path}: truncated eval file, {len(data)} bytes is shorter than the header")
     header = np.frombuffer(data, dtype="<i4", count=HEADER_INTS)

@@ -44,11 +44,23 @@ def enclosing_run(path: str | Path) -> Path | None:
     return None
 
 
+def step_folder_of(path: str | Path) -> Path | None:
+    """The checkpoint folder (a run's `step_NNNNNNNN`) that `path` is or lies inside, else None: llmc writes
+    nothing there but the checkpoint itself."""
+    p = Path(os.path.abspath(path))
+    for d in (p, *p.parents):
+        if STEP_DIR.fullmatch(d.name) and is_run_dir(d.parent):
+            return d
+    return None
+
+
 def check_out(out: str | Path, resume: bool) -> None:
     """A fresh run must not write into another run's directory; --resume needs one to continue."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file; expected a run directory (new, or holding a run to --resume)")
+    if (step := step_folder_of(out)) is not None:
+        raise RunDirError(f"--out {out} is inside the checkpoint {step}; give a directory outside the step folders")
     if not resume and is_run_dir(out):
         held = step_dirs(out)
         raise RunDirError(f"--out {out} already holds a run (checkpoints up to {held[-1].name if held else '?'}); "

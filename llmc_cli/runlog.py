@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import IO
 
-from .rundir import STEP_DIR, is_run_dir
+from .rundir import step_folder_of
 
 
 class LogError(ValueError):
@@ -40,9 +39,8 @@ def is_llmc_log(path: str | Path) -> bool:
 def check_log(path: str | Path) -> None:
     """Refuses a --log path that is not new, not empty and not an llmc log, or that lies in a checkpoint."""
     path = Path(path)
-    parent = Path(os.path.abspath(path)).parent
-    if STEP_DIR.fullmatch(parent.name) and is_run_dir(parent.parent):
-        raise LogError(f"--log {path}: inside the checkpoint {parent}; give a path outside the step folders")
+    if (step := step_folder_of(path)) is not None:
+        raise LogError(f"--log {path}: inside the checkpoint {step}; give a path outside the step folders")
     if not path.exists():
         return
     if not path.is_file():

@@ -251,3 +251,16 @@ def test_plot_replaces_only_pngs(tmp_path, shards):
     assert victim.read_bytes() == b"not a picture"
     r = run("plot", log, "--smooth", "nan", ok=False)
     assert "--smooth must be a finite number" in one_line_error(r)
+
+
+def test_out_inside_a_checkpoint_and_unreadable_eval_file(shards, tmp_path):
+    rd = tmp_path / "r"
+    run(*TINY, "--data", shards / "*train*.bin", "--steps", 1, "--out", rd)
+    before = tree(tmp_path)
+    for out in (rd / "step_00000001", rd / "step_00000001" / "deeper"):
+        r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 1, "--out", out, ok=False)
+        assert "is inside the checkpoint" in one_line_error(r)
+    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 1, "--hellaswag", tmp_path, "--hellaswag-every", 1,
+            ok=False)
+    assert "cannot read the eval file" in one_line_error(r)
+    assert tree(tmp_path) == before
