@@ -386,8 +386,13 @@ void classifier_forward_backward(__global float* logits, const long lo, __global
     float m = -INFINITY;
     for (int j = lid; j < V; j += RED_LS) m = fmax(m, x[j]);
     m = group_max(m, scratch);
-    float s = 0.0f;
-    for (int j = lid; j < V; j += RED_LS) s += exp(x[j] - m);
+    float s = 0.0f, c = 0.0f;  // compensated: on a CPU device one item sums all V (50k+) terms
+    for (int j = lid; j < V; j += RED_LS) {
+        const float y = exp(x[j] - m) - c;
+        const float t = s + y;
+        c = (t - s) - y;
+        s = t;
+    }
     s = group_sum(s, scratch);
     const float xt = (tgt >= 0 && tgt < V) ? x[tgt] : NAN;
     if (lid == 0) losses[lso + row] = log(s) + m - xt;
@@ -404,30 +409,43 @@ void classifier_forward_backward(__global float* logits, const long lo, __global
 }
 
 // ---- optimizer ----------------------------------------------------------------------------------------------
-// partial[slot + group] = sum of squares of the group's strided share of x[0..n)
+// partial[slot + group] = sum of squares of the group's share of x[0..n). Each lane keeps a compensated
+// (Kahan) sum: a lane adds up to millions of squares, and a plain float32 running sum of that many positive
+// terms drifts by ~1e-3 relative (the CPU reference sums in float64); the compensation keeps it near 1e-7.
 __kernel __attribute__((reqd_work_group_size(RED_LS, 1, 1)))
 void sumsq_partial(__global float* partial, const int slot, __global const float* x, const long xo,
                    const long n) {
     __local float scratch[RED_LS];
-    float s = 0.0f;
+    float s = 0.0f, c = 0.0f;
 #if RED_LS == 1
     // CPU devices (one item per group): each group sums one contiguous chunk, 8 lanes then a fixed tree
     const long G = get_num_groups(0);
     const long chunk = ((n + G - 1) / G + 7) / 8 * 8;
     const long beg = get_group_id(0) * chunk, end = min(n, beg + chunk);
-    float8 s8 = (float8)(0.0f);
+    float8 s8 = (float8)(0.0f), c8 = (float8)(0.0f);
     long i = beg;
     for (; i + 8 <= end; i += 8) {
         const float8 v = vload8(0, x + xo + i);
-        s8 = mad(v, v, s8);
+        const float8 y = v * v - c8;
+        const float8 t = s8 + y;
+        c8 = (t - s8) - y;
+        s8 = t;
     }
-    for (; i < end; i++) s = mad(x[xo + i], x[xo + i], s);
+    for (; i < end; i++) {
+        const float y = x[xo + i] * x[xo + i] - c;
+        const float t = s + y;
+        c = (t - s) - y;
+        s = t;
+    }
     s += ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
 #else
     const long stride = (long)get_num_groups(0) * RED_LS;
     for (long i = get_global_id(0); i < n; i += stride) {
         const float v = x[xo + i];
-        s += v * v;
+        const float y = v * v - c;
+        const float t = s + y;
+        c = (t - s) - y;
+        s = t;
     }
 #endif
     s = group_sum(s, scratch);
