@@ -8,7 +8,21 @@ PY=${PYTHON:-python3}
 pip() { "$PY" -m pip "$@"; }
 
 pip install -e . -e backends/cpu
-[ -d backends/opencl ] && pip install -e backends/opencl "pyopencl[pocl]"
+if [ -d backends/opencl ]; then
+    pip install -e backends/opencl "pyopencl[pocl]"
+    # PoCL from PyPI compiles kernels with its own LLVM 14, which calls CPUs it does not know (AMD EPYCs of
+    # family 1Ah, Zen 5, among them) 'generic' and then builds nothing for them (pocl/pocl#1049). Debian's
+    # PoCL chooses its kernel library by the CPU's features and builds there: take it where PyPI's fails.
+    if ! "$PY" backends/opencl/pocl_check.py; then
+        if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+            { apt-get update -qq && apt-get install -y -qq pocl-opencl-icd >/dev/null; } \
+                || echo "install.sh: Debian's pocl-opencl-icd could not be installed; the opencl backend will say why it cannot run"
+            "$PY" backends/opencl/pocl_check.py || true
+        else
+            echo "install.sh: PoCL from PyPI cannot build kernels on this CPU; install your distribution's PoCL (Debian/Ubuntu: apt-get install pocl-opencl-icd)"
+        fi
+    fi
+fi
 if [ -d backends/cuda ]; then
     # the package always installs (so `llmc backends` can say why it cannot run); its GPU libraries
     # (CuPy, nvmath-python, cuDNN frontend: several hundred MB) only where there is a GPU to use them

@@ -276,6 +276,7 @@ def one_line(e: BaseException) -> str:
 
 def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
     from .dataloader import DataError
+    from .kernels import BackendUnavailable
     from .train import TrainError
     if trainer.tokenizer != "gpt2":  # Llama 3 shards: samples need Meta's ranks, from --init's directory
         try:
@@ -314,7 +315,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         fail(f"aborted by a second {e.signame}{where}", code=130)
     except TrainDiverged as e:
         fail(str(e), code=3)
-    except (TrainError, DataError, ValueError, OSError) as e:
+    except (TrainError, DataError, ValueError, OSError, BackendUnavailable) as e:  # (a kernel that fails to build)
         msg = one_line(e)
         if trainer.rescued is not None:
             msg += f"; checkpoint {trainer.rescued} written (the last completed step), resume with: {how}"

@@ -47,6 +47,7 @@ def _sane(r):
     assert rate is not None and rate > 0 and math.isfinite(rate), r
 
 
+@pytest.mark.opencl
 def test_kernels_cpu_and_opencl_agree():
     cfg = preset("d2", n_embd=64, vocab_size=1000)
     backends = _backends("cpu", "opencl")
@@ -123,6 +124,7 @@ def test_cli_kernels_table_and_errors(monkeypatch):
     assert r.exit_code == 2 and "--plot needs matplotlib" in r.stderr and "Traceback" not in r.output
 
 
+@pytest.mark.opencl
 def test_train_cpu_opencl_and_torch():
     """Every backend trains the same model from the same weights on the same data: first losses agree; MFU
     appears only where the backend reports its peak FLOP/s."""
@@ -163,6 +165,7 @@ def test_cli_train_json(tmp_path):
 
 
 # ---- Llama 3 kernels, attention_decode, and backends that hold inputs in another dtype ------------------------
+@pytest.mark.opencl
 def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
     from llmc_cli.llama3 import preset as llama_preset
     cfg = llama_preset("llama3-tiny", vocab_size=300)
@@ -187,6 +190,7 @@ def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
     assert {(m["kernel"], m["backend"]) for m in res["mismatches"]} == {("rope_fwd", "badrope")}
 
 
+@pytest.mark.opencl
 def test_attention_decode_is_benchmarked_where_the_backend_has_it():
     cfg = preset("d2", n_embd=64, vocab_size=1000)
     backends = _backends("cpu", "opencl")

@@ -17,7 +17,7 @@ from llmc_opencl import tune  # noqa: E402
 
 PLUGIN = llmc_opencl.OpenCLPlugin()
 USABLE, REASON = PLUGIN.probe()
-needs_device = pytest.mark.skipif(not USABLE, reason=f"no usable OpenCL device: {REASON}")
+needs_device = pytest.mark.opencl  # skipped by conftest with the probe's reason where no device runs kernels
 
 _BE = {}
 
@@ -77,6 +77,8 @@ def test_default_device_is_fastest_gpu_else_cpu(monkeypatch):
                         lambda: [(0, 0, p0, cpu), (1, 0, p1, small), (1, 1, p1, big)])
     monkeypatch.setattr(llmc_opencl.cl.device_type, "to_string", lambda t: "GPU" if t == big.type else "CPU",
                         raising=False)
+    broken = {}  # device name -> why it cannot run kernels (the probe's verdict)
+    monkeypatch.setattr(llmc_opencl, "_why_not", lambda d: broken.get(d[3].name, ""))
     assert llmc_opencl.select_device(None)[1] is big
     assert llmc_opencl.select_device("1:0")[1] is small
     assert llmc_opencl.select_device("0:0")[1] is cpu
@@ -88,6 +90,16 @@ def test_default_device_is_fastest_gpu_else_cpu(monkeypatch):
         llmc_opencl.select_device("no such thing")
     monkeypatch.setattr(llmc_opencl, "_all_devices", lambda: [(0, 0, p0, cpu)])
     assert llmc_opencl.select_device(None)[1] is cpu
+    # a device that cannot build kernels is passed over by "auto" and refused, with its reason, by name
+    monkeypatch.setattr(llmc_opencl, "_all_devices", lambda: [(0, 0, p0, cpu), (1, 0, p1, small), (1, 1, p1, big)])
+    broken["big gpu"] = "cannot build a kernel: error: unknown target CPU 'generic'"
+    assert llmc_opencl.select_device(None)[1] is small
+    assert llmc_opencl.select_device("gpu")[1] is small
+    with pytest.raises(BackendUnavailable, match="big gpu.*unknown target CPU 'generic'"):
+        llmc_opencl.select_device("1:1")
+    broken.update({"small gpu": "x", "some cpu": "cannot build a kernel: error: y"})
+    with pytest.raises(BackendUnavailable, match="some cpu.*error: y"):
+        llmc_opencl.select_device(None)
 
 
 @needs_device
@@ -312,3 +324,81 @@ def test_splitk_matches_plain_sgemm(epi):
         assert rel(C, v) <= 1e-5
         if epi == 1:
             assert rel(X, 0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v ** 3)))) <= 1e-5
+
+
+# ---- a device whose compiler fails (PoCL on a CPU its LLVM does not know) --------------------------------------
+_POCL_LOG = ("clBuildProgram failed: BUILD_PROGRAM_FAILURE - clBuildProgram failed: BUILD_PROGRAM_FAILURE\n\n"
+             "Build on <pyopencl.Device 'pthread-AMD EPYC 9B45' on 'Portable Computing Language'>:\n\n"
+             "error: unknown target CPU 'generic'\nDevice pthread-AMD EPYC failed to build the program\n"
+             "(options: -I /tmp)\n(source saved as /tmp/x.cl)")
+
+
+@pytest.fixture
+def broken_compiler(monkeypatch, tmp_path):
+    """Every OpenCL build fails as PoCL's does on an AMD EPYC it cannot name; a fresh probe cache."""
+    if llmc_opencl.cl is None:
+        pytest.skip("pyopencl is not installed")
+    from llmc_opencl import probe
+
+    def build(self, *a, **kw):
+        raise RuntimeError(_POCL_LOG)
+    monkeypatch.setenv("LLMC_OPENCL_PROBE_CACHE", str(tmp_path / "probe.json"))
+    monkeypatch.setattr(probe, "_SEEN", {})
+    monkeypatch.setattr(llmc_opencl.cl.Program, "build", build)
+    return tmp_path / "probe.json"
+
+
+def test_a_device_whose_compiler_fails_is_unusable_with_the_compilers_line(broken_compiler, monkeypatch):
+    import conftest
+    from click.testing import CliRunner
+
+    from llmc_cli import registry
+    from llmc_cli.cli import main
+    ok, reason = llmc_opencl.OpenCLPlugin().probe()
+    if "no OpenCL device" in reason or "platform" in reason.lower():
+        pytest.skip(f"no OpenCL device to fake a compiler failure on: {reason}")
+    assert not ok and "\n" not in reason
+    assert reason.endswith("cannot build a kernel: error: unknown target CPU 'generic'") or \
+        "more device(s), none usable" in reason, reason
+    verdicts = json.loads(broken_compiler.read_text())  # cached per device and driver for the next start
+    assert any(v["reason"].endswith("error: unknown target CPU 'generic'") for v in verdicts.values())
+    with pytest.raises(BackendUnavailable, match="unknown target CPU 'generic'"):
+        llmc_opencl.OpenCLPlugin().create()
+    # what a user sees
+    r = CliRunner().invoke(main, ["backends", "--json"])
+    row = next(b for b in json.loads(r.output) if b["name"] == "opencl")
+    assert row["usable"] is False and "error: unknown target CPU 'generic'" in row["reason"]
+    r = CliRunner().invoke(main, ["train", "--backend", "opencl", "--data", "x.bin", "--steps", "1"])
+    line = r.output.strip()
+    assert r.exit_code == 2 and "\n" not in line and line.startswith("error: --backend opencl:") \
+        and "unknown target CPU 'generic'" in line, line
+    r = CliRunner().invoke(main, ["bench", "kernels", "--model", "d2", "-b", "1", "-t", "8", "--only", "gelu",
+                                  "--json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    # and the test suite skips the backend's tests with that reason
+    monkeypatch.setattr(conftest, "_DISCOVERED", registry.discover())
+    monkeypatch.setattr(conftest, "_CREATED", {})
+    assert "unknown target CPU 'generic'" in conftest.unusable_reason("opencl")
+    with pytest.raises(pytest.skip.Exception, match="unknown target CPU 'generic'"):
+        conftest.make_backend("opencl")
+    marked = types.SimpleNamespace(get_closest_marker=lambda name: object() if name == "opencl" else None)
+    with pytest.raises(pytest.skip.Exception, match="unknown target CPU 'generic'"):
+        conftest.pytest_runtest_setup(marked)
+
+
+def test_a_build_failure_after_the_probe_names_the_compilers_error(broken_compiler, monkeypatch):
+    from llmc_opencl import probe
+    monkeypatch.setattr(probe, "check", lambda platform, device: "")  # the probe passed earlier (cached)
+    try:
+        llmc_opencl.select_device(None)
+    except BackendUnavailable as e:
+        pytest.skip(f"no OpenCL device: {e}")
+    with pytest.raises(BackendUnavailable, match=r"cannot build kernels\.cl: error: unknown target CPU 'generic'$"):
+        llmc_opencl.OpenCLPlugin().create()
+
+
+def test_first_error_line():
+    from llmc_opencl.probe import first_error_line
+    assert first_error_line(RuntimeError(_POCL_LOG)) == "error: unknown target CPU 'generic'"
+    assert first_error_line(ValueError("clBuildProgram failed: OUT_OF_HOST_MEMORY")) == \
+        "ValueError: clBuildProgram failed: OUT_OF_HOST_MEMORY"

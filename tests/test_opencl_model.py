@@ -13,6 +13,9 @@ gpt2 = pytest.importorskip("llmc_cli.gpt2")
 optim = pytest.importorskip("llmc_cli.optim")
 
 
+pytestmark = pytest.mark.opencl
+
+
 def _backend(name):
     try:
         return registry.create_backend(name)

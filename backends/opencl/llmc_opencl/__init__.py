@@ -69,7 +69,12 @@ def build_program(ctx, name: str, options: str = ""):
     if hit is not None:
         return hit
     src = _source(name)
-    prg = cl.Program(ctx, src).build(options=options)
+    try:
+        prg = cl.Program(ctx, src).build(options=options)
+    except Exception as e:  # noqa: BLE001  (the build log's first error, not pyopencl's status words)
+        from .probe import first_error_line
+        dev = ", ".join(d.name.strip() for d in ctx.devices)
+        raise BackendUnavailable(f"OpenCL {dev}: cannot build {name}: {first_error_line(e)}") from None
     kernels = {}
     for kname, dts in _signatures(src).items():
         k = cl.Kernel(prg, kname)
@@ -105,36 +110,53 @@ def _is_gpu(dev) -> bool:
     return bool(dev.type & cl.device_type.GPU)
 
 
+def _why_not(d) -> str:
+    """"" when the device builds and runs a kernel, else why not (llmc_opencl.probe, cached)."""
+    from .probe import check
+    return check(d[2], d[3])
+
+
+def _unusable(d, reason: str) -> BackendUnavailable:
+    return BackendUnavailable(f"OpenCL device {_dev_label(*d)}: {reason}")
+
+
 def select_device(device: str | None = None):
-    """(platform, device) for a selector: None = the fastest GPU, else the first CPU / any device;
-    "P:D" = platform P's device D; anything else = the first device whose label contains it (case-insensitive)."""
+    """(platform, device) for a selector: None = the fastest GPU, else the first CPU / any device, among those
+    that build and run a kernel; "P:D" = platform P's device D; "gpu" / "cpu" = the first such usable device;
+    anything else = the first device whose label contains it (case-insensitive). A device chosen by name that
+    cannot run kernels is refused with its reason."""
     devs = _all_devices()
     if not devs:
         raise BackendUnavailable("no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')")
     if device is None or device in ("", "auto", "default"):
-        gpus = [d for d in devs if _is_gpu(d[3])]
+        ok = [d for d in devs if not _why_not(d)]
+        if not ok:
+            raise _unusable(devs[0], _why_not(devs[0]))
+        gpus = [d for d in ok if _is_gpu(d[3])]
         if gpus:
             best = max(gpus, key=lambda d: d[3].max_compute_units * max(1, d[3].max_clock_frequency))
             return best[2], best[3]
-        cpus = [d for d in devs if d[3].type & cl.device_type.CPU]
-        d = (cpus or devs)[0]
+        cpus = [d for d in ok if d[3].type & cl.device_type.CPU]
+        d = (cpus or ok)[0]
         return d[2], d[3]
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", device)
     if m:
         pi, di = int(m.group(1)), int(m.group(2))
-        for d in devs:
-            if d[0] == pi and d[1] == di:
-                return d[2], d[3]
-        raise BackendUnavailable(f"no OpenCL device {pi}:{di} (have: {'; '.join(_dev_label(*d) for d in devs)})")
-    if device.lower() in ("gpu", "cpu"):
+        found = [d for d in devs if d[0] == pi and d[1] == di]
+        if not found:
+            raise BackendUnavailable(f"no OpenCL device {pi}:{di} (have: {'; '.join(_dev_label(*d) for d in devs)})")
+    elif device.lower() in ("gpu", "cpu"):
         want = cl.device_type.GPU if device.lower() == "gpu" else cl.device_type.CPU
-        for d in devs:
-            if d[3].type & want:
-                return d[2], d[3]
-    for d in devs:
-        if device.lower() in _dev_label(*d).lower():
+        found = [d for d in devs if d[3].type & want]
+    else:
+        found = [d for d in devs if device.lower() in _dev_label(*d).lower()]
+    if not found:
+        raise BackendUnavailable(f"no OpenCL device matches '{device}' (have: "
+                                 f"{'; '.join(_dev_label(*d) for d in devs)})")
+    for d in found:
+        if not _why_not(d):
             return d[2], d[3]
-    raise BackendUnavailable(f"no OpenCL device matches '{device}' (have: {'; '.join(_dev_label(*d) for d in devs)})")
+    raise _unusable(found[0], _why_not(found[0]))
 
 
 def _overlaps(k1, k2) -> bool:
@@ -664,13 +686,18 @@ class OpenCLPlugin(BackendPlugin):
             return False, "no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')"
         try:
             plat, dev = select_device(None)
+        except BackendUnavailable as e:  # every device failed to build or run a kernel: the first one's reason
+            more = f" ({len(devs) - 1} more device(s), none usable)" if len(devs) > 1 else ""
+            return False, f"{e}{more}"
         except Exception as e:
-            return False, f"no usable OpenCL device ({e})"
+            return False, f"no usable OpenCL device ({type(e).__name__}: {e})"
         if dev.type & cl.device_type.CPU:
             # "auto" then prefers the numpy backend: on the same cores it is measured faster than PoCL
             # (d12 B=4 T=64: 1.27-1.35x, docs/performance.md), and it has the KV-cache decode kernel
             self.priority = -1
-        return True, f"{dev.name.strip()} on {plat.name.strip()} ({len(devs)} device(s))"
+        broken = sum(1 for d in devs if _why_not(d))
+        note = f", {broken} unusable" if broken else ""
+        return True, f"{dev.name.strip()} on {plat.name.strip()} ({len(devs)} device(s){note})"
 
     def devices(self):
         if cl is None:

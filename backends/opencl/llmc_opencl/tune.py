@@ -96,15 +96,17 @@ def device_key(platform, device) -> str:
             f"|v{TUNE_VERSION}")
 
 
-def load_cache() -> dict:
+def load_cache(path: Path | None = None) -> dict:
+    """A JSON cache file's contents ({} when absent or damaged); `path` None = the tune cache."""
     try:
-        return json.loads(cache_path().read_text())
+        data = json.loads((path or cache_path()).read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
-def save_cache(data: dict) -> None:
-    p = cache_path()
+def save_cache(data: dict, path: Path | None = None) -> None:
+    p = path or cache_path()
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_suffix(f".tmp{os.getpid()}")
