@@ -407,12 +407,12 @@ def load_for_inference(checkpoint: str, backend, B: int, T: int):
               help="Run directory (uses its latest), step directory, llm.c .bin, or Hugging Face directory.")
 @click.option("--prompt", default=None, help="Text to continue (default: start from end-of-text).")
 @click.option("--prompt-file", default=None, type=click.Path(), help="Read the prompt from this text file.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate per sample.")
-@click.option("--num-samples", type=int, default=1, show_default=True, help="Independent samples (one rng).")
-@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k most likely (0 = all).")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass (1.0 = off).")
-@click.option("--seed", type=int, default=1337, show_default=True)
+@click.option("--max-new-tokens", type=COUNT, default=128, show_default=True, help="Tokens to generate per sample.")
+@click.option("--num-samples", type=POSITIVE, default=1, show_default=True, help="Independent samples (one rng).")
+@click.option("--temperature", type=Real(0), default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the k most likely (0 = all).")
+@click.option("--top-p", type=Real(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus mass (1.0 = off).")
+@click.option("--seed", type=SEED, default=1337, show_default=True)
 @click.option("--no-kv-cache", is_flag=True, help="Recompute the whole window per token (for comparison).")
 @click.option("--backend", default="auto", show_default=True)
 @click.option("--device", default=None)
@@ -437,12 +437,6 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     from .hf import load_config_any, tokenizer_for
     from .sample import generate
     from .tokenizer import load_tokenizer
-    if max_new_tokens < 0:
-        fail("--max-new-tokens must be >= 0")
-    if num_samples < 1:
-        fail("--num-samples must be >= 1")
-    if not 0 < top_p <= 1:
-        fail(f"--top-p must be in (0, 1] (got {top_p})")
     if prompt is not None and prompt_file is not None:
         fail("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
@@ -496,13 +490,13 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
 @click.option("--checkpoint", required=True,
               help="Run directory, step directory, llm.c .bin, or Hugging Face directory.")
 @click.option("--data", default=None, help="Glob of shards to evaluate on, e.g. 'datasets/shakespeare/*val*.bin'.")
-@click.option("--batches", type=int, default=0, show_default=True, help="Batches to average (0 = all, once).")
+@click.option("--batches", type=COUNT, default=0, show_default=True, help="Batches to average (0 = all, once).")
 @click.option("--hellaswag", default=None, type=click.Path(),
               help="llm.c HellaSwag eval file (`llmc tokenize hellaswag`): report acc and acc_norm.")
-@click.option("--hellaswag-limit", type=int, default=0, show_default=True,
+@click.option("--hellaswag-limit", type=COUNT, default=0, show_default=True,
               help="Score only the first N HellaSwag examples (0 = all).")
-@click.option("-b", "--batch-size", type=int, default=4, show_default=True)
-@click.option("-t", "--seq-len", type=int, default=64, show_default=True)
+@click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True)
+@click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True)
 @click.option("--backend", default="auto", show_default=True)
 @click.option("--device", default=None)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
@@ -520,10 +514,6 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
     """
     from .dataloader import DataError, ValLoader
     from .evaluate import HellaSwag, evaluate_loss
-    if batches < 0:
-        fail("--batches must be >= 0")
-    if hellaswag_limit < 0:
-        fail("--hellaswag-limit must be >= 0")
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
     hs = None

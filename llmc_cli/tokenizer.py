@@ -15,6 +15,9 @@ New tokenizers register a builder in ``TOKENIZERS``.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -175,23 +178,51 @@ def gpt2_ranks_path() -> Path:
         "`pip install --no-deps openai-whisper` (or pass the path of a gpt2.tiktoken file)")
 
 
-def _load_ranks(path: str | os.PathLike, what: str) -> dict[bytes, int]:
-    import tiktoken.load
+# the sha256 of GPT-2's ranks file (openai-whisper's assets/gpt2.tiktoken, tiktoken's gpt2 merges): a damaged
+# or altered file would tokenize differently without any other sign
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
+
+def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -> dict[bytes, int]:
+    """A tiktoken ranks file ('base64-token rank' per line), read here and checked line by line: never
+    through tiktoken's loader, whose cache is shared and keyed by the file's path rather than its content."""
     p = Path(path)
-    if not p.is_file():
-        raise TokenizerError(f"{what} ranks file {p} not found")
     try:
-        return tiktoken.load.load_tiktoken_bpe(str(p))
-    except Exception as e:  # base64 / format errors
-        raise TokenizerError(f"{p}: not a tiktoken ranks file ({type(e).__name__}: {e})") from None
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise TokenizerError(f"{what} ranks file {p} not found") from None
+    except OSError as e:
+        raise TokenizerError(f"{p}: cannot read the {what} ranks file ({e.strerror or e})") from None
+    if sha256 is not None and (found := hashlib.sha256(raw).hexdigest()) != sha256:
+        raise TokenizerError(f"{p}: not the {what} ranks file (sha256 {found}, expected {sha256}); reinstall it "
+                             "(pip install --no-deps --force-reinstall openai-whisper)")
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            tok, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+        except (binascii.Error, ValueError):
+            raise TokenizerError(f"{p}:{n}: expected 'base64-token rank', got {line[:60]!r} (not a tiktoken "
+                                 f"ranks file)") from None
+        if tok in ranks:
+            raise TokenizerError(f"{p}:{n}: token {tok!r} appears twice")
+        ranks[tok] = rank
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{p}: the ranks are not 0..{len(ranks) - 1} each once (not a tiktoken ranks file)")
+    if any(bytes([b]) not in ranks for b in range(256)):
+        raise TokenizerError(f"{p}: {len(ranks)} ranks without all 256 single bytes (not a byte-level BPE ranks file)")
+    return ranks
 
 
 def _build_gpt2(path: str | None) -> Tokenizer:
     import tiktoken
 
     p = Path(path) if path else gpt2_ranks_path()
-    ranks = _load_ranks(p, "GPT-2")
+    ranks = _load_ranks(p, "GPT-2", GPT2_RANKS_SHA256)
     if len(ranks) != 50256:
         raise TokenizerError(f"{p}: expected 50,256 GPT-2 BPE ranks, found {len(ranks):,}")
     enc = tiktoken.Encoding(name="gpt2", pat_str=_gpt2_pat(), mergeable_ranks=ranks,

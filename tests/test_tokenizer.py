@@ -161,3 +161,41 @@ def test_fallback_split_pattern_is_equivalent(gpt2):
     text = ("I'm sure they'll say: \"it's 1,234.5 naïve\tcafés!!\"\n\n  \n   x  y\r\n日本語 😀 "
             "don't DON'T we've you'd  \t\n") * 3
     assert alt.encode_ordinary(text) == gpt2.encode_ordinary(text)
+
+
+def test_gpt2_ranks_are_checked_by_content_and_never_go_through_a_shared_cache(tmp_path, monkeypatch):
+    good = gpt2_ranks_path().read_bytes()
+    damaged = tmp_path / "gpt2.tiktoken"
+    damaged.write_bytes(good.replace(b"IQ== 0", b"Ig== 0", 1))  # one rank's token changed, still well-formed
+    with pytest.raises(TokenizerError, match=r"gpt2.tiktoken: not the GPT-2 ranks file \(sha256 [0-9a-f]{64}, "
+                                             f"expected {tk.GPT2_RANKS_SHA256}"):
+        load_tokenizer("gpt2", damaged)
+    # a planted entry in tiktoken's cache (keyed by a hash of the path) changes nothing: the file is read here
+    import hashlib
+    cache = tmp_path / "tiktoken-cache"
+    cache.mkdir()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    monkeypatch.setenv("DATA_GYM_CACHE_DIR", str(cache))
+    copy = tmp_path / "copy.tiktoken"
+    copy.write_bytes(good)
+    (cache / hashlib.sha1(str(copy).encode()).hexdigest()).write_bytes(damaged.read_bytes())
+    monkeypatch.setattr(tk, "_CACHE", {})
+    assert load_tokenizer("gpt2", copy).encode("Hello world") == [15496, 995]
+
+
+@pytest.mark.parametrize("content, expect", [
+    (b"", "without all 256 single bytes"),
+    (b"SGVsbG8= 0\n", "1 ranks without all 256 single bytes"),
+    (b"\x00\xff garbage\n", "1: expected 'base64-token rank'"),
+    (b"SGVsbG8=\n", "1: expected 'base64-token rank'"),
+    (b"SGVsbG8= x\n", "1: expected 'base64-token rank'"),
+    (b"SGVsbG8= 0\nSGVsbG8= 1\n", "2: token b'Hello' appears twice"),
+    (b"".join(base64.b64encode(bytes([i])) + b" %d\n" % (i * 2) for i in range(256)), "are not 0..255 each once"),
+])
+def test_bad_llama3_ranks_files_are_one_line(tmp_path, content, expect):
+    f = tmp_path / "tokenizer.model"
+    f.write_bytes(content)
+    with pytest.raises(TokenizerError, match=None) as e:
+        load_tokenizer("llama3", f)
+    msg = str(e.value)
+    assert expect in msg and "\n" not in msg and str(f) in msg, msg
