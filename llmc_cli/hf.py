@@ -11,6 +11,9 @@ language-model head is tied to it, so no lm_head.weight is written (one that is 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 
 import click
@@ -289,6 +292,67 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
 
 
 # ---- llmc convert ---------------------------------------------------------------------------------------------
+_HF_FILES = re.compile(r"config\.json|generation_config\.json|model\.safetensors|model\.safetensors\.index\.json|"
+                       r"model-\d{5}-of-\d{5}\.safetensors|tokenizer\.model")
+
+
+def _is_llmc_output(path: Path) -> bool:
+    """Is `path` something `llmc convert` itself writes: an llm.c model .bin, an llmc Llama .safetensors, or a
+    Hugging Face model directory holding nothing but a model's files?"""
+    if path.is_dir():
+        names = [p.name for p in path.iterdir()]
+        return "config.json" in names and all(_HF_FILES.fullmatch(n) and (path / n).is_file() for n in names)
+    try:
+        if path.suffix == ".bin":
+            ckpt.read_model_header(path)
+        else:
+            ckpt.read_llama_header(path)
+    except (ckpt.CheckpointError, OSError):
+        return False
+    return True
+
+
+def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
+    """`convert` writes a new destination; with `force` it may replace an earlier output of its own kind, but
+    never the source, a data file or anything else of the user's, and never anything in a run directory."""
+    from .rundir import is_run_dir, step_folder_of
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and src.exists() and os.path.samefile(src, dst):
+        raise ckpt.CheckpointError(f"{dst} is the source itself; write the conversion somewhere else")
+    if (step := step_folder_of(dst)) is not None:
+        raise ckpt.CheckpointError(f"{dst} is inside the checkpoint {step}: llmc writes there only when training")
+    if is_run_dir(dst) or (dst.parent.is_dir() and is_run_dir(dst.parent) and dst.name in ("latest", ".lock")):
+        raise ckpt.CheckpointError(f"{dst} belongs to a run directory, not an empty directory: llmc writes there "
+                                   "only when training")
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if not force:
+        raise ckpt.CheckpointError(f"{dst} exists; llmc convert writes only new destinations (add --force to replace "
+                                   f"an earlier conversion); nothing was changed")
+    if not _is_llmc_output(dst):
+        raise ckpt.CheckpointError(f"{dst} exists and is not an llmc model file or Hugging Face model directory, so "
+                                   f"llmc will not replace it, even with --force; nothing was changed")
+
+
+def _write_dir_atomically(dst: Path, write) -> None:
+    """`write(tmp)` fills a temporary sibling directory, which then takes `dst`'s place (the old one is
+    dropped only after the new one stands), so a failure leaves `dst` as it was."""
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @click.command()
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
@@ -297,7 +361,9 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
 @click.option("--to", "to", type=click.Choice(["auto", "run"]), default="auto", show_default=True,
               help="run = write DST as a new run directory (step_00000000/ holding the model, and 'latest'), "
                    "which --checkpoint and --init read; auto = by DST's name as described above.")
-def convert(src: str, dst: str, dtype: str, to: str = "auto") -> None:
+@click.option("--force", is_flag=True, help="Replace DST when it is an earlier llmc conversion (a model file or a "
+                                            "Hugging Face model directory); anything else is never replaced.")
+def convert(src: str, dst: str, dtype: str, to: str = "auto", force: bool = False) -> None:
     """Convert a GPT-2 or Llama 3 between llmc's files, a run directory (its latest checkpoint) and a Hugging
     Face directory. SRC is recognised by content. DST is an llm.c model file when it ends in .bin (GPT-2),
     llmc's Llama model file when it ends in .safetensors (usable with --checkpoint and --init), otherwise a
@@ -312,6 +378,10 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto") -> None:
       llmc convert hf/Llama-3.2-1B llama.safetensors               # Hugging Face Llama -> llmc
     """
     from .cli import console, fail
+    try:
+        check_destination(src, dst, force)
+    except ckpt.CheckpointError as e:
+        fail(f"DST: {e}")
     try:
         cfg, params, kind = load_model_any(src)
     except ckpt.CheckpointError as e:
@@ -347,11 +417,14 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto") -> None:
                 fail(f"DST: {d} exists and is not a directory (name a model file with .bin or .safetensors)")
             if llama:
                 from .llama3_hf import export_hf as export_llama
-                export_llama(d, cfg, params, bf16=bf16, tokenizer=tok_name, tokenizer_file=tok_file)
+                _write_dir_atomically(d, lambda out: export_llama(out, cfg, params, bf16=bf16, tokenizer=tok_name,
+                                                                  tokenizer_file=tok_file))
             else:
-                export_hf(d, cfg, params, bf16=bf16)
+                _write_dir_atomically(d, lambda out: export_hf(out, cfg, params, bf16=bf16))
             what = "Hugging Face directory (config.json, model.safetensors)"
-    except (OSError, ckpt.CheckpointError) as e:
+    except OSError as e:
+        fail(f"DST: {e.filename or d}: {e.strerror or e}")
+    except ckpt.CheckpointError as e:
         fail(f"DST: {e}")
     console.print(f"{src} ({kind}, L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size}) -> "
                   f"{dst}: {what}, {dtype}")

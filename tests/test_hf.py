@@ -211,3 +211,48 @@ def test_convert_into_run_directory_every_direction(tmp_path):
     # a directory that already holds something is not overwritten
     bad = run("convert", tmp_path / "a.bin", tmp_path / "run_b", "--to", "run", ok=False)
     assert bad.exit_code == 2 and "not an empty directory" in bad.output
+
+
+def test_convert_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from llmc_cli.dataloader import write_shard
+    p = params(seed=5)
+    src = tmp_path / "a.bin"
+    ckpt.write_model(src, CFG, p)
+
+    def tree():
+        return {str(q.relative_to(tmp_path)): q.read_bytes() if q.is_file() else None
+                for q in sorted(tmp_path.rglob("*"))}
+
+    def refused(*args, expect):
+        before = tree()
+        r = run("convert", *args, ok=False)
+        msg = r.output.strip()
+        assert r.exit_code == 2 and msg.startswith("error: DST:") and "\n" not in msg and expect in msg, msg
+        assert tree() == before  # nothing written, replaced or left behind
+    write_shard(tmp_path / "shard.bin", np.arange(300) % CFG.vocab_size)
+    refused(src, tmp_path / "shard.bin", expect="exists; llmc convert writes only new destinations")
+    refused(src, tmp_path / "shard.bin", "--force", expect="is not an llmc model file")
+    refused(src, src, "--force", expect="is the source itself")
+    run("convert", src, tmp_path / "run", "--to", "run")
+    refused(src, tmp_path / "run" / "step_00000000" / "model.bin", "--force", "--dtype", "bf16",
+            expect="inside the checkpoint")
+    refused(src, tmp_path / "run", "--force", expect="belongs to a run directory")
+    run("convert", src, tmp_path / "hf")
+    refused(src, tmp_path / "hf", expect="exists")
+    (tmp_path / "hf" / "README.md").write_text("my notes")
+    refused(src, tmp_path / "hf", "--force", expect="is not an llmc model file or Hugging Face model directory")
+    (tmp_path / "hf" / "README.md").unlink()
+    # a disk that fills up while the new directory is written leaves the old one as it was, and no temp folder
+    from llmc_cli import checkpoint
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", full)
+    refused(src, tmp_path / "hf", "--force", "--dtype", "bf16", expect="No space left on device")
+    monkeypatch.undo()
+    r = run("convert", src, tmp_path / "hf", "--force", "--dtype", "bf16")  # an earlier conversion: replaced
+    assert "bf16" in r.output and not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
+    assert np.abs(hf.import_hf(tmp_path / "hf")[1] - p).max() <= np.abs(p).max() * 2 ** -8
