@@ -1,4 +1,4 @@
 """`python -m llmc_cli ...` is the `llmc` command (the launcher starts ranks this way)."""
-from .cli import main
+from .entry import run
 
-main()
+run()

@@ -366,6 +366,34 @@ RUN_STATE_VERSION = 1
 _STATE_KEYS = {"step": int, "dataloader": dict, "rng": dict, "args": dict}
 
 
+def _count(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _number(v) -> bool:
+    import math
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+# what a resume reads besides _STATE_KEYS, each checked for its JSON type before any of it is used
+# (key, check, what is expected); absent keys are older checkpoints and keep their defaults
+_STATE_FIELDS = (
+    ("optimizer_steps", _count, "a non-negative integer"),
+    ("tokens_per_step", lambda v: type(v) is int and v > 0, "a positive integer"),
+    ("world_size", lambda v: type(v) is int and v > 0, "a positive integer"),
+    ("tokenizer", lambda v: v in ("gpt2", "llama3"), "'gpt2' or 'llama3'"),
+    ("family", lambda v: v in ("gpt2", "llama3"), "'gpt2' or 'llama3'"),
+    ("config", lambda v: isinstance(v, dict), "an object"),
+    ("outliers", lambda v: isinstance(v, dict) and all(isinstance(v.get(k, []), list) and all(
+        _number(x) for x in v.get(k, [])) for k in ("loss", "norm")) and _count(v.get("bad_streak", 0)),
+     "an object of 'loss' and 'norm' number lists and a 'bad_streak' count"),
+)
+_LOADER_FIELDS = {"version": _count, "epoch": _count, "shard": _count, "sample": _count, "num_shards": _count,
+                  "B": _count, "T": _count, "world_size": _count, "seed": _count,
+                  "shard_file": lambda v: isinstance(v, str), "shuffle": lambda v: type(v) is bool}
+_LOADER_REQUIRED = ("version", "epoch", "shard", "sample")  # the position itself; the rest is compared if there
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A run directory (its `latest`), a step directory or a model file -> the model file to load."""
     path = Path(path)
@@ -392,11 +420,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"(model.bin or model.safetensors)")
 
 
+def check_finite(path: str | Path, params: np.ndarray) -> None:
+    """Refuses weights holding NaN or inf (a diverged run's, or a damaged file): they would only sample
+    garbage, evaluate to nan and train nowhere."""
+    bad = int(np.size(params) - np.count_nonzero(np.isfinite(params)))
+    if bad:
+        raise CheckpointError(f"{path}: {bad:,} of {np.size(params):,} weights are NaN or inf (a diverged or damaged "
+                              "checkpoint); llmc will not use them")
+
+
 def read_run_checkpoint(path: str | Path) -> tuple[ModelConfig, np.ndarray, dict[str, np.ndarray], dict]:
     """(config, float32 params, optimizer arrays, state) of a run directory's latest (or a step directory)."""
     model_path = resolve_checkpoint(path)
     step_dir = model_path.parent
-    cfg, params = read_model_file(model_path)
+    try:
+        cfg, params = read_model_file(model_path)
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or model_path}: cannot read it ({e.strerror or e})") from None
+    check_finite(model_path, params)
     state_path, opt_path = step_dir / "state.json", step_dir / "optimizer.npz"
     for p in (state_path, opt_path):
         if not p.is_file():
@@ -425,6 +466,13 @@ def read_run_state(state_path: str | Path) -> dict:
                                   "not an llmc run state?)")
     if state["step"] < 0:
         raise CheckpointError(f"{state_path}: negative step {state['step']}")
+    for key, ok, want in _STATE_FIELDS:
+        if key in state and not ok(state[key]):
+            raise CheckpointError(f"{state_path}: '{key}' must be {want} (got {state[key]!r:.80})")
+    for key, ok in _LOADER_FIELDS.items():
+        if (key in _LOADER_REQUIRED or key in state["dataloader"]) and not ok(state["dataloader"].get(key)):
+            raise CheckpointError(f"{state_path}: dataloader '{key}' is {state['dataloader'].get(key, 'missing')!r:.80}, "
+                                  "not what the data loader wrote (a damaged run state)")
     return state
 
 

@@ -65,6 +65,8 @@ class _Main(click.Group):
             fail(missing_package_message(e))
         except MemoryError as e:
             fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
+        except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops gracefully on its own)
+            fail("interrupted", code=130)
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .kernels import FLOAT32, INT32, Backend
-from .model import Model, split_flat
+from .model import Model, check_config_fields, split_flat
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class GPT2Config:
         return (self.vocab_size + 127) // 128 * 128
 
     def validate(self) -> None:
+        check_config_fields(self)
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) <= 0:
             raise ValueError(f"model shape must be positive: {self}")
         if self.n_embd % self.n_head:

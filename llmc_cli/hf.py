@@ -94,6 +94,16 @@ def read_config_json(path: str | Path) -> dict:
 
 
 HF_MODEL_TYPES = ("gpt2", "llama")
+GPT2_HF_KEYS = {"block_size": "n_positions"}  # llmc's config field -> config.json's key, where they differ
+
+
+def hf_field_names(e: Exception, keys: dict[str, str]) -> str:
+    """A config error in config.json's own words: "n_positions must be ..." rather than llmc's "block_size"."""
+    msg = str(e)
+    for ours, theirs in keys.items():
+        if msg.startswith(ours + " "):
+            return theirs + msg[len(ours):]
+    return msg
 
 
 def hf_model_type(path: str | Path) -> str:
@@ -161,11 +171,13 @@ def read_hf_config(path: str | Path) -> GPT2Config:
     if c.get("model_type") != "gpt2":
         raise ckpt.CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a GPT-2 (gpt2)")
     try:
-        cfg = GPT2Config(block_size=int(c["n_positions"]), vocab_size=int(c["vocab_size"]),
-                         n_layer=int(c["n_layer"]), n_head=int(c["n_head"]), n_embd=int(c["n_embd"]))
-        cfg.validate()
-    except (KeyError, TypeError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: bad GPT-2 config ({e})") from None
+        cfg = GPT2Config(block_size=c["n_positions"], vocab_size=c["vocab_size"], n_layer=c["n_layer"],
+                         n_head=c["n_head"], n_embd=c["n_embd"])
+        cfg.validate()  # the fields' JSON types too: "12" or true is not a layer count
+    except KeyError as e:
+        raise ckpt.CheckpointError(f"{path}/config.json: bad GPT-2 config (no field {e})") from None
+    except (TypeError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}/config.json: bad GPT-2 config ({hf_field_names(e, GPT2_HF_KEYS)})") from None
     inner = c.get("n_inner")
     if inner not in (None, 4 * cfg.n_embd):
         raise ckpt.CheckpointError(f"{path}: n_inner {inner} is not 4*n_embd, which llm.c's GPT-2 requires")
@@ -214,12 +226,18 @@ def load_model_any(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]
     path = Path(path)
     if not path.exists():
         raise ckpt.CheckpointError(f"{path}: no such file or directory")
-    if is_hf_dir(path):
-        importer, _ = _hf_readers(path)
-        cfg, params = importer(path)
-        return cfg, params, "hf"
-    cfg, params = ckpt.read_model_file(_resolve(path))
-    return cfg, params, ("llmc" if path.is_file() else "run")
+    try:
+        if is_hf_dir(path):
+            importer, _ = _hf_readers(path)
+            cfg, params = importer(path)
+            kind = "hf"
+        else:
+            cfg, params = ckpt.read_model_file(_resolve(path))
+            kind = "llmc" if path.is_file() else "run"
+    except OSError as e:  # no permission, a directory where a file belongs, an I/O error
+        raise ckpt.CheckpointError(f"{e.filename or path}: cannot read it ({e.strerror or e})") from None
+    ckpt.check_finite(path, params)
+    return cfg, params, kind
 
 
 def load_config_any(path: str | Path) -> ckpt.ModelConfig:

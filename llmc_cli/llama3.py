@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .kernels import FLOAT32, INT32, Backend
-from .model import Model, Tensors, split_flat
+from .model import Model, Tensors, check_config_fields, split_flat
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class Llama3Config:
         return self.vocab_size  # 128256 is already a multiple of 128; no padding row semantics needed
 
     def validate(self) -> None:
+        check_config_fields(self)
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_kv_head, self.n_embd) <= 0:
             raise ValueError(f"model shape must be positive: {self}")
         if self.n_embd % self.n_head:

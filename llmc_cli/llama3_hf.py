@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoint as ckpt
-from .hf import LLMC_TOKENIZER_KEY, read_config_json, read_hf_tensors, write_hf_weights
+from .hf import LLMC_TOKENIZER_KEY, hf_field_names, read_config_json, read_hf_tensors, write_hf_weights
 from .llama3 import Llama3Config, num_parameters, parameter_shapes
 from .model import split_flat
 
@@ -37,6 +37,13 @@ def hf_config(cfg: Llama3Config, dtype: str = "float32", tokenizer: str = "llama
     } | ({LLMC_TOKENIZER_KEY: "gpt2", "bos_token_id": 50256, "eos_token_id": 50256} if tokenizer == "gpt2" else {})
 
 
+HF_KEYS = {"block_size": "max_position_embeddings", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+           "n_kv_head": "num_key_value_heads", "n_embd": "hidden_size", "norm_eps": "rms_norm_eps",
+           "rope_scaling": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+           "rope_high_freq_factor": "rope_scaling.high_freq_factor", "tie_embeddings": "tie_word_embeddings",
+           "rope_original_context": "rope_scaling.original_max_position_embeddings"}
+
+
 def read_hf_config(path: str | Path) -> Llama3Config:
     path = Path(path)
     c = read_config_json(path)
@@ -44,25 +51,29 @@ def read_hf_config(path: str | Path) -> Llama3Config:
         raise ckpt.CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a Llama "
                                    f"(llama)")
     try:
-        C, NH = int(c["hidden_size"]), int(c["num_attention_heads"])
+        C, NH = c["hidden_size"], c["num_attention_heads"]
         scaling = c.get("rope_scaling") or None
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ValueError(f"rope_scaling must be an object (got {scaling!r})")
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
             raise ValueError(f"rope_scaling type {scaling.get('rope_type')!r} (only llama3 scaling is supported)")
-        if int(c.get("head_dim", C // NH)) != C // NH:
-            raise ValueError("head_dim must be hidden_size / num_attention_heads")
-        cfg = Llama3Config(
-            block_size=int(c.get("max_position_embeddings", 8192)), vocab_size=int(c["vocab_size"]),
-            n_layer=int(c["num_hidden_layers"]), n_head=NH, n_kv_head=int(c.get("num_key_value_heads", NH)),
-            n_embd=C, norm_eps=float(c.get("rms_norm_eps", 1e-5)), rope_theta=float(c.get("rope_theta", 10000.0)),
-            rope_scaling=None if scaling is None else float(scaling["factor"]),
-            rope_low_freq_factor=float((scaling or {}).get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float((scaling or {}).get("high_freq_factor", 4.0)),
-            rope_original_context=int((scaling or {}).get("original_max_position_embeddings", 8192)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            intermediate_size=int(c["intermediate_size"]))
+        cfg = Llama3Config(  # the values as JSON typed them: validate() refuses "16", true or 1.5 for a count
+            block_size=c.get("max_position_embeddings", 8192), vocab_size=c["vocab_size"],
+            n_layer=c["num_hidden_layers"], n_head=NH, n_kv_head=c.get("num_key_value_heads", NH),
+            n_embd=C, norm_eps=c.get("rms_norm_eps", 1e-5), rope_theta=c.get("rope_theta", 10000.0),
+            rope_scaling=None if scaling is None else scaling["factor"],
+            rope_low_freq_factor=(scaling or {}).get("low_freq_factor", 1.0),
+            rope_high_freq_factor=(scaling or {}).get("high_freq_factor", 4.0),
+            rope_original_context=(scaling or {}).get("original_max_position_embeddings", 8192),
+            tie_embeddings=c.get("tie_word_embeddings", False),
+            intermediate_size=c["intermediate_size"])
         cfg.validate()
-    except (KeyError, TypeError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: bad Llama config ({e})") from None
+        if c.get("head_dim", cfg.head_dim) != cfg.head_dim:
+            raise ValueError("head_dim must be hidden_size / num_attention_heads")
+    except KeyError as e:
+        raise ckpt.CheckpointError(f"{path}/config.json: bad Llama config (no field {e})") from None
+    except (TypeError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{path}/config.json: bad Llama config ({hf_field_names(e, HF_KEYS)})") from None
     return cfg
 
 

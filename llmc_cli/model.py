@@ -8,6 +8,31 @@ import numpy as np
 from .kernels import Backend
 
 
+def check_config_fields(cfg) -> None:
+    """Every field of a model config (a dataclass) holds its annotated type, nothing merely convertible to it:
+    an int is an int (not True, "2" or 2.0) and positive; a float is a finite positive number; a bool is a bool.
+    Configs come from files (config.json, a safetensors header, state.json): a wrong type there must be
+    refused, not turned into a different model."""
+    import math
+    import typing
+    from dataclasses import fields
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        v, hint = getattr(cfg, f.name), hints[f.name]
+        args = set(typing.get_args(hint)) or {hint}
+        if v is None and type(None) in args:
+            continue
+        if bool in args:
+            ok = type(v) is bool
+        elif int in args and float not in args:
+            ok = type(v) is int and v > 0
+        else:  # a float (ints allowed, as JSON writes 10000.0 as 10000)
+            ok = type(v) in (int, float) and math.isfinite(v) and v > 0
+        if not ok:
+            want = {bool: "true or false", int: "a positive integer"}.get(hint, "a finite positive number")
+            raise ValueError(f"{f.name} must be {want} (got {v!r})")
+
+
 def split_flat(flat, shapes: list[tuple[str, tuple[int, ...]]]) -> dict:
     """Named views of a flat parameter vector (numpy array or torch tensor) laid out as `shapes` says."""
     out, off = {}, 0

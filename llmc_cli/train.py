@@ -164,8 +164,8 @@ class Trainer:
                 val = getattr(a, key, None)
                 if key in old_args and old_args[key] != val and not (val is None and key != "batch_size"):
                     opt = "--" + key.replace("_", "-")
-                    raise TrainError(f"--resume: {opt} is {val} but the run in {a.out} was trained with "
-                                     f"{old_args[key]} (give the same options, or start a new --out)")
+                    raise TrainError(f"--resume: {opt} is {val!r} but the run in {a.out} was trained with "
+                                     f"{old_args[key]!r} (give the same options, or start a new --out)")
         elif a.init:
             from .hf import load_model_any
             try:  # llm.c .bin, run directory, llmc Llama file or Hugging Face GPT-2 / Llama directory

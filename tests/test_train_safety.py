@@ -75,7 +75,7 @@ def test_python_api_refuses_what_the_command_line_refuses(shards):
                        (dict(optim=AdamWConfig(beta1=1.0)), "--beta1 must be a finite number in [0, 1)"),
                        (dict(lr_decay_frac=float("inf")), "--lr-decay-frac"),
                        (dict(total_batch_size=-256), "--total-batch-size must be positive"),
-                       (dict(n_layer=0), "model shape must be positive")):
+                       (dict(n_layer=0), "n_layer must be a positive integer")):
         with pytest.raises((TrainError, ValueError), match=None) as e:
             Trainer(TrainArgs(**(base | kw)), create_backend("cpu"), say=lambda s: None)
         assert expect in str(e.value), (kw, str(e.value))

@@ -1,0 +1,13 @@
+"""The `llmc` command's entry point. Importing the command line takes a moment (click, rich, numpy); a Ctrl-C
+then is one line and exit 130, as it is once a command runs (cli._Main)."""
+
+import sys
+
+
+def run() -> None:
+    try:
+        from .cli import main
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        sys.exit(130)
+    main()
