@@ -94,12 +94,43 @@ def _read_safetensors(p: Path):
     hf.read_safetensors(p)
 
 
+def _ranks_seed(_: Path) -> bytes:
+    import base64
+    toks = [bytes([i]) for i in range(256)] + [b"ab", b"abc"]
+    return b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(toks))
+
+
+def _read_llama_ranks(p: Path):
+    from llmc_cli import tokenizer as tk
+    tk._CACHE.clear()
+    tk.load_tokenizer("llama3", p).encode("abc abd")
+
+
+def _hf_config_seed(d: Path) -> bytes:
+    from llmc_cli import hf
+    out = d / "seed_hf"
+    hf.export_hf(out, GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4),
+                 init_parameters(GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4), 0))
+    return (out / "config.json").read_bytes()
+
+
+def _read_hf_config(p: Path):
+    """config.json as a Hugging Face GPT-2 or Llama directory holds it (read by model type)."""
+    from llmc_cli import hf
+    d = p.parent / f"{p.stem}_dir"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_bytes(p.read_bytes())
+    hf.load_config_any(d)
+
+
 TARGETS: dict[str, Target] = {
     "model_bin": Target(_model_seed, ckpt.read_model, (ckpt.CheckpointError,)),
     "shard": Target(_shard_seed, _read_shard, (DataError,)),
     "tokenizer_bin": Target(_tokenizer_seed, read_tokenizer_bin, (TokenizerError,)),
     "eval_file": Target(_eval_seed, read_evalfile, (DataError,)),
     "run_state_json": Target(_state_seed, ckpt.read_run_state, (ckpt.CheckpointError,), ".json", 0),
+    "llama3_ranks": Target(_ranks_seed, _read_llama_ranks, (TokenizerError,), ".model", 0),
+    "hf_config_json": Target(_hf_config_seed, _read_hf_config, (ckpt.CheckpointError,), ".json", 0),
     "optimizer_npz": Target(_opt_seed, lambda p: ckpt.read_optimizer_state(p, _OPT_N), (ckpt.CheckpointError,),
                             ".npz", 0),
 }
