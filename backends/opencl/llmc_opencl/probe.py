@@ -8,6 +8,7 @@ else ``~/.cache/llmc/opencl_probe.json``), so later starts pay nothing.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,9 @@ def _run(device) -> tuple[str, bool]:
         out = np.empty(_N, np.float32)
         buf = cl.Buffer(ctx, cl.mem_flags.WRITE_ONLY, out.nbytes)
         try:
-            prg = cl.Program(ctx, _SRC).build()
+            with warnings.catch_warnings():  # a driver's chatter about a 1-line kernel is no news to the user
+                warnings.simplefilter("ignore")
+                prg = cl.Program(ctx, _SRC).build()
         except Exception as e:  # noqa: BLE001  (pyopencl raises RuntimeError / ProgramBuildError / LogicError)
             return f"cannot build a kernel: {first_error_line(e)}", True
         prg.probe(queue, (_N,), None, buf)
