@@ -382,7 +382,7 @@ class Trainer:
         log = None
         lead = self.comm.rank == 0  # only rank 0 logs, validates, samples and writes checkpoints
         records = []
-        step, before = self.start_step, None
+        done, before = self.start_step, None  # steps completed; the data position when a step began
         try:
             if a.log and lead:
                 try:  # on resume, drop what the dead run logged past its checkpoint (and a torn last line)
@@ -390,6 +390,7 @@ class Trainer:
                 except LogError as e:
                     raise TrainError(str(e)) from None
             for step in range(self.start_step, a.steps + 1):
+                done = step
                 last = step == a.steps
                 rec = None
                 if lead and self.val_loader is not None and a.val_every > 0 and (step % a.val_every == 0 or last):
@@ -414,7 +415,7 @@ class Trainer:
                     break
                 before = self.train_loader.state()  # the data position a checkpoint of `step` records
                 rec = self.train_step(step)
-                before = None
+                before, done = None, step + 1
                 records.append(rec)
                 if log:
                     log.write(record_line(rec))
@@ -447,8 +448,9 @@ class Trainer:
                     break
         except TrainDiverged:
             raise
-        except Exception:
-            self._rescue(step, before)
+        except Exception as e:
+            if not isinstance(e, ckpt.CheckpointError):  # a checkpoint that failed would only fail again
+                self._rescue(done, before)
             raise
         finally:
             if log:
@@ -458,14 +460,14 @@ class Trainer:
                     pass
         return records
 
-    def _rescue(self, step: int, before: dict | None) -> None:
-        """After an error inside step `step` (0-based) but before its update, write the checkpoint of `step`
-        completed steps, with the data position from before the failed step. Alone only: under data parallel
-        the other ranks are not in the collective a checkpoint needs."""
-        if (not self.a.out or self.comm.world_size > 1 or self.updating or before is None
-                or step <= self.saved):
+    def _rescue(self, done: int, before: dict | None) -> None:
+        """After an error between two updates, write the checkpoint of the `done` completed steps: with the
+        data position from before a step that failed midway (`before`), else the loader's own. Not after an
+        error inside an update (the weights may be half-updated), and alone only: under data parallel the
+        other ranks are not in the collective a checkpoint needs."""
+        if not self.a.out or self.comm.world_size > 1 or self.updating or done <= self.saved:
             return
         try:
-            self.rescued = self.save(step, loader_state=before)
+            self.rescued = self.save(done, loader_state=before)
         except Exception as e:  # noqa: BLE001  (the first error is the one to raise; this one is reported beside it)
             self.rescue_error = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TINY, run
+from conftest import TINY, losses, run
 
 from llmc_cli import checkpoint as ckpt
 from llmc_cli.dataloader import write_shard
@@ -264,3 +264,27 @@ def test_out_inside_a_checkpoint_and_unreadable_eval_file(shards, tmp_path):
             ok=False)
     assert "cannot read the eval file" in one_line_error(r)
     assert tree(tmp_path) == before
+
+
+def test_an_error_between_steps_keeps_the_completed_steps(shards, tmp_path, monkeypatch):
+    """Validation failing at step 3 (a val shard that went bad): the 3 completed steps are checkpointed with
+    the loader's own position, and the run resumes from there to the same losses as one that never failed."""
+    from llmc_cli.dataloader import DataError
+    from llmc_cli.train import Trainer as T
+    real, calls = T.validate, {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise DataError("val.bin: a damaged shard")
+        return real(self)
+    monkeypatch.setattr(T, "validate", flaky)
+    args = [*TINY, "--data", shards / "*train*.bin", "--val-data", shards / "*val*.bin", "--val-every", 3,
+            "--steps", 6]
+    r = run(*args, "--out", tmp_path / "r", "--log", tmp_path / "r.jsonl", ok=False)
+    msg = one_line_error(r, mid_run=True)
+    assert "a damaged shard" in msg and "step_00000003 written (the last completed step)" in msg, msg
+    monkeypatch.undo()
+    run(*args, "--out", tmp_path / "r", "--log", tmp_path / "r.jsonl", "--resume")
+    run(*args, "--log", tmp_path / "ref.jsonl")
+    assert losses(tmp_path / "r.jsonl") == losses(tmp_path / "ref.jsonl")
