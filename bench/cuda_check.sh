@@ -7,13 +7,8 @@ OUT=${OUT:-$PWD/cuda_out}; mkdir -p "$OUT"
 MODE=${1:-all}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-# the repo's packages (engine, cpu reference, cuda backend; opencl if its deps are there)
-$PY -m pip install -q --no-deps --no-build-isolation --no-compile -e . -e backends/cpu -e backends/cuda 2>&1 | tail -2
+# carried wheels, then the repo's packages (engine, cpu reference, cuda backend)
+source bench/carried_wheels.sh
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import cupy, nvmath, cudnn; print('cupy', cupy.__version__, 'nvmath', nvmath.__version__, 'cudnn-frontend', cudnn.__version__, 'cudnn', cudnn.backend_version())"

@@ -9,13 +9,7 @@ set -u
 OUT=${OUT:-$PWD/trust_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-$PY -m pip install -q --no-deps --no-build-isolation --no-compile -e . -e backends/cpu -e backends/cuda \
-  -e backends/opencl 2>&1 | tail -2
+LLMC_PACKAGES="-e . -e backends/cpu -e backends/cuda -e backends/opencl" source bench/carried_wheels.sh
 mkdir -p /tmp/llmc_icd && echo libnvidia-opencl.so.1 > /tmp/llmc_icd/nvidia.icd
 export OCL_ICD_VENDORS=/tmp/llmc_icd
 rc=0

@@ -7,7 +7,6 @@ else ``~/.cache/llmc/opencl_probe.json``), so later starts pay nothing.
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
@@ -22,11 +21,7 @@ _SEEN: dict[str, str] = {}  # this process's verdicts: device key -> "" (usable)
 
 
 def cache_path() -> Path:
-    p = os.environ.get("LLMC_OPENCL_PROBE_CACHE")
-    if p:
-        return Path(p)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llmc" / "opencl_probe.json"
+    return tune.cache_file("LLMC_OPENCL_PROBE_CACHE", "opencl_probe.json")
 
 
 def device_key(platform, device) -> str:

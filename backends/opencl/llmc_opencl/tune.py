@@ -83,12 +83,17 @@ def candidates(device) -> list[dict]:
     return TILED + DIRECT[:1]
 
 
-def cache_path() -> Path:
-    p = os.environ.get("LLMC_OPENCL_TUNE_CACHE")
+def cache_file(env: str, name: str) -> Path:
+    """Where a per-device cache lives: $`env`, else $XDG_CACHE_HOME/llmc/`name`, else ~/.cache/llmc/`name`."""
+    p = os.environ.get(env)
     if p:
         return Path(p)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llmc" / "opencl_tune.json"
+    return Path(base) / "llmc" / name
+
+
+def cache_path() -> Path:
+    return cache_file("LLMC_OPENCL_TUNE_CACHE", "opencl_tune.json")
 
 
 def device_key(platform, device) -> str:
