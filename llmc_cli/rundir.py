@@ -33,17 +33,6 @@ def is_run_dir(path: str | Path) -> bool:
     return path.is_dir() and ((path / "latest").exists() or bool(step_dirs(path)))
 
 
-def enclosing_run(path: str | Path) -> Path | None:
-    """The run directory that `path` is, or lies inside (a step folder of it or anything below), else None."""
-    p = Path(os.path.abspath(path))
-    for d in (p, *p.parents):
-        if is_run_dir(d):
-            return d
-        if STEP_DIR.fullmatch(d.name) and is_run_dir(d.parent):
-            return d.parent
-    return None
-
-
 def step_folder_of(path: str | Path) -> Path | None:
     """The checkpoint folder (a run's `step_NNNNNNNN`) that `path` is or lies inside, else None: llmc writes
     nothing there but the checkpoint itself."""
