@@ -103,7 +103,10 @@ def _dev_label(pi, di, plat, dev) -> str:
 
 
 def list_devices() -> list[str]:
-    return [_dev_label(*d) for d in _all_devices()]
+    """Every device's label, those that run kernels first; the others say why they cannot."""
+    devs = [(d, _why_not(d)) for d in _all_devices()]
+    return ([_dev_label(*d) for d, why in devs if not why]
+            + [f"{_dev_label(*d)} -- unusable: {why}" for d, why in devs if why])
 
 
 def _is_gpu(dev) -> bool:
