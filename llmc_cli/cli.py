@@ -67,6 +67,8 @@ class _Main(click.Group):
             fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
         except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops gracefully on its own)
             fail("interrupted", code=130)
+        except OSError as e:  # a full disk, a read-only file system, no permission: the path and the reason
+            fail(one_line(e))
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

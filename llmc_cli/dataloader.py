@@ -99,11 +99,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             tmp.unlink()
-        except FileNotFoundError:
+        except OSError:  # never created (on a read-only file system unlink says so rather than ENOENT)
             pass
+        if isinstance(e, OSError) and e.errno is not None:  # name the file being written, not its temporary name
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     fsync_dir(path.parent)  # make the rename itself durable
 

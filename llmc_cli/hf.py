@@ -440,8 +440,8 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto", force: bool = Fals
             else:
                 _write_dir_atomically(d, lambda out: export_hf(out, cfg, params, bf16=bf16))
             what = "Hugging Face directory (config.json, model.safetensors)"
-    except OSError as e:
-        fail(f"DST: {e.filename or d}: {e.strerror or e}")
+    except OSError as e:  # (the file that failed may be a temporary one beside DST: DST is what the user named)
+        fail(f"DST: {d}: {e.strerror or e}")
     except ckpt.CheckpointError as e:
         fail(f"DST: {e}")
     console.print(f"{src} ({kind}, L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size}) -> "

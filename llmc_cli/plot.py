@@ -125,7 +125,10 @@ def save_png(fig, path: str | Path, dpi: int, option: str = "--out") -> Path:
         fig.savefig(tmp, dpi=dpi, format="png")
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
         raise PlotError(f"{option} {path}: cannot write it ({e.strerror or e})") from None
     return path
 

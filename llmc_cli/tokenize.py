@@ -673,8 +673,8 @@ TOKENS = _Tokens()
 
 
 def _friendly(fn):
-    """DataError -> one line ``error: ...`` on stderr and exit status 2 (as every llmc command answers bad
-    input); Ctrl-C -> a line saying how to resume, exit status 130."""
+    """DataError or OSError -> one line ``error: ...`` on stderr and exit status 2 (as every llmc command answers
+    bad input); Ctrl-C -> a line saying how to resume, exit status 130."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
@@ -684,6 +684,9 @@ def _friendly(fn):
             return fn(*a, **kw)
         except DataError as e:
             fail(str(e))
+        except OSError as e:  # disk full, read-only, no permission (finished shards stay; the command resumes)
+            where = e.filename or kw.get("out_dir") or kw.get("out") or "the output directory"
+            fail(f"{where}: {e.strerror or e}")
         except KeyboardInterrupt:
             fail("interrupted; run the same command again to resume after the last finished shard", code=130)
 

@@ -411,3 +411,19 @@ def test_never_replaces_a_file_that_is_not_its_own(tmp_path, monkeypatch):
     d = tmp_path / "ok"
     run(["text", tmp_path / "a.txt", "--name", "x", "--out-dir", d])
     run(["text", tmp_path / "a.txt", "--name", "x", "--out-dir", d, "--force"])  # llmc's own shards: replaced
+
+
+def test_disk_full_is_one_line(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from llmc_cli import dataloader
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(dataloader, "atomic_write_bytes", full)
+    (tmp_path / "a.txt").write_text("hello world. " * 200)
+    r = run(["text", tmp_path / "a.txt", "--name", "x", "--out-dir", tmp_path / "o"], ok=False)
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert line.startswith("error: ") and "No space left on device" in line and str(tmp_path / "o") in line, line
