@@ -420,12 +420,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"(model.bin or model.safetensors)")
 
 
-def check_finite(path: str | Path, params: np.ndarray) -> None:
+def check_finite(path: str | Path, params: np.ndarray, what: str = "weights") -> None:
     """Refuses weights holding NaN or inf (a diverged run's, or a damaged file): they would only sample
     garbage, evaluate to nan and train nowhere."""
     bad = int(np.size(params) - np.count_nonzero(np.isfinite(params)))
     if bad:
-        raise CheckpointError(f"{path}: {bad:,} of {np.size(params):,} weights are NaN or inf (a diverged or damaged "
+        raise CheckpointError(f"{path}: {bad:,} of {np.size(params):,} {what} are NaN or inf (a diverged or damaged "
                               "checkpoint); llmc will not use them")
 
 
@@ -495,4 +495,5 @@ def read_optimizer_state(opt_path: str | Path, n: int) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{opt_path}: '{k}' is {a.dtype}, expected float32")
         if a.size != n:
             raise CheckpointError(f"{opt_path}: '{k}' has {a.size} values, the model has {n} parameters")
+        check_finite(f"{opt_path} ('{k}')", a, "values")
     return opt

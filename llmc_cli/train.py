@@ -248,6 +248,7 @@ class Trainer:
                 raise TrainError(f"{a.out}: state.json has a damaged RNG / outlier state ({e})") from None
         self.sampler = None
         self.updating = False                 # inside the optimizer update of a step (see run's rescue)
+        self.saving = False                   # inside save() (a failed save is not retried as a rescue)
         self.saved = self.start_step          # the newest step whose checkpoint is on disk (start_step: none yet)
         self.rescued: Path | None = None      # the checkpoint written after an error stopped the run
         self.rescue_error: str | None = None  # why that checkpoint could not be written
@@ -346,14 +347,20 @@ class Trainer:
     def save(self, step: int, loader_state: dict | None = None) -> Path:
         """Checkpoint after `step` optimizer steps (`loader_state`: the data position then, when the loader has
         moved on since). Refuses non-finite weights or optimizer state: no checkpoint is ever garbage."""
+        self.saving = True
+        try:
+            return self._save(step, loader_state)
+        finally:
+            self.saving = False
+
+    def _save(self, step: int, loader_state: dict | None) -> Path:
         opt_state = self.opt.state_host()  # collective under ZeRO (gathers the whole state to rank 0)
         if self.comm.rank != 0:  # only rank 0 writes
             return Path(self.a.out) / ckpt.step_dir_name(step)
         params = self.model.parameters_host()
         bad = [name for name, arr in (("weights", params), *opt_state.items()) if not np.isfinite(arr).all()]
-        if bad:
-            raise TrainError(f"step {step}: the {' and '.join(bad)} hold NaN or inf, so no checkpoint was written"
-                             + self.last_good())
+        if bad:  # (the command line adds where the last good checkpoint is)
+            raise TrainError(f"step {step}: the {' and '.join(bad)} hold NaN or inf, so no checkpoint was written")
         state = {"step": step, "config": asdict(self.cfg), "rng": self.rng.bit_generator.state,
                  "dataloader": loader_state if loader_state is not None else self.train_loader.state(),
                  "dtype": self.backend.dtype, "backend": self.backend.name,
@@ -448,8 +455,8 @@ class Trainer:
                     break
         except TrainDiverged:
             raise
-        except Exception as e:
-            if not isinstance(e, ckpt.CheckpointError):  # a checkpoint that failed would only fail again
+        except Exception:
+            if not self.saving:  # a checkpoint that failed would only fail again
                 self._rescue(done, before)
             raise
         finally:

@@ -135,3 +135,18 @@ def test_ctrl_c_is_one_line_and_exit_130(shards, tmp_path):
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=60)[1].strip()
         assert p.returncode == 130 and err == "error: interrupted", err
+
+
+def test_nonfinite_optimizer_state_is_refused_on_resume(shards, tmp_path):
+    rd = tmp_path / "r"
+    args = [*TINY, "--data", shards / "*train*.bin", "--out", rd]
+    run(*args, "--steps", 1)
+    opt = rd / "step_00000001" / "optimizer.npz"
+    z = dict(np.load(opt))
+    z["v"][5] = np.inf
+    with open(opt, "wb") as f:
+        np.savez(f, **z)
+    before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
+    msg = one_line(run(*args, "--steps", 2, "--resume", ok=False))
+    assert "optimizer.npz ('v'): 1 of" in msg and "NaN or inf" in msg, msg
+    assert {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()} == before
