@@ -73,7 +73,6 @@ class Int(_Bounded):
 POSITIVE = Int(1)         # counts and sizes that cannot be zero: batch size, sequence length, dimensions
 COUNT = Int(0)            # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
-PROBABILITY = Real(0.0, 1.0)
 
 
 def usage_error_line(e: click.UsageError) -> str:
