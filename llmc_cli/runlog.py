@@ -56,8 +56,7 @@ def check_log(path: str | Path) -> None:
 
 def open_log(path: str | Path, resume_step: int | None) -> IO[str]:
     """The log opened for appending; on resume, first trimmed back to what the checkpoint at `resume_step`
-    had logged."""
-    check_log(path)
+    had logged. The caller has passed `path` through check_log (the Trainer does, as it starts)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if resume_step is not None:

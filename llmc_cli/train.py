@@ -391,11 +391,8 @@ class Trainer:
         records = []
         done, before = self.start_step, None  # steps completed; the data position when a step began
         try:
-            if a.log and lead:
-                try:  # on resume, drop what the dead run logged past its checkpoint (and a torn last line)
-                    log = open_log(a.log, self.start_step if a.resume else None)
-                except LogError as e:
-                    raise TrainError(str(e)) from None
+            if a.log and lead:  # (checked in __init__) on resume, drop what the dead run logged past its checkpoint
+                log = open_log(a.log, self.start_step if a.resume else None)
             for step in range(self.start_step, a.steps + 1):
                 done = step
                 last = step == a.steps
