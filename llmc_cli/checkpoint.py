@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .dataloader import atomic_write_bytes, fsync_dir
+from .dataloader import atomic_write_bytes, fsync_dir, replace_dir
 from .gpt2 import GPT2Config, num_parameters
 from . import llama3 as llama3_spec
 from .llama3 import Llama3Config
@@ -324,13 +324,7 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
         atomic_write_bytes(tmp / "state.json", [json.dumps(state, indent=1, sort_keys=True).encode()])
         fsync_dir(tmp)
         fault_delay("rename")
-        if final.exists():  # rewriting the same step: move the old one aside first, drop it after
-            old = run_dir / f".{final.name}.old-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        replace_dir(tmp, final)  # (rewriting the same step keeps the old one until the new one stands)
         fsync_dir(run_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not stay full of a half checkpoint

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob as _glob
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -108,6 +109,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     fsync_dir(path.parent)  # make the rename itself durable
+
+
+def replace_dir(tmp: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Put the finished directory `tmp` in `dst`'s place: a `dst` already there is moved aside first and dropped
+    only after the new one stands, so at every moment one complete version exists under `dst` or beside it."""
+    tmp, dst = Path(tmp), Path(dst)
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
 
 
 def check_replaceable(path: str | os.PathLike, magics: Sequence[int], what: str) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .checkpoint import ST_DTYPES, read_safetensors, read_safetensors_header, write_safetensors  # noqa: F401
+from .dataloader import replace_dir
 from .gpt2 import GPT2Config, num_parameters, parameter_shapes
 from .model import split_flat
 
@@ -360,13 +361,7 @@ def _write_dir_atomically(dst: Path, write) -> None:
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        replace_dir(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
