@@ -19,7 +19,7 @@ import numpy as np
 
 
 def bench_llmc(cfg, B, T, batches, steps, warmup):
-    from llmc_cli.gpt2 import GPT2, init_parameters
+    from llmc_cli.models.gpt2 import GPT2, init_parameters
     from llmc_cli.optim import AdamW, AdamWConfig
     from llmc_cli.registry import create_backend
     be = create_backend("cpu")
@@ -44,8 +44,8 @@ def bench_llmc(cfg, B, T, batches, steps, warmup):
 
 def bench_torch(cfg, B, T, batches, steps, warmup, threads):
     import torch
-    from llmc_cli.bench import build_torch_gpt2
-    from llmc_cli.gpt2 import init_parameters, parameter_shapes
+    from llmc_cli.commands.bench import build_torch_gpt2
+    from llmc_cli.models.gpt2 import init_parameters, parameter_shapes
     torch.set_num_threads(threads)
     # the same module `llmc bench --compare torch-eager` times, starting from llmc's own initial weights
     model = build_torch_gpt2(cfg, init_parameters(cfg, 0), parameter_shapes(cfg))
@@ -82,12 +82,12 @@ def main():
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--json", default=None, help="write the results to this file")
     a = ap.parse_args()
-    from llmc_cli.gpt2 import preset
+    from llmc_cli.models.gpt2 import preset
     cfg = preset(a.model)
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, cfg.vocab_size, (a.b, a.t)).astype(np.int32),
                 rng.integers(0, cfg.vocab_size, (a.b, a.t)).astype(np.int32)) for _ in range(4)]
-    from llmc_cli.gpt2 import num_parameters
+    from llmc_cli.models.gpt2 import num_parameters
     n_params = num_parameters(cfg)
     # 6 N per token for the weights plus attention's 12 L T C per token (PaLM's MFU accounting)
     flops = (6 * n_params + 12 * cfg.n_layer * a.t * cfg.n_embd) * a.b * a.t

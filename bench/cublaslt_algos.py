@@ -33,10 +33,10 @@ def main():
 
     import cupy as cp
     from llmc_cli import registry
-    from llmc_cli.dataloader import write_shard
+    from llmc_cli.data.loader import write_shard
     from llmc_cli.kernels import BFLOAT16, FLOAT32
     from llmc_cli.optim import AdamWConfig
-    from llmc_cli.train import TrainArgs, Trainer
+    from llmc_cli.training.trainer import TrainArgs, Trainer
 
     be = next(p for p in registry.discover() if p.name == "cuda").plugin.create(dtype="bfloat16")
     be.lt.candidates = o.candidates

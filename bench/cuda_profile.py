@@ -49,9 +49,9 @@ def main():
 
     import cupy as cp
     from llmc_cli import registry
-    from llmc_cli.dataloader import write_shard
+    from llmc_cli.data.loader import write_shard
     from llmc_cli.optim import AdamWConfig
-    from llmc_cli.train import TrainArgs, Trainer
+    from llmc_cli.training.trainer import TrainArgs, Trainer
 
     def used(tag):
         free, total = cp.cuda.runtime.memGetInfo()
@@ -69,7 +69,7 @@ def main():
     args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, recompute=o.recompute,
                      steps=o.steps + o.warmup + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
     if o.classifier_chunks is not None:  # the engine plans chunks by auto_classifier_chunks; override it here
-        from llmc_cli import gpt2
+        from llmc_cli.models import gpt2
         gpt2.auto_classifier_chunks = lambda *a, **k: o.classifier_chunks
     tr = Trainer(args, be, say=print)
     print(f"classifier chunks: {tr.model.chunks}, logits buffer {tuple(tr.model.acts['logits'].shape)}")

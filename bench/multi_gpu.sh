@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-GPU check on the GPU machine (issue 7): NCCL collectives through llmc_cli.comm, then GPT-2 d12
+# Multi-GPU check on the GPU machine (issue 7): NCCL collectives through llmc_cli.parallel.comm, then GPT-2 d12
 # (B=64 per GPU, T=1024, bf16, ZeRO-1) on 1 GPU and on N GPUs with `llmc train --gpus N`.
 #   bash bench/multi_gpu.sh [N=2] [STEPS=30]     (logs under $OUT or ./multi_gpu_out)
 set -u
@@ -19,7 +19,7 @@ $PY bench/nccl_check.py "$N" 2>&1 | tee "$OUT/nccl_check.log"
 mkdir -p /tmp/llmc_data
 $PY - <<'PYEOF'
 import numpy as np
-from llmc_cli.dataloader import write_shard
+from llmc_cli.data.loader import write_shard
 rng = np.random.default_rng(0)
 write_shard("/tmp/llmc_data/synth_train_000.bin", rng.integers(0, 50257, 20_000_000).astype(np.uint16))
 PYEOF

@@ -1,4 +1,4 @@
-"""NCCL through llmc_cli.comm on N GPUs: correctness of every collective (fp32 and bf16) and all-reduce bandwidth.
+"""NCCL through llmc_cli.parallel.comm on N GPUs: correctness of every collective (fp32 and bf16) and all-reduce bandwidth.
     python bench/nccl_check.py N        (starts N ranks itself, one per GPU, like `llmc train --gpus N`)"""
 import os
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 
 
 def child():
-    from llmc_cli import comm as C
+    from llmc_cli.parallel import comm as C
     from llmc_cli.registry import create_backend
     be = create_backend("cuda", dtype="bfloat16")
     c = C.create(be)
@@ -66,7 +66,7 @@ def child():
 if __name__ == "__main__":
     if os.environ.get("LLMC_RANK") is not None:
         child()
-    from llmc_cli.launch import supervise
+    from llmc_cli.parallel.launch import supervise
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     d = Path(tempfile.mkdtemp(prefix="nccl-check-"))
     envs = [dict(os.environ, LLMC_RANK=str(r), LLMC_WORLD_SIZE=str(n), LLMC_LOCAL_RANK=str(r),

@@ -30,7 +30,7 @@ def loadavg() -> str:
 
 class Runner:
     def __init__(self, backend: str, cfg, B, T, device=None):
-        from llmc_cli.gpt2 import GPT2, init_parameters
+        from llmc_cli.models.gpt2 import GPT2, init_parameters
         from llmc_cli.optim import AdamW, AdamWConfig
         from llmc_cli.registry import create_backend
         self.be = create_backend(backend, device=device) if device else create_backend(backend)
@@ -95,7 +95,7 @@ def main():
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
-    from llmc_cli.gpt2 import preset
+    from llmc_cli.models.gpt2 import preset
     cfg = preset(a.model)
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, cfg.vocab_size, (a.b, a.t)).astype(np.int32),

@@ -1,4 +1,4 @@
 """`python -m llmc_cli ...` is the `llmc` command (the launcher starts ranks this way)."""
-from .entry import run
+from llmc_cli.entry import run
 
 run()

@@ -6,7 +6,7 @@ import sys
 
 def run() -> None:
     try:
-        from .cli import main
+        from llmc_cli.commands import main
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)

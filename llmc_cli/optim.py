@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels import BFLOAT16, FLOAT32, Backend
+from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend
 
 
 @dataclass

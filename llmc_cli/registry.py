@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from .kernels import Backend, BackendPlugin, BackendUnavailable
+from llmc_cli.kernels import Backend, BackendPlugin, BackendUnavailable
 
 GROUP = "llmc.backends"
 

@@ -14,10 +14,10 @@ from typing import Callable
 import numpy as np
 from hypothesis import strategies as st
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.dataloader import DataError, DataLoader, read_evalfile, read_shard, write_evalfile
-from llmc_cli.gpt2 import GPT2Config, init_parameters
-from llmc_cli.tokenizer import TokenizerError, read_tokenizer_bin
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import DataError, DataLoader, read_evalfile, read_shard, write_evalfile
+from llmc_cli.models.gpt2 import GPT2Config, init_parameters
+from llmc_cli.data.tokenizer import TokenizerError, read_tokenizer_bin
 
 HEADER = 256 * 4
 
@@ -75,7 +75,7 @@ def _opt_seed(_: Path) -> bytes:
 
 
 def _safetensors_seed(d: Path) -> bytes:
-    from llmc_cli import hf
+    from llmc_cli.formats import hf
     p = d / "seed.safetensors"
     hf.write_safetensors(p, {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)})
     return p.read_bytes()
@@ -90,7 +90,7 @@ def _read_shard(p: Path):
 
 
 def _read_safetensors(p: Path):
-    from llmc_cli import hf
+    from llmc_cli.formats import hf
     hf.read_safetensors(p)
 
 
@@ -101,13 +101,13 @@ def _ranks_seed(_: Path) -> bytes:
 
 
 def _read_llama_ranks(p: Path):
-    from llmc_cli import tokenizer as tk
+    from llmc_cli.data import tokenizer as tk
     tk._CACHE.clear()
     tk.load_tokenizer("llama3", p).encode("abc abd")
 
 
 def _hf_config_seed(d: Path) -> bytes:
-    from llmc_cli import hf
+    from llmc_cli.formats import hf
     out = d / "seed_hf"
     hf.export_hf(out, GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4),
                  init_parameters(GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4), 0))
@@ -116,7 +116,7 @@ def _hf_config_seed(d: Path) -> bytes:
 
 def _read_hf_config(p: Path):
     """config.json as a Hugging Face GPT-2 or Llama directory holds it (read by model type)."""
-    from llmc_cli import hf
+    from llmc_cli.formats import hf
     d = p.parent / f"{p.stem}_dir"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_bytes(p.read_bytes())
@@ -135,7 +135,7 @@ TARGETS: dict[str, Target] = {
                             ".npz", 0),
 }
 try:
-    import llmc_cli.hf  # noqa: F401  (Hugging Face interop, where installed)
+    import llmc_cli.formats.hf
     TARGETS["safetensors"] = Target(_safetensors_seed, _read_safetensors, (ckpt.CheckpointError,), ".safetensors", 0)
 except ImportError:
     pass

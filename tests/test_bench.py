@@ -12,9 +12,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import make_backend
 
-from llmc_cli import bench, registry
-from llmc_cli.cli import main
-from llmc_cli.gpt2 import preset
+from llmc_cli.commands import bench
+from llmc_cli import registry
+from llmc_cli.commands import main
+from llmc_cli.models.gpt2 import preset
 from llmc_cli.kernels import BackendPlugin
 
 TINY = ["--model", "d2", "--n-embd", "64", "-b", "2", "-t", "16"]
@@ -154,7 +155,7 @@ def test_train_cpu_opencl_and_torch():
 
 
 def test_cli_train_json(tmp_path):
-    from llmc_cli.dataloader import write_shard
+    from llmc_cli.data.loader import write_shard
     data = write_shard(tmp_path / "d_train_000000.bin", np.arange(2000) % 50257)
     r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", *TINY, "--steps", "1", "--warmup", "0",
                                   "--data", str(data), "--json"])
@@ -167,7 +168,7 @@ def test_cli_train_json(tmp_path):
 # ---- Llama 3 kernels, attention_decode, and backends that hold inputs in another dtype ------------------------
 @pytest.mark.opencl
 def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
-    from llmc_cli.llama3 import preset as llama_preset
+    from llmc_cli.models.llama3 import preset as llama_preset
     cfg = llama_preset("llama3-tiny", vocab_size=300)
     names = {c.name for c in bench.kernel_cases(cfg, 2, 16)}
     assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd",

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import TINY, losses, rewind_run, run
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.dataloader import write_shard
-from llmc_cli.gpt2 import GPT2Config, init_parameters, num_parameters
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import write_shard
+from llmc_cli.models.gpt2 import GPT2Config, init_parameters, num_parameters
 
 
 def test_train_resume_is_bit_exact(shards, tmp_path):
@@ -159,7 +159,7 @@ def test_backends_and_help():
 
 
 def test_console_script_installed():
-    out = subprocess.run([sys.executable, "-m", "llmc_cli.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "llmc_cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and "llmc" in out.stdout
 
 

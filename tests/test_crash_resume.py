@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from conftest import phrase_tokens
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.dataloader import write_shard
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import write_shard
 
 TRIALS = int(os.environ.get("LLMC_KILL_TRIALS", "20"))
-BASE = [sys.executable, "-m", "llmc_cli.cli", "train", "--backend", "cpu", "--model", "d2", "--n-embd", "64",
+BASE = [sys.executable, "-m", "llmc_cli", "train", "--backend", "cpu", "--model", "d2", "--n-embd", "64",
         "-b", "2", "-t", "32", "--val-every", "0", "--sample-every", "0", "--lr", "1e-3", "--shuffle",
         "--weight-decay", "0.1"]
 STEPS = 100000  # never reached: every run here is stopped by a signal
@@ -188,7 +188,7 @@ def test_signal_stops_with_checkpoint_and_resume_command(sig, shard, tmp_path):
     assert 1 <= state["step"] < steps
     # the printed command, run as printed, finishes the run; every step is logged once
     argv = shlex.split(cmd)
-    r = subprocess.run([sys.executable, "-m", "llmc_cli.cli", *argv[1:]], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "llmc_cli", *argv[1:]], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed from {run_dir} at step {state['step']}" in r.stdout

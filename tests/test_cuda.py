@@ -386,7 +386,7 @@ def test_backward_kernels_bit_identical(dtype):
 # whole tiny GPT-2 vs the CPU backend
 
 def _train(backend, steps=10):
-    from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters
+    from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters
     from llmc_cli.optim import AdamW, AdamWConfig
     cfg = GPT2Config(block_size=64, vocab_size=250, n_layer=2, n_head=4, n_embd=64)
     B, T = 4, 32

@@ -6,8 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from llmc_cli.dataloader import (DataError, DataLoader, ValLoader, read_evalfile, read_shard,
-                                 read_shard_header, write_evalfile, write_shard)
+from llmc_cli.data.loader import DataError, DataLoader, ValLoader, read_evalfile, read_shard, read_shard_header, write_evalfile, write_shard
 
 
 def llmc_shard_bytes(tokens, magic=20240520, version=1, dtype="<u2") -> bytes:

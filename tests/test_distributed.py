@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import losses, phrase_tokens, rewind_run
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli import comm as comm_mod
-from llmc_cli.dataloader import write_shard
-from llmc_cli.distributed import reshard_loader_state
-from llmc_cli.launch import find_mpiexec, supervise
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.parallel import comm as comm_mod
+from llmc_cli.data.loader import write_shard
+from llmc_cli.parallel.zero import reshard_loader_state
+from llmc_cli.parallel.launch import find_mpiexec, supervise
 
 try:
     import mpi4py  # noqa: F401

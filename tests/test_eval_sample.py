@@ -11,12 +11,12 @@ import torch
 import torch_gpt2
 from conftest import run
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.dataloader import write_evalfile, write_shard
-from llmc_cli.evaluate import HellaSwag, render_example
-from llmc_cli.generate import KVDecoder
-from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters
-from llmc_cli.sample import choose_token, generate
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import write_evalfile, write_shard
+from llmc_cli.evals.evaluate import HellaSwag, render_example
+from llmc_cli.inference.decode import KVDecoder
+from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters
+from llmc_cli.inference.sampling import choose_token, generate
 
 SMALL = GPT2Config(block_size=40, vocab_size=97, n_layer=2, n_head=4, n_embd=32)
 
@@ -252,8 +252,8 @@ def test_eval_averages_every_batch_of_every_shard_by_default(tmp_path):
 def eot_model(cfg: GPT2Config, eot: int) -> np.ndarray:
     """A GPT-2 that always predicts `eot`: the final layernorm outputs its bias (weight 0), which is eot's
     embedding row (the only non-zero row of the tied wte)."""
-    from llmc_cli.gpt2 import parameter_shapes
-    from llmc_cli.model import split_flat
+    from llmc_cli.models.gpt2 import parameter_shapes
+    from llmc_cli.models.base import split_flat
     p = init_parameters(cfg, 0)
     t = split_flat(p, parameter_shapes(cfg))  # views into p
     t["wte"][:] = 0
@@ -289,7 +289,7 @@ def test_sample_command_streams_token_by_token(tmp_path, monkeypatch):
     """Text reaches stdout while tokens are still being generated, not after the sample is complete."""
     import click
 
-    import llmc_cli.sample as sample_mod
+    import llmc_cli.inference.sampling as sample_mod
     cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
     ckpt.write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
     events = []

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from conftest import TINY, rewind_run, run
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.dataloader import write_evalfile, write_shard
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import write_evalfile, write_shard
 from llmc_cli.registry import create_backend, discover
-from llmc_cli.reliability import OutlierDetector
-from llmc_cli.train import TrainArgs, TrainDiverged, Trainer
+from llmc_cli.training.guard import OutlierDetector
+from llmc_cli.training.trainer import TrainArgs, TrainDiverged, Trainer
 
 
 def records(log):
@@ -227,7 +227,7 @@ def test_bad_input_one_line(case, shards, tmp_path, monkeypatch):
         args[args.index(data)] = bad
         expect = "unsupported shard version 3"
     elif case in ("model_version", "model_truncated", "init_magic"):
-        from llmc_cli.gpt2 import GPT2Config, init_parameters
+        from llmc_cli.models.gpt2 import GPT2Config, init_parameters
         cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=32)
         m = work / "m.bin"
         ckpt.write_model(m, cfg, init_parameters(cfg, 0))
@@ -262,7 +262,7 @@ def test_bad_input_one_line(case, shards, tmp_path, monkeypatch):
         args[args.index("cpu")] = "opencl"
         expect = "pip install 'pyopencl[pocl]'"
     elif case == "missing_package":
-        from llmc_cli import train as train_mod
+        from llmc_cli.training import trainer as train_mod
 
         def boom(*a, **k):
             raise ModuleNotFoundError("No module named 'safetensors'", name="safetensors")

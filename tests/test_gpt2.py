@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is the test oracle: pip install torch==2.13.0")
 
-from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters, num_parameters, parameter_shapes, preset  # noqa: E402
+from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters, num_parameters, parameter_shapes, preset  # noqa: E402
 from llmc_cli.optim import AdamW, AdamWConfig, lr_at  # noqa: E402
 from torch_gpt2 import forward as torch_forward  # noqa: E402
 from torch_gpt2 import train_losses  # noqa: E402
@@ -223,8 +223,8 @@ def test_chunked_classifier_matches_whole_batch(backend, chunks):
 def test_classifier_chunk_plan():
     """d12 at B=64, T=1024 in bf16: 16 chunks of 4 sequences (a 393 MiB logits buffer instead of 6.1 GiB, with
     dfch inside it and dqkv sharing dfch's memory), and the --dry-run plan counts what the model allocates."""
-    from llmc_cli.gpt2 import auto_classifier_chunks, in_logits
-    from llmc_cli.models import memory_plan
+    from llmc_cli.models.gpt2 import auto_classifier_chunks, in_logits
+    from llmc_cli.models.families import memory_plan
     cfg = preset("d12")
     assert auto_classifier_chunks(cfg, 64, 1024, True, 2) == 16
     assert auto_classifier_chunks(cfg, 64, 1024, True, 4) == 16
@@ -250,7 +250,7 @@ def test_scratch_partners_share_memory(backend):
 
 def test_dry_run_plan_matches_allocation(backend):
     """memory_plan (what --dry-run prints) is what the model and the optimizer allocate, chunks included."""
-    from llmc_cli.models import memory_plan
+    from llmc_cli.models.families import memory_plan
     cfg, B, T = TINY, 4, 8
     for recompute in ("none", "layernorm"):
         before = dict(backend.memory_report().by_tag)

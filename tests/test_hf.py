@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from conftest import run
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli import hf
-from llmc_cli.gpt2 import GPT2, GPT2Config, init_parameters
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats import hf
+from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters
 
 CFG = GPT2Config(block_size=24, vocab_size=150, n_layer=2, n_head=4, n_embd=32)
 
@@ -202,7 +202,7 @@ def test_convert_into_run_directory_every_direction(tmp_path):
         assert (tmp_path / f"{d}.bin").read_bytes() == (tmp_path / "a.bin").read_bytes()
     run("convert", tmp_path / "run_h", tmp_path / "hf2")
     assert np.array_equal(hf.import_hf(tmp_path / "hf2")[1], p)
-    from llmc_cli.dataloader import write_shard
+    from llmc_cli.data.loader import write_shard
     write_shard(tmp_path / "v_val_000000.bin", np.arange(300) % CFG.vocab_size)
     losses = {json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / src, "--data",
                              tmp_path / "v_val_*.bin", "-t", 16, "--json").stdout)["loss"]
@@ -217,7 +217,7 @@ def test_convert_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     import errno
     import os
 
-    from llmc_cli.dataloader import write_shard
+    from llmc_cli.data.loader import write_shard
     p = params(seed=5)
     src = tmp_path / "a.bin"
     ckpt.write_model(src, CFG, p)
@@ -246,7 +246,7 @@ def test_convert_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     refused(src, tmp_path / "hf", "--force", expect="is not an llmc model file or Hugging Face model directory")
     (tmp_path / "hf" / "README.md").unlink()
     # a disk that fills up while the new directory is written leaves the old one as it was, and no temp folder
-    from llmc_cli import checkpoint
+    from llmc_cli.formats import checkpoint
 
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is the test oracle: pip install torch==2.13.0")
 
-from llmc_cli import llama3  # noqa: E402
-from llmc_cli.llama3 import Llama3, Llama3Config, init_parameters, num_parameters, parameter_shapes  # noqa: E402
+from llmc_cli.models import llama3  # noqa: E402
+from llmc_cli.models.llama3 import Llama3, Llama3Config, init_parameters, num_parameters, parameter_shapes  # noqa: E402
 from llmc_cli.optim import AdamW, AdamWConfig  # noqa: E402
 from torch_llama3 import forward as torch_forward  # noqa: E402
 

@@ -13,12 +13,12 @@ import pytest
 from conftest import losses, phrase_tokens, rewind_run, run
 from test_llama3_hf import CONFIG, hf_tensors, write_hf_dir
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.dataloader import write_evalfile, write_shard
-from llmc_cli.generate import LlamaKVDecoder
-from llmc_cli.llama3 import Llama3, Llama3Config, init_parameters, parameter_shapes
-from llmc_cli.model import split_flat
-from llmc_cli.sample import generate
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import write_evalfile, write_shard
+from llmc_cli.inference.decode import LlamaKVDecoder
+from llmc_cli.models.llama3 import Llama3, Llama3Config, init_parameters, parameter_shapes
+from llmc_cli.models.base import split_flat
+from llmc_cli.inference.sampling import generate
 
 TRAIN = ["train", "--backend", "cpu", "--model", "llama3-tiny", "-b", 2, "-t", 16, "--val-every", 0,
          "--sample-every", 0]

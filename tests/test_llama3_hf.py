@@ -9,9 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is the test oracle: pip install torch==2.13.0")
 
-from llmc_cli import checkpoint as ckpt  # noqa: E402
-from llmc_cli.llama3 import Llama3  # noqa: E402
-from llmc_cli.llama3_hf import export_hf, import_hf, read_hf_tensors  # noqa: E402
+from llmc_cli.formats import checkpoint as ckpt  # noqa: E402
+from llmc_cli.models.llama3 import Llama3  # noqa: E402
+from llmc_cli.formats.hf_llama3 import export_hf, import_hf
+from llmc_cli.formats.hf import read_hf_tensors  # noqa: E402
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 64,
           "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -69,7 +70,7 @@ def hf_reference_logits(t, c, idx, cfg):
     B, S = idx.shape
     NH, NKV, C = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"]
     hd = C // NH
-    from llmc_cli.llama3 import rope_frequencies
+    from llmc_cli.models.llama3 import rope_frequencies
     inv = torch.tensor(rope_frequencies(cfg))  # Llama 3.1 scaling, checked against Meta's loop elsewhere
     ang = torch.outer(torch.arange(S, dtype=torch.float64), inv)
     emb = torch.cat([ang, ang], dim=-1)

@@ -353,7 +353,7 @@ def test_a_device_whose_compiler_fails_is_unusable_with_the_compilers_line(broke
     from click.testing import CliRunner
 
     from llmc_cli import registry
-    from llmc_cli.cli import main
+    from llmc_cli.commands import main
     ok, reason = llmc_opencl.OpenCLPlugin().probe()
     if "no OpenCL device" in reason or "platform" in reason.lower():
         pytest.skip(f"no OpenCL device to fake a compiler failure on: {reason}")

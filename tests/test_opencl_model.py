@@ -9,7 +9,7 @@ import pytest
 from llmc_cli import registry
 from llmc_cli.kernels import BackendUnavailable
 
-gpt2 = pytest.importorskip("llmc_cli.gpt2")
+gpt2 = pytest.importorskip("llmc_cli.models.gpt2")
 optim = pytest.importorskip("llmc_cli.optim")
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from llmc_cli import plot as plotmod
-from llmc_cli.cli import main
+from llmc_cli.commands import plot as plotmod
+from llmc_cli.commands import main
 
 pytest.importorskip("matplotlib")
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import TINY, run
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.gpt2 import GPT2Config, init_parameters
-from llmc_cli.llama3 import Llama3Config
-from llmc_cli.llama3 import init_parameters as llama_init
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.models.gpt2 import GPT2Config, init_parameters
+from llmc_cli.models.llama3 import Llama3Config
+from llmc_cli.models.llama3 import init_parameters as llama_init
 
 GPT2_CFG = GPT2Config(block_size=32, vocab_size=300, n_layer=1, n_head=2, n_embd=16)
 LLAMA_CFG = Llama3Config(block_size=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, multiple_of=16,
@@ -69,7 +69,7 @@ def test_config_json_field_types(hf_dirs, tmp_path, family, field, value):
 
 
 def test_llmc_llama_metadata_field_types(tmp_path):
-    from llmc_cli.checkpoint import write_safetensors
+    from llmc_cli.formats.checkpoint import write_safetensors
     params = llama_init(LLAMA_CFG, 0)
     good = tmp_path / "good.safetensors"
     ckpt.write_llama_model(good, LLAMA_CFG, params)

@@ -16,9 +16,9 @@ import tiktoken
 import tiktoken.load
 from click.testing import CliRunner
 
-from llmc_cli.dataloader import write_shard
-from llmc_cli import tokenize as tz
-from llmc_cli.tokenize import tokenize
+from llmc_cli.data.loader import write_shard
+from llmc_cli.commands import tokenize as tz
+from llmc_cli.commands.tokenize import tokenize
 
 EOT = 50256
 
@@ -378,7 +378,7 @@ def test_tokenizer_bin_command(tmp_path):
 
 
 def test_console_script_has_the_group():
-    r = subprocess.run([sys.executable, "-m", "llmc_cli.cli", "tokenize", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "llmc_cli", "tokenize", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "shakespeare" in r.stdout
 
 
@@ -417,7 +417,7 @@ def test_disk_full_is_one_line(tmp_path, monkeypatch):
     import errno
     import os
 
-    from llmc_cli import dataloader
+    from llmc_cli.data import loader as dataloader
 
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -7,10 +7,9 @@ import pickle
 import numpy as np
 import pytest
 
-from llmc_cli import tokenizer as tk
-from llmc_cli.dataloader import DataError
-from llmc_cli.tokenizer import (TokenizerError, gpt2_ranks_path, load_tokenizer, read_tokenizer_bin,
-                                write_tokenizer_bin)
+from llmc_cli.data import tokenizer as tk
+from llmc_cli.data.loader import DataError
+from llmc_cli.data.tokenizer import TokenizerError, gpt2_ranks_path, load_tokenizer, read_tokenizer_bin, write_tokenizer_bin
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from conftest import TINY, losses, run
 
-from llmc_cli import checkpoint as ckpt
-from llmc_cli.dataloader import write_shard
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import write_shard
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.registry import create_backend
-from llmc_cli.rundir import RunLock
-from llmc_cli.train import TrainArgs, Trainer, TrainError
+from llmc_cli.formats.rundir import RunLock
+from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
 
 
 def tree(root):
@@ -177,7 +177,7 @@ def test_file_size_limit_is_one_line(shards, tmp_path):
     """A real EFBIG from the kernel (RLIMIT_FSIZE), in a child process: no traceback, no temp folder."""
     rd = tmp_path / "r"
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20)); "
-            "from llmc_cli.cli import main; sys.argv = ['llmc'] + sys.argv[1:]; main()")
+            "from llmc_cli.commands import main; sys.argv = ['llmc'] + sys.argv[1:]; main()")
     args = [str(a) for a in (*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--checkpoint-every", 1,
                               "--out", rd)]
     p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
@@ -209,7 +209,7 @@ def test_bad_token_in_a_later_shard_keeps_the_last_completed_step(tmp_path):
 
 
 def test_nonfinite_weights_are_never_checkpointed(shards, tmp_path, monkeypatch):
-    from llmc_cli import model as model_mod
+    from llmc_cli.models import base as model_mod
     rd = tmp_path / "r"
     real = model_mod.Model.parameters_host
 
@@ -269,8 +269,8 @@ def test_out_inside_a_checkpoint_and_unreadable_eval_file(shards, tmp_path):
 def test_an_error_between_steps_keeps_the_completed_steps(shards, tmp_path, monkeypatch):
     """Validation failing at step 3 (a val shard that went bad): the 3 completed steps are checkpointed with
     the loader's own position, and the run resumes from there to the same losses as one that never failed."""
-    from llmc_cli.dataloader import DataError
-    from llmc_cli.train import Trainer as T
+    from llmc_cli.data.loader import DataError
+    from llmc_cli.training.trainer import Trainer as T
     real, calls = T.validate, {"n": 0}
 
     def flaky(self):

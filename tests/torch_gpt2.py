@@ -9,8 +9,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmc_cli.gpt2 import GPT2Config, parameter_shapes
-from llmc_cli.model import split_flat
+from llmc_cli.models.gpt2 import GPT2Config, parameter_shapes
+from llmc_cli.models.base import split_flat
 
 
 def split_params(flat: torch.Tensor, cfg: GPT2Config) -> dict[str, torch.Tensor]:
@@ -45,7 +45,7 @@ def forward(flat: torch.Tensor, cfg: GPT2Config, idx: torch.Tensor, targets: tor
 
 
 def decay_mask(cfg: GPT2Config) -> torch.Tensor:
-    from llmc_cli.gpt2 import DECAYED
+    from llmc_cli.models.gpt2 import DECAYED
     parts = [torch.full((int(np.prod(s)),), n in DECAYED, dtype=torch.bool) for n, s in parameter_shapes(cfg)]
     return torch.cat(parts)
 

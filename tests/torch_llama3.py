@@ -8,8 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from llmc_cli.llama3 import Llama3Config, parameter_shapes, rope_frequencies
-from llmc_cli.model import split_flat
+from llmc_cli.models.llama3 import Llama3Config, parameter_shapes, rope_frequencies
+from llmc_cli.models.base import split_flat
 
 
 def split_params(flat: torch.Tensor, cfg: Llama3Config) -> dict[str, torch.Tensor]:

@@ -10,8 +10,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
-from .options import COUNT, POSITIVE, SEED, Real, usage_error_line
+from llmc_cli import __version__
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real, usage_error_line
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
@@ -29,21 +29,21 @@ def fail(msg: str, code: int = 2) -> None:
     err_console.print(f"[bold red]error{who}:[/] {escape(msg)}", soft_wrap=True)
     if _RANK.get("comm") is not None:  # the other ranks wait in a collective: take the whole job down
         sys.stderr.flush()
-        from .launch import note_failure
+        from llmc_cli.parallel.launch import note_failure
         note_failure(_RANK["rank"], _RANK["world"], msg)
         _RANK["comm"].abort(code)
     sys.exit(code)
 
 
 def make_backend(name: str, device: str | None, dtype: str):
-    from .kernels import BackendUnavailable
-    from .registry import create_backend
+    from llmc_cli.kernels import BackendUnavailable
+    from llmc_cli.registry import create_backend
     try:
         return create_backend(name, device=device, dtype=DTYPES[dtype])
     except BackendUnavailable as e:
         msg = str(e)
         if "No module named" in msg:  # a backend whose optional package is missing: say what to install
-            from .reliability import PIP_NAMES
+            from llmc_cli.training.guard import PIP_NAMES
             mod = msg.split("No module named", 1)[1].strip(" '\"").split("'")[0].split(".")[0]
             msg += f" (pip install {PIP_NAMES.get(mod, mod)})"
         fail(f"--backend {name}{f' --device {device}' if device else ''}: {msg}")
@@ -61,7 +61,7 @@ class _Main(click.Group):
         except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2
             fail(usage_error_line(e), code=e.exit_code)
         except ModuleNotFoundError as e:
-            from .reliability import missing_package_message
+            from llmc_cli.training.guard import missing_package_message
             fail(missing_package_message(e))
         except MemoryError as e:
             fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
@@ -93,7 +93,7 @@ def backends(as_json: bool) -> None:
     Example:
       llmc backends --json
     """
-    from .registry import discover
+    from llmc_cli.registry import discover
     found = discover()
     if as_json:
         click.echo(json.dumps([{"name": p.name, "usable": p.usable, "reason": p.reason,
@@ -199,15 +199,15 @@ def train(**o) -> None:
       75   stopped by SIGINT, SIGTERM or SIGHUP after writing a checkpoint: continue with --resume
       130  stopped by a signal with nothing saved (no --out, or a second signal during the checkpoint)
     """
-    from .dataloader import DataError
-    from .optim import AdamWConfig
-    from .rundir import RunDirError, check_out
-    from .runlog import LogError, check_log
-    from .tokenizer import load_tokenizer
-    from .train import TrainArgs, Trainer, TrainError
+    from llmc_cli.data.loader import DataError
+    from llmc_cli.optim import AdamWConfig
+    from llmc_cli.formats.rundir import RunDirError, check_out
+    from llmc_cli.formats.runlog import LogError, check_log
+    from llmc_cli.data.tokenizer import load_tokenizer
+    from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
 
     if o["hellaswag"]:  # checked now: a bad eval file is one line before anything runs, not after the banner
-        from .dataloader import read_evalfile
+        from llmc_cli.data.loader import read_evalfile
         try:
             read_evalfile(o["hellaswag"])
         except DataError as e:
@@ -226,13 +226,13 @@ def train(**o) -> None:
     except (RunDirError, LogError) as e:
         fail(str(e))
     # data parallel (issue 7): start the ranks here, or take this process's place among them
-    from . import comm as comm_mod
+    from llmc_cli.parallel import comm as comm_mod
     gpus, procs, init_file, init_addr = o.pop("gpus"), o.pop("procs"), o.pop("init_file"), o.pop("init_addr")
     o["zero"] = int(o["zero"])
     if gpus < 0 or procs < 0 or (gpus > 1 and procs > 1):
         fail("--gpus N (one process per GPU) and --procs N (MPI processes) are positive and exclusive")
     if gpus > 1 or procs > 1:
-        from .launch import child_args, launch_gpus, launch_mpi
+        from llmc_cli.parallel.launch import child_args, launch_gpus, launch_mpi
         args = child_args(click.get_current_context())
         sys.exit(launch_gpus(args, gpus) if gpus > 1 else launch_mpi(args, procs))
     try:
@@ -279,9 +279,9 @@ def one_line(e: BaseException) -> str:
 
 
 def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
-    from .dataloader import DataError
-    from .kernels import BackendUnavailable
-    from .train import TrainError
+    from llmc_cli.data.loader import DataError
+    from llmc_cli.kernels import BackendUnavailable
+    from llmc_cli.training.trainer import TrainError
     if trainer.tokenizer != "gpt2":  # Llama 3 shards: samples need Meta's ranks, from --init's directory
         try:
             tok = load_tokenizer(trainer.tokenizer, trainer.tokenizer_file)
@@ -306,8 +306,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         console.print(f"step {r['step']:5d}/{args.steps} | loss {num(r['loss'], '.6f')} | norm {num(r['norm'], '.4f')} | "
                       f"lr {num(r['lr'], '.2e')} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s"
                       + (" | skipped" if r.get("skipped") else ""))
-    from .reliability import StopSignals, TrainAborted, resume_command
-    from .train import TrainDiverged
+    from llmc_cli.training.guard import StopSignals, TrainAborted, resume_command
+    from llmc_cli.training.trainer import TrainDiverged
     how = resume_command(click.get_current_context())
     try:
         with StopSignals() as stop:
@@ -345,7 +345,7 @@ def _abort_on_uncaught(comm) -> None:
         previous(tp, value, tb)
         sys.stderr.write(f"llmc: rank {comm.rank} of {comm.world_size} failed ({tp.__name__}); stopping all ranks\n")
         sys.stderr.flush()
-        from .launch import note_failure
+        from llmc_cli.parallel.launch import note_failure
         note_failure(comm.rank, comm.world_size, f"{tp.__name__}: {value}")
         comm.abort(1)
     sys.excepthook = hook
@@ -368,8 +368,8 @@ def _fault_hook(comm, show):
 
 def dry_run(o: dict) -> None:
     """Plans the model's memory on the host, allocating nothing: works for models this machine cannot hold."""
-    from .models import memory_plan
-    from .train import TrainArgs, model_config
+    from llmc_cli.models.families import memory_plan
+    from llmc_cli.training.trainer import TrainArgs, model_config
     try:
         cfg = model_config(TrainArgs(data=o["data"] or "", model=o["model"], n_layer=o["n_layer"], n_head=o["n_head"],
                                      n_embd=o["n_embd"], n_kv_head=o["n_kv_head"], block_size=o["block_size"]))
@@ -378,7 +378,7 @@ def dry_run(o: dict) -> None:
     dtype = DTYPES[o["dtype"]] or ("bfloat16" if o["backend"] == "cuda" else "float32")
     B, T = o["batch_size"], o["seq_len"]
     plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
-    from .models import family_of_config
+    from llmc_cli.models.families import family_of_config
     n = family_of_config(cfg).module.num_parameters(cfg)
     table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}")
     table.add_column("component")
@@ -392,9 +392,9 @@ def dry_run(o: dict) -> None:
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
     """The model of any --checkpoint (GPT-2 or Llama, llmc file, run directory or Hugging Face directory),
     planned for inference at (B, T)."""
-    from . import checkpoint as ckpt
-    from .hf import load_model_any
-    from .models import family_of_config
+    from llmc_cli.formats import checkpoint as ckpt
+    from llmc_cli.formats.hf import load_model_any
+    from llmc_cli.models.families import family_of_config
     try:
         cfg, params, _ = load_model_any(checkpoint)
     except ckpt.CheckpointError as e:
@@ -436,11 +436,11 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
 
     import numpy as np
 
-    from . import checkpoint as ckpt
-    from .generate import has_kv_cache
-    from .hf import load_config_any, tokenizer_for
-    from .sample import generate
-    from .tokenizer import load_tokenizer
+    from llmc_cli.formats import checkpoint as ckpt
+    from llmc_cli.inference.decode import has_kv_cache
+    from llmc_cli.formats.hf import load_config_any, tokenizer_for
+    from llmc_cli.inference.sampling import generate
+    from llmc_cli.data.tokenizer import load_tokenizer
     if prompt is not None and prompt_file is not None:
         fail("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
@@ -449,7 +449,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--prompt-file: {prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
     prompt = prompt or ""
-    from .dataloader import DataError
+    from llmc_cli.data.loader import DataError
     try:
         cfg = load_config_any(checkpoint)
         tok_name, tok_file = tokenizer_for(checkpoint)
@@ -516,8 +516,8 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
       llmc eval --checkpoint checkpoints/shakespeare --data 'datasets/shakespeare/*val*.bin' --json
       llmc eval --checkpoint checkpoints/gpt2 --hellaswag datasets/hellaswag/hellaswag_val.bin
     """
-    from .dataloader import DataError, ValLoader
-    from .evaluate import HellaSwag, evaluate_loss
+    from llmc_cli.data.loader import DataError, ValLoader
+    from llmc_cli.evals.evaluate import HellaSwag, evaluate_loss
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
     hs = None
@@ -547,17 +547,16 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
                       f"({result['hellaswag_examples']} examples)")
 
 
-from .tokenize import tokenize  # noqa: E402  (the data side: `llmc tokenize ...`)
+# the other commands live in their own modules (imported as modules: a `bench` name here would hide the submodule)
+import llmc_cli.commands.bench as _bench_module  # noqa: E402
+import llmc_cli.commands.plot as _plot_module  # noqa: E402
+import llmc_cli.commands.tokenize as _tokenize_module  # noqa: E402
+from llmc_cli.formats.hf import convert as _convert  # noqa: E402
 
-main.add_command(tokenize)
-from .bench import bench  # noqa: E402  (`llmc bench`: backends side by side, kernels and steps)
-main.add_command(bench)
-
-from .hf import convert  # noqa: E402  (`llmc convert`: llm.c .bin <-> run directory -> Hugging Face)
-from .plot import plot  # noqa: E402  (`llmc plot`: curves from run logs)
-
-main.add_command(convert)
-main.add_command(plot)
+main.add_command(_tokenize_module.tokenize)
+main.add_command(_bench_module.bench)
+main.add_command(_convert)
+main.add_command(_plot_module.plot)
 
 if __name__ == "__main__":
     main()

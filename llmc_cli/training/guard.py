@@ -127,7 +127,7 @@ class StopSignals:
 
 def resume_command(ctx) -> str:
     """The command line that was run (the options given explicitly, from click's context) plus --resume."""
-    from .launch import child_args
+    from llmc_cli.parallel.launch import child_args
 
     parts = ["llmc"] + child_args(ctx, drop=())
     if "--resume" not in parts:
@@ -151,7 +151,7 @@ def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int) -> str
     """One line: what the plan asks for, what the device has free (when it says), and what to lower."""
     asked = None
     try:
-        from .models import memory_plan
+        from llmc_cli.models.families import memory_plan
         asked = sum(memory_plan(cfg, B, T, backend.dtype).values())
     except Exception:
         pass

@@ -8,8 +8,8 @@ from types import ModuleType
 
 import numpy as np
 
-from . import gpt2, llama3
-from .kernels import BFLOAT16
+from llmc_cli.models import gpt2, llama3
+from llmc_cli.kernels import BFLOAT16
 
 
 @dataclass(frozen=True)

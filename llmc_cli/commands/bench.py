@@ -38,11 +38,11 @@ from typing import Callable, Sequence
 import click
 import numpy as np
 
-from . import registry
-from .gpt2 import GPT2Config, num_parameters, preset
-from .kernels import BFLOAT16, CAP_DEVICE_EVENTS, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendUnavailable
-from .model import split_flat
-from .options import COUNT, POSITIVE, SEED, Real
+from llmc_cli import registry
+from llmc_cli.models.gpt2 import GPT2Config, num_parameters, preset
+from llmc_cli.kernels import BFLOAT16, CAP_DEVICE_EVENTS, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendUnavailable
+from llmc_cli.models.base import split_flat
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 
 # relative error (max |got - ref| / max |ref|) above which a kernel is a mismatch, by the backend's dtype
 TOLERANCES = {FLOAT32: 1e-4, BFLOAT16: 3e-2}
@@ -363,7 +363,7 @@ def kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
 def llama_kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
     """Llama 3's kernels on its shapes: rmsnorm, bias-free matmuls (fused qkv with grouped-query heads, fused
     gate/up), rotary embedding, GQA attention, SwiGLU, the untied (or tied) head and the shared ones."""
-    from .llama3 import freqs_cis, num_parameters as llama_params
+    from llmc_cli.models.llama3 import freqs_cis, num_parameters as llama_params
     C, NH, NKV, hd, H, V = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
     N, P, QKV = B * T, llama_params(cfg), (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     eps = cfg.norm_eps
@@ -574,7 +574,7 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
 
 
 def _cfg_dict(cfg) -> dict:
-    from .models import family_of_config
+    from llmc_cli.models.families import family_of_config
     fam = family_of_config(cfg)
     d = {"family": fam.name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
          "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size, "block_size": cfg.block_size,
@@ -621,8 +621,8 @@ def _train_record(label: str, kind: str, times_s: list[float], losses: list[floa
 def train_llmc(label: str, backend: Backend, cfg: GPT2Config, B: int, T: int, data: str, *, steps: int,
                warmup: int, seed: int) -> dict:
     """`steps` timed training steps after `warmup` ones, through llmc's Trainer (data loader + optimizer)."""
-    from .optim import AdamWConfig
-    from .train import TrainArgs, Trainer
+    from llmc_cli.optim import AdamWConfig
+    from llmc_cli.training.trainer import TrainArgs, Trainer
     args = TrainArgs(data=data, model="d2", n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                      block_size=cfg.block_size, vocab_size=cfg.vocab_size, batch_size=B, seq_len=T,
                      steps=warmup + steps, seed=seed, optim=AdamWConfig(weight_decay=0.1), val_every=0,
@@ -651,9 +651,9 @@ def train_torch(cfg: GPT2Config, B: int, T: int, data: str, *, steps: int, warmu
                 compile: bool = False, dtype: str = FLOAT32) -> dict:
     """PyTorch on the same model (llmc's initial weights), data loader, AdamW and clipping. Raises on failure."""
     import torch
-    from .dataloader import DataLoader
-    from .gpt2 import init_parameters, parameter_shapes
-    from .optim import AdamWConfig
+    from llmc_cli.data.loader import DataLoader
+    from llmc_cli.models.gpt2 import init_parameters, parameter_shapes
+    from llmc_cli.optim import AdamWConfig
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_torch_gpt2(cfg, init_parameters(cfg, seed), parameter_shapes(cfg)).to(device)
     oc = AdamWConfig(weight_decay=0.1)
@@ -752,7 +752,7 @@ def build_torch_gpt2(cfg: GPT2Config, flat: np.ndarray, shapes):
 
 def random_shard(directory: str | Path, cfg: GPT2Config, ntokens: int, seed: int) -> str:
     """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it."""
-    from .dataloader import write_shard
+    from llmc_cli.data.loader import write_shard
     rng = np.random.default_rng(seed)
     path = Path(directory) / "bench_train_000000.bin"
     write_shard(path, rng.integers(0, cfg.vocab_size, ntokens, dtype=np.int64).astype(np.uint16))
@@ -936,7 +936,7 @@ def plot_kernels(res: dict, path: str) -> None:
 
 def _save(fig, path: str) -> None:
     import matplotlib.pyplot as plt
-    from .plot import PlotError, save_png
+    from llmc_cli.commands.plot import PlotError, save_png
     try:
         save_png(fig, path, dpi=120, option="--plot")
     except PlotError as e:
@@ -997,13 +997,13 @@ def _model_options(f):
 
 def _setup(o: dict):
     """Shared option checks: the model config and the backends (fails with one line)."""
-    from .cli import DTYPES, fail
+    from llmc_cli.commands import DTYPES, fail
     B, T = o["batch_size"], o["seq_len"]
     if B <= 0 or T <= 0:
         fail(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
     over = {k: o[k] for k in ("n_layer", "n_head", "n_embd") if o[k]}
     try:
-        from .models import GPT2 as GPT2_FAMILY, family_for
+        from llmc_cli.models.families import GPT2 as GPT2_FAMILY, family_for
         fam = family_for(o["model"])
         if fam is GPT2_FAMILY:
             cfg = preset(o["model"], block_size=o["block_size"] or 1024, vocab_size=o["vocab_size"] or 50257, **over)
@@ -1019,7 +1019,7 @@ def _setup(o: dict):
     if T > cfg.block_size:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
     if o["plot"]:
-        from .plot import PlotError, check_png_target
+        from llmc_cli.commands.plot import PlotError, check_png_target
         try:
             require_matplotlib()
             check_png_target(o["plot"], "--plot")
@@ -1033,7 +1033,7 @@ def _setup(o: dict):
 
 
 def _progress(as_json: bool):
-    from .cli import err_console
+    from llmc_cli.commands import err_console
     status = err_console.status("") if (err_console.is_terminal and not as_json) else None
     return status
 
@@ -1099,7 +1099,7 @@ def kernels(**o) -> None:
       llmc bench kernels --backend opencl --only matmul --repeat 20 --json > kernels.json
       llmc bench kernels --model d12 -b 4 -t 64 --plot kernels.png
     """
-    from .cli import console, err_console, fail
+    from llmc_cli.commands import console, err_console, fail
     cfg, B, T, backends, skipped = _setup(o | {"kernels_only": True})
     status = _progress(o["as_json"])
     try:
@@ -1153,8 +1153,8 @@ def train(**o) -> None:
       llmc bench train --model d2 -b 4 -t 64 --steps 20
       llmc bench train --backend cpu --model d12 -b 4 -t 64 --compare torch --plot train.png
     """
-    from .cli import DTYPES, console, err_console, fail
-    from .dataloader import DataError
+    from llmc_cli.commands import DTYPES, console, err_console, fail
+    from llmc_cli.data.loader import DataError
     cfg, B, T, backends, skipped = _setup(o)
     compare = []
     for c in o["compare"]:

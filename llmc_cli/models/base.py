@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import Backend
+from llmc_cli.kernels import Backend
 
 
 def check_config_fields(cfg) -> None:

@@ -9,18 +9,18 @@ from typing import Callable
 
 import numpy as np
 
-from . import checkpoint as ckpt
-from .dataloader import DataLoader, ValLoader
-from .evaluate import evaluate_loss  # noqa: F401  (lives in evaluate.py; still importable from here)
-from .kernels import BFLOAT16, Backend, update_applies
-from .models import family_for, family_of_config
-from .optim import AdamW, AdamWConfig, lr_at
-from .comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
-from .distributed import make_optimizer, reshard_loader_state
-from .reliability import OutlierDetector, is_out_of_memory, out_of_memory_message
-from .rundir import RunDirError, RunLock, check_out
-from .runlog import LogError, check_log, open_log, record_line
-from .sample import generate
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.data.loader import DataLoader, ValLoader
+from llmc_cli.evals.evaluate import evaluate_loss  # noqa: F401  (lives in evaluate.py; still importable from here)
+from llmc_cli.kernels import BFLOAT16, Backend, update_applies
+from llmc_cli.models.families import family_for, family_of_config
+from llmc_cli.optim import AdamW, AdamWConfig, lr_at
+from llmc_cli.parallel.comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
+from llmc_cli.parallel.zero import make_optimizer, reshard_loader_state
+from llmc_cli.training.guard import OutlierDetector, is_out_of_memory, out_of_memory_message
+from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
+from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
+from llmc_cli.inference.sampling import generate
 
 
 class TrainError(ValueError):
@@ -120,7 +120,7 @@ class Trainer:
     def __init__(self, a: TrainArgs, backend: Backend, say: Callable[[str], None] = print,
                  decode: Callable[[list[int]], str] | None = None, eot: int | None = None, comm=None):
         self.a, self.backend, self.say, self.decode, self.eot = a, backend, say, decode, eot
-        self.comm = comm or SingleProcess()  # this process's place among data-parallel ranks (llmc_cli.comm)
+        self.comm = comm or SingleProcess()  # this process's place among data-parallel ranks (llmc_cli.parallel.comm)
         check_args(a)
         self.lock = None
         lead = self.comm.rank == 0
@@ -167,7 +167,7 @@ class Trainer:
                     raise TrainError(f"--resume: {opt} is {val!r} but the run in {a.out} was trained with "
                                      f"{old_args[key]!r} (give the same options, or start a new --out)")
         elif a.init:
-            from .hf import load_model_any
+            from llmc_cli.formats.hf import load_model_any
             try:  # llm.c .bin, run directory, llmc Llama file or Hugging Face GPT-2 / Llama directory
                 cfg, params, _ = load_model_any(a.init)
             except ckpt.CheckpointError as e:
@@ -219,7 +219,7 @@ class Trainer:
             kept = Path(a.out) / ckpt.TOKENIZER_FILE
             self.tokenizer_file = kept if kept.is_file() else None
         elif a.init and self.tokenizer == "llama3":
-            from .hf import tokenizer_for
+            from llmc_cli.formats.hf import tokenizer_for
             try:
                 name, self.tokenizer_file = tokenizer_for(a.init)
             except ckpt.CheckpointError:  # without the file the run still trains; sample says what is missing
@@ -328,7 +328,7 @@ class Trainer:
 
     def hellaswag_eval(self) -> dict:
         """HellaSwag acc / acc_norm of the current weights (the eval file is read on first use)."""
-        from .evaluate import HellaSwag
+        from llmc_cli.evals.evaluate import HellaSwag
         if getattr(self, "hellaswag", None) is None:
             self.hellaswag = HellaSwag(self.a.hellaswag)
         return self.hellaswag.evaluate(self.model).as_dict()

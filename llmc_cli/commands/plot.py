@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from .options import Real
+from llmc_cli.commands.options import Real
 
 PANELS = [  # (title, [(record key, label suffix, line style)], log-scale y)
     ("loss", [("loss", "train", "-"), ("val_loss", "val", "--")], False),
@@ -191,7 +191,7 @@ def plot(runs, out, x, smooth) -> None:
     Example:
       llmc plot checkpoints/run1 checkpoints/run2/log.jsonl --smooth 0.9 --x tokens --out curves.png
     """
-    from .cli import console, fail
+    from llmc_cli.commands import console, fail
     try:
         path = plot_runs(list(runs), out, x, smooth)
     except PlotError as e:

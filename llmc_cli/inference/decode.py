@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gpt2 import GPT2
-from .kernels import CAP_KV_CACHE, FLOAT32, INT32
-from .llama3 import Llama3
-from .model import Model
+from llmc_cli.models.gpt2 import GPT2
+from llmc_cli.kernels import CAP_KV_CACHE, FLOAT32, INT32
+from llmc_cli.models.llama3 import Llama3
+from llmc_cli.models.base import Model
 
 
 def has_kv_cache(model: Model) -> bool:

@@ -19,11 +19,11 @@ from pathlib import Path
 import click
 import numpy as np
 
-from . import checkpoint as ckpt
-from .checkpoint import ST_DTYPES, read_safetensors, read_safetensors_header, write_safetensors  # noqa: F401
-from .dataloader import replace_dir
-from .gpt2 import GPT2Config, num_parameters, parameter_shapes
-from .model import split_flat
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.checkpoint import ST_DTYPES, read_safetensors, read_safetensors_header, write_safetensors  # noqa: F401
+from llmc_cli.data.loader import replace_dir
+from llmc_cli.models.gpt2 import GPT2Config, num_parameters, parameter_shapes
+from llmc_cli.models.base import split_flat
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -253,7 +253,7 @@ def _hf_readers(path: Path):
     """(import_hf, read_hf_config) for a Hugging Face directory of this model_type: GPT-2's here, Llama's in
     llama3_hf."""
     if hf_model_type(path) == "llama":
-        from . import llama3_hf
+        from llmc_cli.formats import hf_llama3 as llama3_hf
         return llama3_hf.import_hf, llama3_hf.read_hf_config
     return import_hf, read_hf_config
 
@@ -334,7 +334,7 @@ def _is_llmc_output(path: Path) -> bool:
 def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
     """`convert` writes a new destination; with `force` it may replace an earlier output of its own kind, but
     never the source, a data file or anything else of the user's, and never anything in a run directory."""
-    from .rundir import is_run_dir, step_folder_of
+    from llmc_cli.formats.rundir import is_run_dir, step_folder_of
     src, dst = Path(src), Path(dst)
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
         raise ckpt.CheckpointError(f"{dst} is the source itself; write the conversion somewhere else")
@@ -390,7 +390,7 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto", force: bool = Fals
       llmc convert hf/gpt2 checkpoints/gpt2 --to run                # Hugging Face -> run directory
       llmc convert hf/Llama-3.2-1B llama.safetensors               # Hugging Face Llama -> llmc
     """
-    from .cli import console, fail
+    from llmc_cli.commands import console, fail
     try:
         check_destination(src, dst, force)
     except ckpt.CheckpointError as e:
@@ -429,7 +429,7 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto", force: bool = Fals
             if d.exists() and not d.is_dir():
                 fail(f"DST: {d} exists and is not a directory (name a model file with .bin or .safetensors)")
             if llama:
-                from .llama3_hf import export_hf as export_llama
+                from llmc_cli.formats.hf_llama3 import export_hf as export_llama
                 _write_dir_atomically(d, lambda out: export_llama(out, cfg, params, bf16=bf16, tokenizer=tok_name,
                                                                   tokenizer_file=tok_file))
             else:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .kernels import FLOAT32, INT32, Backend
-from .model import Model, check_config_fields, split_flat
+from llmc_cli.kernels import FLOAT32, INT32, Backend
+from llmc_cli.models.base import Model, check_config_fields, split_flat
 
 
 @dataclass(frozen=True)

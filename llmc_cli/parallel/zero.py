@@ -1,4 +1,4 @@
-"""Data-parallel training on top of a communicator (llmc_cli.comm): gradient averaging, ZeRO-1, and the helpers
+"""Data-parallel training on top of a communicator (llmc_cli.parallel.comm): gradient averaging, ZeRO-1, and the helpers
 the Trainer needs to run as one rank of many.
 
 * ``DataParallelAdamW`` (``--zero 0``): every rank keeps the whole optimizer state; once per optimizer step,
@@ -21,9 +21,9 @@ import math
 
 import numpy as np
 
-from .comm import AVG, SUM, Communicator, SingleProcess
-from .kernels import BFLOAT16, FLOAT32, Backend
-from .optim import AdamW, AdamWConfig
+from llmc_cli.parallel.comm import AVG, SUM, Communicator, SingleProcess
+from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend
+from llmc_cli.optim import AdamW, AdamWConfig
 
 ZERO_STAGES = (0, 1)
 

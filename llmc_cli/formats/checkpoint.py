@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .dataloader import atomic_write_bytes, fsync_dir, replace_dir
-from .gpt2 import GPT2Config, num_parameters
-from . import llama3 as llama3_spec
-from .llama3 import Llama3Config
-from .model import split_flat
-from .reliability import fault_delay
+from llmc_cli.data.loader import atomic_write_bytes, fsync_dir, replace_dir
+from llmc_cli.models.gpt2 import GPT2Config, num_parameters
+from llmc_cli.models import llama3 as llama3_spec
+from llmc_cli.models.llama3 import Llama3Config
+from llmc_cli.models.base import split_flat
+from llmc_cli.training.guard import fault_delay
 
 MODEL_MAGIC = 20240326
 VERSION_FP32 = 3

@@ -26,11 +26,9 @@ from typing import Callable, Iterable, Iterator
 import click
 import numpy as np
 
-from llmc_cli.dataloader import (
-    DataError, atomic_write_bytes, read_shard_header, shard_format, write_evalfile, write_shard,
-)
-from llmc_cli.tokenizer import TOKENIZERS, load_tokenizer
-from llmc_cli.options import POSITIVE, Real
+from llmc_cli.data.loader import DataError, atomic_write_bytes, read_shard_header, shard_format, write_evalfile, write_shard
+from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
+from llmc_cli.commands.options import POSITIVE, Real
 
 URLS = {
     "tinyshakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
@@ -678,7 +676,7 @@ def _friendly(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        from llmc_cli.cli import fail  # (cli imports this module)
+        from llmc_cli.commands import fail  # (cli imports this module)
 
         try:
             return fn(*a, **kw)
@@ -915,7 +913,7 @@ def hellaswag(split, local, out_dir):
 @_friendly
 def tokenizer_bin(out, tokenizer_name, tokenizer_path):
     """Write llm.c's tokenizer .bin (magic 20240328, version 2) that llm.c's C code decodes with."""
-    from llmc_cli.tokenizer import write_tokenizer_bin
+    from llmc_cli.data.tokenizer import write_tokenizer_bin
 
     tok = load_tokenizer(tokenizer_name, tokenizer_path)
     write_tokenizer_bin(tok, out)

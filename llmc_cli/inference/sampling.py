@@ -6,7 +6,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .model import Model
+from llmc_cli.models.base import Model
 
 
 def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
@@ -45,7 +45,7 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
         raise ValueError("generate needs a model planned for B=1")
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    from .generate import decoder_for, has_kv_cache
+    from llmc_cli.inference.decode import decoder_for, has_kv_cache
     if kv_cache is None:
         kv_cache = has_kv_cache(model)
     window = model.T

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dataloader import DataError, ValLoader, read_evalfile
-from .model import Model
+from llmc_cli.data.loader import DataError, ValLoader, read_evalfile
+from llmc_cli.models.base import Model
 
 NUM_ENDINGS = 4
 

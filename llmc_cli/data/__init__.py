@@ -1,0 +1,1 @@
+"""Training data: the shard loader and the tokenizers."""

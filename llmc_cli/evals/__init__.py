@@ -1,0 +1,1 @@
+"""Evaluations of a trained model: mean loss over shards, HellaSwag."""

@@ -1,0 +1,1 @@
+"""Inference: sampling tokens, and incremental decoding over a key/value cache."""

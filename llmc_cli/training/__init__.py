@@ -1,0 +1,1 @@
+"""The training loop and what keeps a long run alive and honest."""
