@@ -44,7 +44,7 @@ def bench_llmc(cfg, B, T, batches, steps, warmup):
 
 def bench_torch(cfg, B, T, batches, steps, warmup, threads):
     import torch
-    from llmc_cli.commands.bench import build_torch_gpt2
+    from llmc_cli.bench.torch_gpt2 import build_torch_gpt2
     from llmc_cli.models.gpt2 import init_parameters, parameter_shapes
     torch.set_num_threads(threads)
     # the same module `llmc bench --compare torch-eager` times, starting from llmc's own initial weights

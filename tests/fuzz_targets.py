@@ -107,20 +107,20 @@ def _read_llama_ranks(p: Path):
 
 
 def _hf_config_seed(d: Path) -> bytes:
-    from llmc_cli.formats import hf
+    from llmc_cli.formats import hf_gpt2
     out = d / "seed_hf"
-    hf.export_hf(out, GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4),
+    hf_gpt2.export_hf(out, GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4),
                  init_parameters(GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4), 0))
     return (out / "config.json").read_bytes()
 
 
 def _read_hf_config(p: Path):
     """config.json as a Hugging Face GPT-2 or Llama directory holds it (read by model type)."""
-    from llmc_cli.formats import hf
+    from llmc_cli.formats import sources
     d = p.parent / f"{p.stem}_dir"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_bytes(p.read_bytes())
-    hf.load_config_any(d)
+    sources.load_config_any(d)
 
 
 TARGETS: dict[str, Target] = {

@@ -12,14 +12,16 @@ import pytest
 from click.testing import CliRunner
 from conftest import make_backend
 
-from llmc_cli.commands import bench
+from llmc_cli.bench import backends as bench_backends
+from llmc_cli.bench import kernel_cases as kc
+from llmc_cli.bench import report, train_steps
 from llmc_cli import registry
 from llmc_cli.commands import main
 from llmc_cli.models.gpt2 import preset
-from llmc_cli.kernels import BackendPlugin
+from llmc_cli.kernels import BFLOAT16, CAP_KV_CACHE, FLOAT32, BackendPlugin
 
 TINY = ["--model", "d2", "--n-embd", "64", "-b", "2", "-t", "16"]
-ALL_KERNELS = {c.name for c in bench.kernel_cases(preset("d2", n_embd=64), 2, 16)}
+ALL_KERNELS = {c.name for c in kc.kernel_cases(preset("d2", n_embd=64), 2, 16)}
 
 
 def _cpu_class():
@@ -52,13 +54,13 @@ def _sane(r):
 def test_kernels_cpu_and_opencl_agree():
     cfg = preset("d2", n_embd=64, vocab_size=1000)
     backends = _backends("cpu", "opencl")
-    res = bench.run_kernels(backends, cfg, 2, 16, repeat=2, warmup=1, seed=0,
-                            reference=bench.reference_backend(backends))
-    names = {c.name for c in bench.kernel_cases(cfg, 2, 16)}
+    res = kc.run_kernels(backends, cfg, 2, 16, repeat=2, warmup=1, seed=0,
+                            reference=bench_backends.reference_backend(backends))
+    names = {c.name for c in kc.kernel_cases(cfg, 2, 16)}
     assert {r["kernel"] for r in res["results"]} == names == ALL_KERNELS
     assert {"matmul_fwd qkv", "matmul_bwd fcproj +gelu'", "matmul_fwd classifier", "attention_bwd", "adamw",
             "global_norm", "classifier_fwd_bwd", "encoder_bwd", "fused_residual_layernorm_fwd"} <= names
-    decode = sum(bench.CAP_KV_CACHE in b.capabilities for _, b in backends)  # attention_decode is optional
+    decode = sum(CAP_KV_CACHE in b.capabilities for _, b in backends)  # attention_decode is optional
     assert len(res["results"]) == 2 * (len(names) - 1) + decode
     for r in res["results"]:
         _sane(r)
@@ -73,14 +75,14 @@ def test_kernels_cpu_and_opencl_agree():
 def test_wrong_kernel_is_flagged():
     cfg = preset("d2", n_embd=64, vocab_size=1000)
     cpu = make_backend("cpu")
-    res = bench.run_kernels([("cpu", cpu), ("bad", _bad_cpu())], cfg, 2, 16, repeat=1, warmup=0,
+    res = kc.run_kernels([("cpu", cpu), ("bad", _bad_cpu())], cfg, 2, 16, repeat=1, warmup=0,
                             reference=cpu, only=["gelu", "matmul_fwd", "layernorm_fwd"])
     flagged = {(m["kernel"], m["backend"]) for m in res["mismatches"]}
     assert flagged == {("gelu_fwd", "bad"), ("matmul_fwd fc +gelu", "bad")}
     by = {(r["kernel"], r["backend"]): r for r in res["results"]}
     assert by[("gelu_fwd", "bad")]["max_rel_err"] == pytest.approx(0.01, rel=0.05)
     assert by[("gelu_bwd", "bad")]["ok"] and by[("matmul_fwd qkv", "bad")]["ok"]
-    table = bench.kernels_table(res)
+    table = report.kernels_table(res)
     from rich.console import Console
     con = Console(width=200, record=True)
     con.print(table)
@@ -134,7 +136,7 @@ def test_train_cpu_opencl_and_torch():
             return 1e12
 
     cfg = preset("d2", n_embd=64)  # the gpt2 vocabulary: the data loader checks shards against it
-    res = bench.run_train([("cpu", Peak()), ("opencl", make_backend("opencl"))], cfg, 2, 16, steps=1, warmup=1,
+    res = train_steps.run_train([("cpu", Peak()), ("opencl", make_backend("opencl"))], cfg, 2, 16, steps=1, warmup=1,
                           seed=5, compare=["torch-eager"])
     rs = {r["name"]: r for r in res["results"]}
     assert {"cpu", "opencl"} <= set(rs)
@@ -170,12 +172,12 @@ def test_cli_train_json(tmp_path):
 def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
     from llmc_cli.models.llama3 import preset as llama_preset
     cfg = llama_preset("llama3-tiny", vocab_size=300)
-    names = {c.name for c in bench.kernel_cases(cfg, 2, 16)}
+    names = {c.name for c in kc.kernel_cases(cfg, 2, 16)}
     assert {"rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "attention_fwd",
             "attention_bwd", "attention_decode", "matmul_fwd w13", "matmul_bwd lm_head"} <= names
     assert cfg.n_kv_head < cfg.n_head  # grouped-query attention on the model's real head counts
     backends = _backends("cpu", "opencl")
-    res = bench.run_kernels(backends, cfg, 2, 16, repeat=1, warmup=0, reference=backends[0][1])
+    res = kc.run_kernels(backends, cfg, 2, 16, repeat=1, warmup=0, reference=backends[0][1])
     got = {(r["kernel"], r["backend"]) for r in res["results"]}
     assert {(n, "cpu") for n in names} <= got and res["mismatches"] == []
     for r in res["results"]:
@@ -186,7 +188,7 @@ def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
 
         def rope_forward(self, qkv, freqs_cis, n_head, n_kv_head):
             super().rope_forward(qkv, -freqs_cis, n_head, n_kv_head)  # rotates the wrong way
-    res = bench.run_kernels([("cpu", backends[0][1]), ("badrope", BadRope())], cfg, 2, 16, repeat=1, warmup=0,
+    res = kc.run_kernels([("cpu", backends[0][1]), ("badrope", BadRope())], cfg, 2, 16, repeat=1, warmup=0,
                             reference=backends[0][1], only=["rope", "rmsnorm"])
     assert {(m["kernel"], m["backend"]) for m in res["mismatches"]} == {("rope_fwd", "badrope")}
 
@@ -195,11 +197,11 @@ def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
 def test_attention_decode_is_benchmarked_where_the_backend_has_it():
     cfg = preset("d2", n_embd=64, vocab_size=1000)
     backends = _backends("cpu", "opencl")
-    res = bench.run_kernels(backends, cfg, 2, 16, repeat=1, warmup=0, reference=backends[0][1],
+    res = kc.run_kernels(backends, cfg, 2, 16, repeat=1, warmup=0, reference=backends[0][1],
                             only=["attention_decode"])
     for label, be in backends:
         rows = [r for r in res["results"] if r["backend"] == label]
-        assert len(rows) == (1 if bench.CAP_KV_CACHE in be.capabilities else 0)
+        assert len(rows) == (1 if CAP_KV_CACHE in be.capabilities else 0)
     assert res["results"] and all(r["ok"] for r in res["results"])
 
 
@@ -207,13 +209,13 @@ def test_reference_gets_the_inputs_from_before_the_call():
     """A backend computing in another dtype is checked against the reference on the inputs it held *before*
     the kernel ran: accumulating (+=) and in-place kernels must not be compared against their own output."""
     class FakeBF16(_cpu_class()):
-        name, dtype = "fakebf16", bench.BFLOAT16
+        name, dtype = "fakebf16", BFLOAT16
 
-        def alloc(self, shape, dtype=bench.FLOAT32, tag="other"):
-            return super().alloc(shape, bench.FLOAT32 if dtype == bench.BFLOAT16 else dtype, tag)
+        def alloc(self, shape, dtype=FLOAT32, tag="other"):
+            return super().alloc(shape, FLOAT32 if dtype == BFLOAT16 else dtype, tag)
     cfg = preset("d2", n_embd=64, vocab_size=1000)
     cpu = make_backend("cpu")
-    res = bench.run_kernels([("fakebf16", FakeBF16())], cfg, 2, 16, repeat=1, warmup=0, reference=cpu,
+    res = kc.run_kernels([("fakebf16", FakeBF16())], cfg, 2, 16, repeat=1, warmup=0, reference=cpu,
                             only=["layernorm_bwd", "matmul_bwd", "encoder_bwd"])
     assert len(res["results"]) == 7 and res["mismatches"] == []
     assert all(r["max_rel_err"] < 1e-6 for r in res["results"]), [(r["kernel"], r["max_rel_err"])

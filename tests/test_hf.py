@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import run
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats import hf
+from llmc_cli.formats import hf, hf_gpt2, sources
 from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters
 
 CFG = GPT2Config(block_size=24, vocab_size=150, n_layer=2, n_head=4, n_embd=32)
@@ -70,7 +70,7 @@ def hf_forward(sd: dict[str, torch.Tensor], config: dict, idx: torch.Tensor) -> 
 
 def test_safetensors_layout_and_names(tmp_path):
     p = params()
-    hf.export_hf(tmp_path / "hf", CFG, p)
+    hf_gpt2.export_hf(tmp_path / "hf", CFG, p)
     raw = (tmp_path / "hf" / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     assert n % 8 == 0
@@ -96,8 +96,8 @@ def test_safetensors_layout_and_names(tmp_path):
 
 def test_round_trip_is_bit_exact(tmp_path):
     p = params()
-    hf.export_hf(tmp_path / "hf", CFG, p)
-    cfg2, p2 = hf.import_hf(tmp_path / "hf")
+    hf_gpt2.export_hf(tmp_path / "hf", CFG, p)
+    cfg2, p2 = hf_gpt2.import_hf(tmp_path / "hf")
     assert cfg2 == CFG and p2.dtype == np.float32 and np.array_equal(p2, p)
     # through the command line: .bin -> HF -> .bin gives the same file, byte for byte
     ckpt.write_model(tmp_path / "a.bin", CFG, p)
@@ -120,7 +120,7 @@ def test_convert_from_run_directory(tmp_path):
     ckpt.write_run_checkpoint(tmp_path / "run", 5, CFG, p, bf16=False, optimizer={}, state={"step": 5})
     r = run("convert", tmp_path / "run", tmp_path / "hf")
     assert "run" in r.output
-    assert np.array_equal(hf.import_hf(tmp_path / "hf")[1], p)
+    assert np.array_equal(hf_gpt2.import_hf(tmp_path / "hf")[1], p)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -133,7 +133,7 @@ def test_torch_reference_reads_export_and_matches_llmc(cpu, tmp_path, dtype):
     idx = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)).astype(np.int32)
     ref = hf_forward(sd, config, torch.tensor(idx, dtype=torch.long)).numpy()
     # llmc's engine on the weights it reads back from the same directory
-    cfg2, p2 = hf.import_hf(tmp_path / "hf")
+    cfg2, p2 = hf_gpt2.import_hf(tmp_path / "hf")
     model = GPT2(cfg2, cpu, 2, 16, training=False)
     model.load_parameters(p2)
     model.forward(idx)
@@ -149,18 +149,18 @@ def test_torch_reference_reads_export_and_matches_llmc(cpu, tmp_path, dtype):
 def test_import_accepts_hub_names_without_prefix(tmp_path):
     """The Hub's gpt2 files name tensors h.0.attn... (no transformer.) and carry attn.bias mask buffers."""
     p = params(seed=2)
-    t = {k.removeprefix("transformer."): v for k, v in hf.to_hf_tensors(CFG, p).items()}
+    t = {k.removeprefix("transformer."): v for k, v in hf_gpt2.to_hf_tensors(CFG, p).items()}
     t["h.0.attn.bias"] = np.tril(np.ones((CFG.block_size, CFG.block_size), np.float32))[None, None]
     (tmp_path / "hub").mkdir()
     hf.write_safetensors(tmp_path / "hub" / "model.safetensors", t)
-    (tmp_path / "hub" / "config.json").write_text(json.dumps(hf.hf_config(CFG)))
-    assert np.array_equal(hf.import_hf(tmp_path / "hub")[1], p)
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(hf_gpt2.hf_config(CFG)))
+    assert np.array_equal(hf_gpt2.import_hf(tmp_path / "hub")[1], p)
 
 
 @pytest.mark.parametrize("case", ["not_hf_dir", "llama_config", "garbage_weights", "missing_tensor", "no_src",
                                   "dst_is_file"])
 def test_bad_input_one_line_error(tmp_path, case):
-    hf.export_hf(tmp_path / "good", CFG, params())
+    hf_gpt2.export_hf(tmp_path / "good", CFG, params())
     src, dst = tmp_path / "good", tmp_path / "out.bin"
     if case == "not_hf_dir":
         (tmp_path / "empty").mkdir()
@@ -170,7 +170,7 @@ def test_bad_input_one_line_error(tmp_path, case):
     elif case == "garbage_weights":
         (tmp_path / "good" / "model.safetensors").write_bytes(b"\xff" * 64)
     elif case == "missing_tensor":
-        t = hf.to_hf_tensors(CFG, params())
+        t = hf_gpt2.to_hf_tensors(CFG, params())
         del t["transformer.h.1.mlp.c_fc.bias"]
         hf.write_safetensors(tmp_path / "good" / "model.safetensors", t)
     elif case == "no_src":
@@ -197,11 +197,11 @@ def test_convert_into_run_directory_every_direction(tmp_path):
     assert "run directory" in r.output
     for d in ("run_b", "run_h"):
         assert (tmp_path / d / "latest").read_text().strip() == "step_00000000"
-        assert hf.load_model_any(tmp_path / d)[2] == "run"
+        assert sources.load_model_any(tmp_path / d)[2] == "run"
         run("convert", tmp_path / d, tmp_path / f"{d}.bin")
         assert (tmp_path / f"{d}.bin").read_bytes() == (tmp_path / "a.bin").read_bytes()
     run("convert", tmp_path / "run_h", tmp_path / "hf2")
-    assert np.array_equal(hf.import_hf(tmp_path / "hf2")[1], p)
+    assert np.array_equal(hf_gpt2.import_hf(tmp_path / "hf2")[1], p)
     from llmc_cli.data.loader import write_shard
     write_shard(tmp_path / "v_val_000000.bin", np.arange(300) % CFG.vocab_size)
     losses = {json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / src, "--data",
@@ -255,4 +255,4 @@ def test_convert_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     monkeypatch.undo()
     r = run("convert", src, tmp_path / "hf", "--force", "--dtype", "bf16")  # an earlier conversion: replaced
     assert "bf16" in r.output and not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
-    assert np.abs(hf.import_hf(tmp_path / "hf")[1] - p).max() <= np.abs(p).max() * 2 ** -8
+    assert np.abs(hf_gpt2.import_hf(tmp_path / "hf")[1] - p).max() <= np.abs(p).max() * 2 ** -8

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from llmc_cli.commands import plot as plotmod
+from llmc_cli import charts
 from llmc_cli.commands import main
 
 pytest.importorskip("matplotlib")
@@ -54,9 +54,9 @@ def test_plot_runs_overlaid(tmp_path):
 
 def test_tokens_per_step_and_ema():
     recs = [{"step": 1, "loss": 1.0, "ms": 100.0, "tok_per_s": 2560.0}]
-    assert plotmod.tokens_per_step(recs) == 256
-    assert plotmod.ema([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])  # bias-corrected
-    assert plotmod.ema([0.0, 1.0], 0.0) == [0.0, 1.0]
+    assert charts.tokens_per_step(recs) == 256
+    assert charts.ema([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])  # bias-corrected
+    assert charts.ema([0.0, 1.0], 0.0) == [0.0, 1.0]
 
 
 @pytest.mark.parametrize("case", ["missing", "no_log_dir", "not_json", "smooth"])

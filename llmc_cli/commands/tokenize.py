@@ -26,9 +26,16 @@ from typing import Callable, Iterable, Iterator
 import click
 import numpy as np
 
-from llmc_cli.data.loader import DataError, atomic_write_bytes, read_shard_header, shard_format, write_evalfile, write_shard
-from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
 from llmc_cli.commands.options import POSITIVE, Real
+from llmc_cli.data.loader import (
+    DataError,
+    atomic_write_bytes,
+    read_shard_header,
+    shard_format,
+    write_evalfile,
+    write_shard,
+)
+from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
 
 URLS = {
     "tinyshakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
@@ -390,8 +397,14 @@ def _console():
 
 
 def _progress(console, bytes_only: bool = False):
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
 
     cols = [TextColumn("[bold]{task.description}"), BarColumn(bar_width=20), DownloadColumn(),
             TransferSpeedColumn()]
@@ -676,7 +689,7 @@ def _friendly(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        from llmc_cli.commands import fail  # (cli imports this module)
+        from llmc_cli.commands.console import fail  # (cli imports this module)
 
         try:
             return fn(*a, **kw)

@@ -21,16 +21,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, fields as dataclass_fields
+from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import numpy as np
 
 from llmc_cli.data.loader import atomic_write_bytes, fsync_dir, replace_dir
-from llmc_cli.models.gpt2 import GPT2Config, num_parameters
-from llmc_cli.models import llama3 as llama3_spec
-from llmc_cli.models.llama3 import Llama3Config
 from llmc_cli.models.base import split_flat
+from llmc_cli.models import llama3 as llama3_spec
+from llmc_cli.models.gpt2 import GPT2Config, num_parameters
+from llmc_cli.models.llama3 import Llama3Config
 from llmc_cli.training.guard import fault_delay
 
 MODEL_MAGIC = 20240326

@@ -15,9 +15,15 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.hf import LLMC_TOKENIZER_KEY, hf_field_names, read_config_json, read_hf_tensors, write_hf_weights
-from llmc_cli.models.llama3 import Llama3Config, num_parameters, parameter_shapes
+from llmc_cli.formats.hf import (
+    LLMC_TOKENIZER_KEY,
+    hf_field_names,
+    read_config_json,
+    read_hf_tensors,
+    write_hf_weights,
+)
 from llmc_cli.models.base import split_flat
+from llmc_cli.models.llama3 import Llama3Config, num_parameters, parameter_shapes
 
 
 def hf_config(cfg: Llama3Config, dtype: str = "float32", tokenizer: str = "llama3") -> dict:

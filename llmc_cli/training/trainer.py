@@ -167,7 +167,7 @@ class Trainer:
                     raise TrainError(f"--resume: {opt} is {val!r} but the run in {a.out} was trained with "
                                      f"{old_args[key]!r} (give the same options, or start a new --out)")
         elif a.init:
-            from llmc_cli.formats.hf import load_model_any
+            from llmc_cli.formats.sources import load_model_any
             try:  # llm.c .bin, run directory, llmc Llama file or Hugging Face GPT-2 / Llama directory
                 cfg, params, _ = load_model_any(a.init)
             except ckpt.CheckpointError as e:
@@ -219,7 +219,7 @@ class Trainer:
             kept = Path(a.out) / ckpt.TOKENIZER_FILE
             self.tokenizer_file = kept if kept.is_file() else None
         elif a.init and self.tokenizer == "llama3":
-            from llmc_cli.formats.hf import tokenizer_for
+            from llmc_cli.formats.sources import tokenizer_for
             try:
                 name, self.tokenizer_file = tokenizer_for(a.init)
             except ckpt.CheckpointError:  # without the file the run still trains; sample says what is missing

@@ -1,0 +1,1 @@
+"""Benchmarks: kernels and whole training steps on every backend side by side, and the machine they ran on."""

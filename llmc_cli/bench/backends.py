@@ -1,0 +1,70 @@
+"""Which backends a benchmark compares, and which one serves as the reference for the errors."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from llmc_cli import registry
+from llmc_cli.kernels import (
+    BFLOAT16,
+    FLOAT32,
+    INT32,
+    Backend,
+    BackendUnavailable,
+)
+
+# relative error (max |got - ref| / max |ref|) above which a kernel is a mismatch, by the backend's dtype
+TOLERANCES = {FLOAT32: 1e-4, BFLOAT16: 3e-2}
+DTYPE_BYTES = {FLOAT32: 4, BFLOAT16: 2, INT32: 4}
+
+
+class BenchError(ValueError):
+    """Bad options (unknown backend, impossible shapes); the message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# choosing backends
+
+def resolve_backends(names: Sequence[str], dtype: str | None = None, plugins=None,
+                     ) -> tuple[list[tuple[str, Backend]], list[tuple[str, str]]]:
+    """Create the named backends (all usable ones when `names` is empty) computing in `dtype` (None = each
+    backend's default). Returns ([(label, backend)], [(name, why it was left out)]). A backend named explicitly
+    that cannot run raises BenchError; with no names, unusable backends are only reported.
+    `plugins`: a list of `registry.PluginInfo` to choose from (default: `registry.discover()`)."""
+    plugins = registry.discover() if plugins is None else list(plugins)
+    by_name = {p.name: p for p in plugins}
+    chosen, skipped = [], []
+    wanted = list(dict.fromkeys(names)) if names else [p.name for p in plugins]
+    for name in wanted:
+        p = by_name.get(name)
+        if p is None:
+            raise BenchError(f"--backend {name}: not installed (installed: {', '.join(by_name) or 'none'})")
+        if p.plugin is None or not p.usable:
+            if names:
+                raise BenchError(f"--backend {name}: installed but cannot run here: {p.reason}")
+            skipped.append((name, p.reason))
+            continue
+        try:
+            chosen.append((name, p.plugin.create(dtype=dtype)))
+        except BackendUnavailable as e:
+            if names:
+                raise BenchError(f"--backend {name}: {e}") from None
+            skipped.append((name, str(e)))
+    if not chosen:
+        raise BenchError("no usable backend to benchmark (see `llmc backends`)")
+    return chosen, skipped
+
+
+def reference_backend(backends: Sequence[tuple[str, Backend]], plugins=None) -> Backend | None:
+    """The numpy float32 backend every other is checked against: the one in `backends` if it is there."""
+    for label, b in backends:
+        if b.name == "cpu" and b.dtype == FLOAT32:
+            return b
+    plugins = registry.discover() if plugins is None else plugins
+    for p in plugins:
+        if p.name == "cpu" and p.plugin is not None and p.usable:
+            try:
+                return p.plugin.create(dtype=FLOAT32)
+            except BackendUnavailable:
+                return None
+    return None

@@ -1,0 +1,438 @@
+"""`llmc bench kernels`: every kernel of the contract on the shapes a model really uses, timed on each backend
+and checked against the reference backend."""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from llmc_cli.bench.backends import DTYPE_BYTES, TOLERANCES, BenchError
+from llmc_cli.kernels import (
+    CAP_KV_CACHE,
+    FLOAT32,
+    INT32,
+    Backend,
+)
+from llmc_cli.models.gpt2 import GPT2Config, num_parameters
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernel cases
+
+@dataclass
+class Buf:
+    shape: tuple
+    kind: str = "act"          # "act" (the backend's compute dtype), "f32" or "i32"
+    init: str = "normal"       # normal | weight (N(0, 0.02)) | gamma (1 + N(0, 0.1)) | small | positive | tokens:V
+
+
+@dataclass
+class KernelCase:
+    name: str                                   # e.g. "matmul_fwd qkv"
+    kind: str                                   # "memory" (GB/s) or "compute" (TFLOP/s)
+    shape: dict                                 # what the shape is, for the JSON
+    bufs: dict[str, Buf]
+    outputs: list[str]                          # compared against the reference after one call
+    call: Callable[[Backend, dict], None]
+    bytes_fn: Callable[[int], int]              # bytes moved for an act itemsize
+    flops: int = 0
+    derive: Callable[[dict, Backend], None] | None = None   # fills dependent inputs (on the host, via reference)
+    needs: str | None = None                    # a capability the kernel needs (backends without it skip it)
+
+
+def _kind_dtype(kind: str, backend: Backend) -> str:
+    return {"act": backend.dtype, "f32": FLOAT32, "i32": INT32}[kind]
+
+
+def _decode_case(B: int, T: int, NH: int, NKV: int, hd: int) -> KernelCase:
+    """attention_decode as sampling uses it: one new token per sequence at the last position of a T-long cache
+    (writes its k, v at position T-1, attends over all T); rerunning it rewrites the same values."""
+    qkv_c, pos = (NH + 2 * NKV) * hd, T - 1
+    return KernelCase(
+        "attention_decode", "compute", {"B": B, "Tn": 1, "pos": pos, "NH": NH, "NKV": NKV, "hd": hd},
+        {"out": Buf((B, 1, NH * hd)), "qkv": Buf((B, 1, qkv_c)), "k_cache": Buf((B, NKV, T, hd)),
+         "v_cache": Buf((B, NKV, T, hd))}, ["out", "k_cache", "v_cache"],
+        lambda k, b: k.attention_decode(b["out"], b["qkv"], b["k_cache"], b["v_cache"], pos, NH, NKV),
+        lambda s: B * (qkv_c + NH * hd + 2 * NKV * T * hd + 2 * NKV * hd) * s,
+        flops=4 * B * NH * T * hd, needs=CAP_KV_CACHE)
+
+
+def _shared_tail_cases(B: int, T: int, Vp: int, V: int, P: int, NH: int, NKV: int, hd: int) -> list[KernelCase]:
+    """The kernels every model family ends its step with: the fused classifier over (B, T, Vp) logits (losses
+    and dlogits in place), AdamW and the global norm over all P parameters, and single-token decode attention."""
+    N = B * T
+    cases = [
+        KernelCase("classifier_fwd_bwd", "memory", {"N": N, "Vp": Vp, "V": V},
+                   {"logits": Buf((B, T, Vp)), "losses": Buf((B, T), "f32"),
+                    "targets": Buf((B, T), "i32", f"tokens:{V}")}, ["logits", "losses"],
+                   lambda k, b: k.classifier_forward_backward(b["logits"], b["losses"], b["targets"], V, 1.0 / N),
+                   lambda s: 2 * N * Vp * s + 8 * N)]
+
+    def adamw(k, b):
+        k.adamw_update(b["param"], b["grad"], b["m"], b["v"], b.get("master"), lr=3e-4, beta1=0.9, beta2=0.95,
+                       eps=1e-8, weight_decay=0.1, step=1, grad_scale=1.0, seed=1337)
+    cases.append(KernelCase("adamw", "memory", {"params": P},
+                            {"param": Buf((P,), init="weight"), "grad": Buf((P,), init="small"),
+                             "m": Buf((P,), "f32", "small"), "v": Buf((P,), "f32", "positive")}, ["param"], adamw,
+                            lambda s: P * (3 * s + 16 + (8 if s < 4 else 0))))
+    cases.append(KernelCase("global_norm", "memory", {"params": P},
+                            {"out": Buf((1,), "f32", "small"), "grad": Buf((P,), init="small")}, ["out"],
+                            lambda k, b: k.global_norm_squared(b["out"], [b["grad"]]), lambda s: P * s + 4))
+    cases.append(_decode_case(B, T, NH, NKV, hd))
+    return cases
+
+
+def kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
+    """Every kernel of the interface the model uses, on its shapes at (B, T): GPT-2's, or Llama 3's (rmsnorm,
+    rotary embedding, grouped-query attention, SwiGLU) for a Llama config."""
+    if not isinstance(cfg, GPT2Config):
+        return llama_kernel_cases(cfg, B, T)
+    C, NH, Vp, V, maxT = cfg.n_embd, cfg.n_head, cfg.padded_vocab_size, cfg.vocab_size, cfg.block_size
+    N, hd, P = B * T, C // NH, num_parameters(cfg)
+    F = 4 * C
+    cases: list[KernelCase] = []
+
+    def add(*a, **k):
+        cases.append(KernelCase(*a, **k))
+
+    # encoder
+    add("encoder_fwd", "memory", {"B": B, "T": T, "C": C, "Vp": Vp},
+        {"out": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}"), "wte": Buf((Vp, C), init="weight"),
+         "wpe": Buf((maxT, C), init="weight")}, ["out"],
+        lambda k, b: k.encoder_forward(b["out"], b["inp"], b["wte"], b["wpe"]),
+        lambda s: 4 * N + 3 * N * C * s)
+    add("encoder_bwd", "memory", {"B": B, "T": T, "C": C, "Vp": Vp},
+        {"dwte": Buf((Vp, C), init="small"), "dwpe": Buf((maxT, C), init="small"), "dout": Buf((B, T, C)),
+         "inp": Buf((B, T), "i32", f"tokens:{V}")}, ["dwte", "dwpe"],
+        lambda k, b: k.encoder_backward(b["dwte"], b["dwpe"], b["dout"], b["inp"]),
+        lambda s: 4 * N + N * C * s + 2 * N * C * s + 2 * T * C * s)
+    # layernorm
+    ln_in = {"inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma"), "bias": Buf((C,), init="weight")}
+    add("layernorm_fwd", "memory", {"N": N, "C": C},
+        {"out": Buf((B, T, C)), "mean": Buf((B, T), "f32"), "rstd": Buf((B, T), "f32"), **ln_in},
+        ["out", "mean", "rstd"],
+        lambda k, b: k.layernorm_forward(b["out"], b["mean"], b["rstd"], b["inp"], b["weight"], b["bias"]),
+        lambda s: 2 * N * C * s + 2 * C * s + 8 * N)
+
+    def ln_stats(h, ref):
+        x = h["inp"].astype(np.float64)
+        h["mean"] = x.mean(-1).astype(np.float32)
+        h["rstd"] = (1.0 / np.sqrt(x.var(-1) + 1e-5)).astype(np.float32)
+
+    add("layernorm_bwd", "memory", {"N": N, "C": C},
+        {"dinp": Buf((B, T, C)), "dweight": Buf((C,), init="small"), "dbias": Buf((C,), init="small"),
+         "dout": Buf((B, T, C)), "inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma"),
+         "mean": Buf((B, T), "f32", "small"), "rstd": Buf((B, T), "f32", "positive")},
+        ["dinp", "dweight", "dbias"],
+        lambda k, b: k.layernorm_backward(b["dinp"], b["dweight"], b["dbias"], b["dout"], b["inp"], b["weight"],
+                                          b["mean"], b["rstd"]),
+        lambda s: 4 * N * C * s + 5 * C * s + 8 * N, derive=ln_stats)
+    add("residual_fwd", "memory", {"N": N, "C": C},
+        {"out": Buf((B, T, C)), "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C))}, ["out"],
+        lambda k, b: k.residual_forward(b["out"], b["inp1"], b["inp2"]),
+        lambda s: 3 * N * C * s)
+    add("fused_residual_layernorm_fwd", "memory", {"N": N, "C": C},
+        {"residual": Buf((B, T, C)), "out": Buf((B, T, C)), "mean": Buf((B, T), "f32"), "rstd": Buf((B, T), "f32"),
+         "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C)), "weight": Buf((C,), init="gamma"),
+         "bias": Buf((C,), init="weight")}, ["residual", "out", "mean", "rstd"],
+        lambda k, b: k.fused_residual_layernorm_forward(b["residual"], b["out"], b["mean"], b["rstd"], b["inp1"],
+                                                        b["inp2"], b["weight"], b["bias"]),
+        lambda s: 4 * N * C * s + 2 * C * s + 8 * N)
+
+    # matmuls: (name, in channels K, out channels OC, bias, GELU fused in forward / its derivative in backward)
+    mm = [("qkv", C, 3 * C, True, False), ("attproj", C, C, True, False), ("fc", C, F, True, True),
+          ("fcproj", F, C, True, False), ("classifier", C, Vp, False, False)]
+    for name, K, OC, bias, gelu in mm:
+        bufs = {"out": Buf((B, T, OC)), "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}
+        if bias:
+            bufs["bias"] = Buf((OC,), init="weight")
+        if gelu:
+            bufs["pre_gelu"] = Buf((B, T, OC))
+
+        def fwd(k, b):
+            k.matmul_forward(b["out"], b["inp"], b["weight"], b.get("bias"), pre_gelu=b.get("pre_gelu"))
+        add(f"matmul_fwd {name}" + (" +gelu" if gelu else ""), "compute",
+            {"N": N, "K": K, "OC": OC, "bias": bias, "gelu": gelu}, bufs,
+            ["out"] + (["pre_gelu"] if gelu else []), fwd,
+            (lambda K, OC, bias, gelu: lambda s: (N * K + OC * K + N * OC * (2 if gelu else 1)) * s
+             + (OC * s if bias else 0))(K, OC, bias, gelu),
+            flops=2 * N * K * OC)
+    # backward: GPT-2 fuses GELU's derivative into fcproj's dinp (its input was gelu(fch))
+    for name, K, OC, bias, _ in mm:
+        gelu_bwd = name == "fcproj"
+        bufs = {"dinp": Buf((B, T, K)), "dweight": Buf((OC, K), init="small"), "dout": Buf((B, T, OC)),
+                "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}
+        if bias:
+            bufs["dbias"] = Buf((OC,), init="small")
+        if gelu_bwd:
+            bufs["pre_gelu"] = Buf((B, T, K))
+
+        def bwd(k, b):
+            k.matmul_backward(b["dinp"], b["dweight"], b.get("dbias"), b["dout"], b["inp"], b["weight"],
+                              pre_gelu=b.get("pre_gelu"))
+        add(f"matmul_bwd {name}" + (" +gelu'" if gelu_bwd else ""), "compute",
+            {"N": N, "K": K, "OC": OC, "bias": bias, "gelu": gelu_bwd}, bufs,
+            ["dinp", "dweight"] + (["dbias"] if bias else []), bwd,
+            (lambda K, OC, bias, g: lambda s: (N * OC + 2 * N * K + 3 * OC * K + (N * K if g else 0)) * s
+             + (2 * OC * s if bias else 0))(K, OC, bias, gelu_bwd),
+            flops=4 * N * K * OC)
+
+    # elementwise GELU on the MLP's hidden activations
+    add("gelu_fwd", "memory", {"N": N, "C": F}, {"out": Buf((B, T, F)), "inp": Buf((B, T, F))}, ["out"],
+        lambda k, b: k.gelu_forward(b["out"], b["inp"]), lambda s: 2 * N * F * s)
+    add("gelu_bwd", "memory", {"N": N, "C": F},
+        {"dinp": Buf((B, T, F)), "inp": Buf((B, T, F)), "dout": Buf((B, T, F))}, ["dinp"],
+        lambda k, b: k.gelu_backward(b["dinp"], b["inp"], b["dout"]), lambda s: 3 * N * F * s)
+
+    # attention: useful FLOPs of the causal half (QK^T and PV forward; dV, dP, dQ, dK backward)
+    att_shape = {"B": B, "T": T, "NH": NH, "hd": hd}
+    add("attention_fwd", "compute", att_shape,
+        {"out": Buf((B, T, C)), "lse": Buf((B, NH, T), "f32"), "qkv": Buf((B, T, 3 * C))}, ["out", "lse"],
+        lambda k, b: k.attention_forward(b["out"], b["lse"], b["qkv"], NH, NH),
+        lambda s: 4 * N * C * s + 4 * B * NH * T, flops=2 * B * NH * T * T * hd)
+
+    def att_fwd(h, ref):
+        q = ref.alloc((B, T, 3 * C), FLOAT32, tag="bench")
+        o = ref.alloc((B, T, C), FLOAT32, tag="bench")
+        lse = ref.alloc((B, NH, T), FLOAT32, tag="bench")
+        ref.upload(q, h["qkv"])
+        ref.attention_forward(o, lse, q, NH, NH)
+        h["out"], h["lse"] = ref.download(o).astype(np.float32), ref.download(lse).astype(np.float32)
+
+    add("attention_bwd", "compute", att_shape,
+        {"dqkv": Buf((B, T, 3 * C)), "dout": Buf((B, T, C)), "qkv": Buf((B, T, 3 * C)), "out": Buf((B, T, C)),
+         "lse": Buf((B, NH, T), "f32")}, ["dqkv"],
+        lambda k, b: k.attention_backward(b["dqkv"], b["dout"], b["qkv"], b["out"], b["lse"], NH, NH),
+        lambda s: 8 * N * C * s + 4 * B * NH * T, flops=4 * B * NH * T * T * hd, derive=att_fwd)
+
+    return cases + _shared_tail_cases(B, T, Vp, V, P, NH, NH, hd)
+
+
+def llama_kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
+    """Llama 3's kernels on its shapes: rmsnorm, bias-free matmuls (fused qkv with grouped-query heads, fused
+    gate/up), rotary embedding, GQA attention, SwiGLU, the untied (or tied) head and the shared ones."""
+    from llmc_cli.models.llama3 import freqs_cis
+    from llmc_cli.models.llama3 import num_parameters as llama_params
+    C, NH, NKV, hd, H, V = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
+    N, P, QKV = B * T, llama_params(cfg), (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    eps = cfg.norm_eps
+    cases: list[KernelCase] = []
+    freqs = freqs_cis(cfg, T)
+
+    def add(*a, **k):
+        cases.append(KernelCase(*a, **k))
+
+    def with_freqs(h, ref):
+        h["freqs"] = freqs
+
+    add("encoder_fwd", "memory", {"B": B, "T": T, "C": C, "V": V},
+        {"out": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}"), "wte": Buf((V, C), init="weight")},
+        ["out"], lambda k, b: k.encoder_forward(b["out"], b["inp"], b["wte"], None), lambda s: 4 * N + 2 * N * C * s)
+    add("encoder_bwd", "memory", {"B": B, "T": T, "C": C, "V": V},
+        {"dwte": Buf((V, C), init="small"), "dout": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}")},
+        ["dwte"], lambda k, b: k.encoder_backward(b["dwte"], None, b["dout"], b["inp"]),
+        lambda s: 4 * N + 3 * N * C * s)
+    add("rmsnorm_fwd", "memory", {"N": N, "C": C},
+        {"out": Buf((B, T, C)), "rstd": Buf((B, T), "f32"), "inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma")},
+        ["out", "rstd"], lambda k, b: k.rmsnorm_forward(b["out"], b["rstd"], b["inp"], b["weight"], eps),
+        lambda s: 2 * N * C * s + C * s + 4 * N)
+
+    def rms_stats(h, ref):
+        x = h["inp"].astype(np.float64)
+        h["rstd"] = (1.0 / np.sqrt((x * x).mean(-1) + eps)).astype(np.float32)
+
+    add("rmsnorm_bwd", "memory", {"N": N, "C": C},
+        {"dinp": Buf((B, T, C)), "dweight": Buf((C,), init="small"), "dout": Buf((B, T, C)), "inp": Buf((B, T, C)),
+         "weight": Buf((C,), init="gamma"), "rstd": Buf((B, T), "f32", "positive")}, ["dinp", "dweight"],
+        lambda k, b: k.rmsnorm_backward(b["dinp"], b["dweight"], b["dout"], b["inp"], b["weight"], b["rstd"]),
+        lambda s: 4 * N * C * s + 3 * C * s + 4 * N, derive=rms_stats)
+    add("residual_fwd", "memory", {"N": N, "C": C},
+        {"out": Buf((B, T, C)), "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C))}, ["out"],
+        lambda k, b: k.residual_forward(b["out"], b["inp1"], b["inp2"]), lambda s: 3 * N * C * s)
+    mm = [("qkv", C, QKV), ("wo", NH * hd, C), ("w13", C, 2 * H), ("w2", H, C), ("lm_head", C, V)]
+    for name, K, OC in mm:
+        add(f"matmul_fwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
+            {"out": Buf((B, T, OC)), "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["out"],
+            lambda k, b: k.matmul_forward(b["out"], b["inp"], b["weight"]),
+            (lambda K, OC: lambda s: (N * K + OC * K + N * OC) * s)(K, OC), flops=2 * N * K * OC)
+    for name, K, OC in mm:
+        add(f"matmul_bwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
+            {"dinp": Buf((B, T, K)), "dweight": Buf((OC, K), init="small"), "dout": Buf((B, T, OC)),
+             "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["dinp", "dweight"],
+            lambda k, b: k.matmul_backward(b["dinp"], b["dweight"], None, b["dout"], b["inp"], b["weight"]),
+            (lambda K, OC: lambda s: (N * OC + 2 * N * K + 3 * OC * K) * s)(K, OC), flops=4 * N * K * OC)
+    rope_shape = {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd}
+    rope_bytes = lambda s: 2 * N * (NH + NKV) * hd * s + T * hd * 4  # noqa: E731  (q and k rotated in place)
+    add("rope_fwd", "memory", rope_shape, {"qkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")}, ["qkv"],
+        lambda k, b: k.rope_forward(b["qkv"], b["freqs"], NH, NKV), rope_bytes, derive=with_freqs)
+    add("rope_bwd", "memory", rope_shape, {"dqkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")},
+        ["dqkv"], lambda k, b: k.rope_backward(b["dqkv"], b["freqs"], NH, NKV), rope_bytes, derive=with_freqs)
+    add("swiglu_fwd", "memory", {"N": N, "H": H}, {"out": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))}, ["out"],
+        lambda k, b: k.swiglu_forward(b["out"], b["inp"]), lambda s: 3 * N * H * s)
+    add("swiglu_bwd", "memory", {"N": N, "H": H},
+        {"dinp": Buf((B, T, 2 * H)), "dout": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))}, ["dinp"],
+        lambda k, b: k.swiglu_backward(b["dinp"], b["dout"], b["inp"]), lambda s: 5 * N * H * s)
+    att_shape = {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd}
+    add("attention_fwd", "compute", att_shape,
+        {"out": Buf((B, T, NH * hd)), "lse": Buf((B, NH, T), "f32"), "qkv": Buf((B, T, QKV))}, ["out", "lse"],
+        lambda k, b: k.attention_forward(b["out"], b["lse"], b["qkv"], NH, NKV),
+        lambda s: (N * QKV + N * NH * hd) * s + 4 * B * NH * T, flops=2 * B * NH * T * T * hd)
+
+    def att_fwd(h, ref):
+        q = ref.alloc((B, T, QKV), FLOAT32, tag="bench")
+        o = ref.alloc((B, T, NH * hd), FLOAT32, tag="bench")
+        lse = ref.alloc((B, NH, T), FLOAT32, tag="bench")
+        ref.upload(q, h["qkv"])
+        ref.attention_forward(o, lse, q, NH, NKV)
+        h["out"], h["lse"] = ref.download(o).astype(np.float32), ref.download(lse).astype(np.float32)
+
+    add("attention_bwd", "compute", att_shape,
+        {"dqkv": Buf((B, T, QKV)), "dout": Buf((B, T, NH * hd)), "qkv": Buf((B, T, QKV)),
+         "out": Buf((B, T, NH * hd)), "lse": Buf((B, NH, T), "f32")}, ["dqkv"],
+        lambda k, b: k.attention_backward(b["dqkv"], b["dout"], b["qkv"], b["out"], b["lse"], NH, NKV),
+        lambda s: (2 * N * QKV + 2 * N * NH * hd) * s + 4 * B * NH * T, flops=4 * B * NH * T * T * hd,
+        derive=att_fwd)
+    return cases + _shared_tail_cases(B, T, V, V, P, NH, NKV, hd)
+
+
+def _host_inputs(case: KernelCase, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([seed, zlib.crc32(case.name.encode())])
+    h = {}
+    for name, spec in case.bufs.items():
+        shape, init = spec.shape, spec.init
+        if init.startswith("tokens:"):
+            h[name] = rng.integers(0, int(init.split(":")[1]), shape, dtype=np.int32)
+            continue
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if init == "weight":
+            x *= 0.02
+        elif init == "gamma":
+            x = 1.0 + 0.1 * x
+        elif init == "small":
+            x *= 0.01
+        elif init == "positive":
+            x = np.abs(x) * 1e-3 + 1e-4
+        h[name] = x.astype(np.float32, copy=False)
+    return h
+
+
+def _run_once(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -> tuple[dict, dict, dict]:
+    """Allocate and fill the case's buffers on `backend`, call the kernel once; (buffers, outputs on the host,
+    the inputs as the backend held them before the call)."""
+    bufs = {}
+    for name, spec in case.bufs.items():
+        buf = backend.alloc(spec.shape, _kind_dtype(spec.kind, backend), tag="bench")
+        backend.upload(buf, host[name])
+        bufs[name] = buf
+    if case.name == "adamw" and backend.dtype != FLOAT32:  # bf16 parameters keep float32 master weights
+        bufs["master"] = backend.alloc(case.bufs["param"].shape, FLOAT32, tag="bench")
+        backend.upload(bufs["master"], host["param"])
+    held = _as_held(case, backend, bufs, host)  # before the call: kernels update buffers in place (+=, rope)
+    case.call(backend, bufs)
+    backend.synchronize()
+    outs = {n: np.asarray(backend.download(bufs[n]), dtype=np.float32) for n in case.outputs}
+    return bufs, outs, held
+
+
+def _as_held(case: KernelCase, backend: Backend, bufs: dict, host: dict) -> dict:
+    """The inputs as the backend holds them (rounded to bfloat16 where it computes in bf16), for its reference;
+    read before the kernel runs."""
+    if backend.dtype == FLOAT32:
+        return host
+    return {n: (host[n] if case.bufs[n].kind != "act" else np.asarray(backend.download(bufs[n]), np.float32))
+            for n in host}
+
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref| (inf when got holds NaN / inf)."""
+    got = got.reshape(-1)
+    ref = ref.reshape(-1)
+    if not np.all(np.isfinite(got)):
+        return math.inf
+    den = float(np.max(np.abs(ref))) if ref.size else 0.0
+    num = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+    return num / den if den > 0 else num
+
+
+def _spread(times_s: list[float]) -> dict:
+    ms = [t * 1e3 for t in times_s]
+    return {"times_ms": ms, "min_ms": min(ms), "median_ms": statistics.median(ms), "max_ms": max(ms)}
+
+
+def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, T: int, *, repeat: int = 10,
+                warmup: int = 2, seed: int = 1337, reference: Backend | None = None,
+                tol: float | None = None, only: Sequence[str] | None = None,
+                progress: Callable[[str], None] | None = None) -> dict:
+    """Time and check every kernel case on every backend. `reference`: the backend outputs are compared with
+    (None: errors are not computed). `tol`: mismatch threshold (default by dtype, TOLERANCES). `only`: kernel
+    name prefixes to keep. Returns {"config", "results": [...], "mismatches": [...]}."""
+    if repeat < 1 or warmup < 0:
+        raise BenchError(f"--repeat must be >= 1 and --warmup >= 0 (got {repeat}, {warmup})")
+    cases = kernel_cases(cfg, B, T)
+    if only:
+        cases = [c for c in cases if any(c.name.startswith(o) for o in only)]
+        if not cases:
+            raise BenchError(f"--only {' '.join(only)}: matches no kernel")
+    results, mismatches = [], []
+    for case in cases:
+        host = _host_inputs(case, seed)
+        if case.derive is not None:
+            case.derive(host, reference if reference is not None else backends[0][1])
+        refs: dict[str, dict] = {}  # by dtype the inputs were held in
+        for label, be in backends:
+            if progress:
+                progress(f"{case.name} on {label}")
+            if case.needs and case.needs not in be.capabilities:  # e.g. attention_decode without CAP_KV_CACHE
+                continue
+            bufs, outs, held = _run_once(case, be, host)
+            err = None
+            if reference is not None:
+                if be.dtype not in refs:
+                    refs[be.dtype] = _run_once(case, reference, held)[1]
+                err = max(rel_error(outs[n], refs[be.dtype][n]) for n in case.outputs)
+            del held
+            del outs
+            for _ in range(warmup):
+                case.call(be, bufs)
+            timer = be.timer()
+            times = []
+            for _ in range(repeat):
+                timer.start()
+                case.call(be, bufs)
+                times.append(timer.stop())
+            del bufs
+            s = DTYPE_BYTES[be.dtype]
+            r = {"kernel": case.name, "kind": case.kind, "shape": case.shape, "backend": label,
+                 "dtype": be.dtype, "bytes": case.bytes_fn(s), "flops": case.flops, **_spread(times)}
+            med = r["median_ms"] / 1e3
+            r["gb_s"] = r["bytes"] / med / 1e9 if med > 0 else None
+            r["tflop_s"] = case.flops / med / 1e12 if (case.flops and med > 0) else None
+            limit = tol if tol is not None else TOLERANCES.get(be.dtype, 3e-2)
+            r["max_rel_err"] = err
+            r["tol"] = limit
+            r["ok"] = None if err is None else bool(err <= limit)
+            if r["ok"] is False:
+                mismatches.append({"kernel": case.name, "backend": label, "max_rel_err": err, "tol": limit})
+            results.append(r)
+        refs.clear()
+        del host
+        gc.collect()
+    return {"config": {**_cfg_dict(cfg), "B": B, "T": T, "repeat": repeat, "warmup": warmup, "seed": seed,
+                       "reference": None if reference is None else reference.describe()},
+            "results": results, "mismatches": mismatches}
+
+
+def _cfg_dict(cfg) -> dict:
+    from llmc_cli.models.families import family_of_config
+    fam = family_of_config(cfg)
+    d = {"family": fam.name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+         "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size, "block_size": cfg.block_size,
+         "num_parameters": fam.module.num_parameters(cfg)}
+    if hasattr(cfg, "n_kv_head"):
+        d["n_kv_head"] = cfg.n_kv_head
+    return d

@@ -1,0 +1,81 @@
+"""What a benchmark ran on: CPU, BLAS, GPUs, package versions, in a dict and as lines for a report."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from typing import Sequence
+
+import numpy as np
+
+from llmc_cli.kernels import (
+    CAP_DEVICE_EVENTS,
+    Backend,
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# the machine
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _blas() -> str:
+    try:
+        cfg = np.show_config(mode="dicts")
+        b = cfg["Build Dependencies"]["blas"]
+        return f"{b.get('name', '?')} {b.get('version', '')}".strip()
+    except Exception:
+        return "?"
+
+
+def _nvidia_smi() -> list[str]:
+    import shutil
+    import subprocess
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return [l.strip() for l in out.stdout.splitlines() if l.strip()]
+    except Exception:
+        return []
+
+
+def describe_machine(backends: Sequence[tuple[str, Backend]] = ()) -> dict:
+    """CPU model, cores, OS, library versions, GPUs (nvidia-smi where present) and each backend's own line."""
+    libs = {d: _version(d) for d in ("llmc", "llmc-cpu", "llmc-opencl", "llmc-cuda", "numpy", "scipy", "pyopencl",
+                                     "cupy-cuda12x", "cupy-cuda13x", "torch", "click", "rich")}
+    return {
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "os": platform.platform(),
+        "python": platform.python_version(), "blas": _blas(),
+        "libraries": {k: v for k, v in libs.items() if v},
+        "gpus": _nvidia_smi(),
+        "backends": [{"label": label, "describe": b.describe(), "dtype": b.dtype,
+                      "timer": "device events" if CAP_DEVICE_EVENTS in b.capabilities else "host clock"}
+                     for label, b in backends],
+    }
+
+
+def machine_lines(m: dict) -> list[str]:
+    libs = ", ".join(f"{k} {v}" for k, v in m["libraries"].items())
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['os']}, Python {m['python']}, BLAS {m['blas']}",
+             f"libraries: {libs}"]
+    lines += [f"gpu: {g}" for g in m["gpus"]]
+    lines += [f"backend {b['label']}: {b['describe']} ({b['dtype']}, timer: {b['timer']})" for b in m["backends"]]
+    return lines

@@ -1,0 +1,81 @@
+"""Tables of benchmark results (rich renderables; the command prints them)."""
+
+from __future__ import annotations
+
+import math
+
+# ---------------------------------------------------------------------------------------------------------------
+# presenting
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:.4f}" if ms < 0.1 else f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
+
+
+def _fmt_rate(r: dict) -> str:
+    if r.get("tflop_s") is not None:
+        v = r["tflop_s"]
+        return f"{v * 1e6:.0f} MF/s" if v < 1e-4 else f"{v * 1e3:.1f} GF/s" if v < 1 else f"{v:.2f} TF/s"
+    v = r.get("gb_s")
+    return "-" if v is None else f"{v * 1e3:.0f} MB/s" if v < 0.1 else f"{v:.1f} GB/s"
+
+
+def _fmt_err(r: dict) -> str:
+    e = r["max_rel_err"]
+    if e is None:
+        return "n/a"
+    s = "0" if e == 0 else "inf" if math.isinf(e) else f"{e:.1e}"
+    return f"[bold red]{s} MISMATCH[/]" if r["ok"] is False else f"[green]{s}[/]"
+
+
+def kernels_table(res: dict):
+    """Kernels as rows, backends as columns; each cell: median ms [min-max], then the rate and the error."""
+    from rich.table import Table
+    c = res["config"]
+    labels = list(dict.fromkeys(r["backend"] for r in res["results"]))
+    table = Table(title=f"llmc bench kernels: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
+                        f"Vp={c['padded_vocab_size']}, B={c['B']} T={c['T']}",
+                  caption=f"ms: median of {c['repeat']} calls \\[min-max] after {c['warmup']} warm-up; "
+                          "rate: GB/s or TFLOP/s at the median; err: max|got-ref| / max|ref| against the cpu "
+                          "backend on the same inputs", show_lines=True)
+    table.add_column("kernel", no_wrap=True)
+    for l in labels:
+        table.add_column(l, justify="right", no_wrap=True)
+    rows: dict[str, dict[str, dict]] = {}
+    for r in res["results"]:
+        rows.setdefault(r["kernel"], {})[r["backend"]] = r
+    for kernel, per in rows.items():
+        cells = [kernel]
+        for l in labels:
+            r = per.get(l)
+            cells.append("-" if r is None else
+                         f"{_fmt_ms(r['median_ms'])} ms [dim]\\[{_fmt_ms(r['min_ms'])}-{_fmt_ms(r['max_ms'])}][/]\n"
+                         f"{_fmt_rate(r)}  err {_fmt_err(r)}")
+        table.add_row(*cells)
+    return table
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.0f}"
+
+
+def train_table(res: dict):
+    from rich.table import Table
+    c = res["config"]
+    table = Table(title=f"llmc bench train: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
+                        f"({c['num_parameters']:,} params), B={c['B']} T={c['T']}",
+                  caption=f"median of {c['steps']} steps \\[min-max] after {c['warmup']} warm-up; each step "
+                          "includes the data loader, forward, backward, grad norm and AdamW; RSS peak is the "
+                          "process's, cumulative over the runs before it")
+    for col, just in (("backend", "left"), ("dtype", "left"), ("ms/step \\[min-max]", "right"),
+                      ("tok/s", "right"), ("TFLOP/s", "right"), ("MFU", "right"), ("loss 1st -> last", "right"),
+                      ("alloc MiB", "right"), ("device used MiB", "right"), ("RSS peak MiB", "right")):
+        table.add_column(col, justify=just, no_wrap=col != "backend")
+    for r in res["results"]:
+        table.add_row(r["name"], r.get("dtype", "-"),
+                      f"{_fmt_ms(r['median_ms'])} [dim]\\[{_fmt_ms(r['min_ms'])}-{_fmt_ms(r['max_ms'])}][/]",
+                      f"{r['tok_s']:,.0f}", f"{r['tflop_s']:.3f}",
+                      "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
+                      _mib(r.get("allocated_bytes")), _mib(r.get("device_used_bytes")),
+                      _mib(r.get("host_rss_peak_bytes")))
+    return table

@@ -1,0 +1,238 @@
+"""PNG charts: training curves of run logs (`llmc plot`) and benchmark results (`llmc bench --plot`).
+matplotlib is optional (`pip install 'llmc[plot]'`); files are written only where a PNG (or nothing) was."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmc_cli.bench.backends import BenchError
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
+
+
+def plot_kernels(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = list(dict.fromkeys(r["backend"] for r in res["results"]))
+    kernels = list(dict.fromkeys(r["kernel"] for r in res["results"]))
+    by = {(r["kernel"], r["backend"]): r for r in res["results"]}
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(kernels) * max(1, len(labels)) + 1.5))
+    h = 0.8 / len(labels)
+    for i, l in enumerate(labels):
+        ys = [k_i + i * h for k_i in range(len(kernels))]
+        med = [by[(k, l)]["median_ms"] if (k, l) in by else np.nan for k in kernels]
+        lo = [m - by[(k, l)]["min_ms"] if (k, l) in by else 0 for k, m in zip(kernels, med)]
+        hi = [by[(k, l)]["max_ms"] - m if (k, l) in by else 0 for k, m in zip(kernels, med)]
+        ax.barh(ys, med, height=h, xerr=[lo, hi], label=l, capsize=2)
+    ax.set_yticks([k + 0.4 - h / 2 for k in range(len(kernels))])
+    ax.set_yticklabels(kernels)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per call (median, min-max bars)")
+    c = res["config"]
+    ax.set_title(f"llmc kernels, L={c['n_layer']} C={c['n_embd']} B={c['B']} T={c['T']}")
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        save_png(fig, path, dpi=120, option="--plot")
+    except PlotError as e:
+        raise BenchError(str(e)) from None
+    finally:
+        plt.close(fig)
+
+
+def plot_train(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rs = res["results"]
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(rs) + 2), 4))
+    names = [r["name"] for r in rs]
+    tok = [r["tok_s"] for r in rs]
+    # tokens/s from the slowest and fastest steps
+    lo = [t - r["tok_s"] * r["median_ms"] / r["max_ms"] for t, r in zip(tok, rs)]
+    hi = [r["tok_s"] * r["median_ms"] / r["min_ms"] - t for t, r in zip(tok, rs)]
+    ax.bar(names, tok, yerr=[lo, hi], capsize=4, color=["C0" if r["kind"] == "llmc" else "C1" for r in rs])
+    ax.set_ylabel("tokens / s (median, min-max bars)")
+    c = res["config"]
+    ax.set_title(f"llmc train step, L={c['n_layer']} C={c['n_embd']} B={c['B']} T={c['T']}")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+PANELS = [  # (title, [(record key, label suffix, line style)], log-scale y)
+    ("loss", [("loss", "train", "-"), ("val_loss", "val", "--")], False),
+    ("learning rate", [("lr", "", "-")], False),
+    ("grad norm", [("norm", "", "-")], True),
+    ("tokens/s", [("tok_per_s", "", "-")], False),
+    ("HellaSwag acc_norm", [("hellaswag_acc_norm", "", "-o")], False),
+]
+
+
+class PlotError(ValueError):
+    pass
+
+
+def resolve_log(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        for name in ("log.jsonl", "train.jsonl"):
+            if (p / name).is_file():
+                return p / name
+        found = sorted(p.glob("*.jsonl"))
+        if len(found) == 1:
+            return found[0]
+        raise PlotError(f"{p}: no log.jsonl in this run directory (write one with `llmc train --log`)")
+    if not p.is_file():
+        raise PlotError(f"{p}: no such log file or run directory")
+    return p
+
+
+def read_log(path: str | Path) -> list[dict]:
+    p = resolve_log(path)
+    recs = []
+    with open(p) as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                raise PlotError(f"{p}:{i}: not a JSON line (expected the log `llmc train --log` writes)") from None
+            if isinstance(r, dict) and "step" in r:
+                recs.append(r)
+    if not recs:
+        raise PlotError(f"{p}: no step records")
+    return recs
+
+
+def tokens_per_step(recs: list[dict]) -> float | None:
+    for r in recs:
+        if "tokens_per_step" in r:
+            return float(r["tokens_per_step"])
+        if "tok_per_s" in r and "ms" in r:
+            return round(r["tok_per_s"] * r["ms"] / 1e3)
+    return None
+
+
+def ema(values: list[float], factor: float) -> list[float]:
+    """Exponential moving average with bias correction (as TensorBoard-style smoothing), factor in [0, 1)."""
+    if factor <= 0:
+        return list(values)
+    out, acc, w = [], 0.0, 0.0
+    for v in values:
+        acc = factor * acc + (1 - factor) * v
+        w = factor * w + (1 - factor)
+        out.append(acc / w)
+    return out
+
+
+def series(recs: list[dict], key: str, x: str, tps: float | None) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in recs:
+        v = r.get(key)
+        if v is None or not isinstance(v, (int, float)) or not math.isfinite(v):
+            continue
+        step = r["step"]
+        xs.append(r["tokens"] if x == "tokens" and "tokens" in r else step * tps if x == "tokens" else step)
+        ys.append(float(v))
+    return xs, ys
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png_target(path: str | Path, option: str = "--out") -> None:
+    """A picture may replace only a PNG: anything else already at `path` is the user's and stays."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise PlotError(f"{option} {path}: not a file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(PNG_MAGIC))
+    except OSError as e:
+        raise PlotError(f"{option} {path}: cannot read it ({e.strerror or e})") from None
+    if head != PNG_MAGIC:
+        raise PlotError(f"{option} {path}: exists and is not a PNG; llmc replaces only PNG files, so give a new "
+                        "path; nothing was changed")
+
+
+def save_png(fig, path: str | Path, dpi: int, option: str = "--out") -> Path:
+    """`fig` as a PNG at `path`, written under a temporary name and renamed (see check_png_target)."""
+    check_png_target(path, option)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise PlotError(f"{option} {path}: cannot write it ({e.strerror or e})") from None
+    return path
+
+
+def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float = 0.0) -> Path:
+    check_png_target(out)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("matplotlib is not installed (pip install 'llmc[plot]' or pip install matplotlib)") from None
+    logs = [(str(r), read_log(r)) for r in runs]
+    panels = [p for p in PANELS if any(k in rec for _, recs in logs for rec in recs for k, _, _ in p[1])]
+    ncol = 2 if len(panels) > 1 else 1
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.6 * nrow), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, keys, logy) in zip(axes.flat, panels):
+        for i, (name, recs) in enumerate(logs):
+            tps = tokens_per_step(recs)
+            if x == "tokens" and tps is None:
+                raise PlotError(f"{name}: the log has no tok_per_s/ms to count tokens; plot against step")
+            for key, suffix, style in keys:
+                xs, ys = series(recs, key, x, tps)
+                if not xs:
+                    continue
+                if key in ("loss", "norm", "tok_per_s"):
+                    ys = ema(ys, smooth)
+                label = name + (f" {suffix}" if suffix else "")
+                ax.plot(xs, ys, style, color=colors[i % len(colors)], label=label, lw=1.2, ms=3)
+        ax.set_title(title)
+        ax.set_xlabel("tokens" if x == "tokens" else "step")
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if len(logs) > 1 or len(keys) > 1:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    try:
+        return save_png(fig, out, dpi=110)
+    finally:
+        plt.close(fig)

@@ -1,0 +1,35 @@
+"""`llmc backends`: what is installed and whether it can run here."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.table import Table
+
+from llmc_cli.commands.console import console
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def backends(as_json: bool) -> None:
+    """List installed backends, whether each can run here, and why not.
+
+    \b
+    Example:
+      llmc backends --json
+    """
+    from llmc_cli.registry import discover
+    found = discover()
+    if as_json:
+        click.echo(json.dumps([{"name": p.name, "usable": p.usable, "reason": p.reason,
+                                "distribution": p.distribution,
+                                "devices": p.plugin.devices() if (p.plugin and p.usable) else []}
+                               for p in found], indent=1))
+        return
+    table = Table(title="llmc backends")
+    for col in ("backend", "usable", "device / reason", "distribution"):
+        table.add_column(col)
+    for p in found:
+        table.add_row(p.name, "[green]yes[/]" if p.usable else "[red]no[/]", p.reason, p.distribution)
+    console.print(table)

@@ -1,0 +1,55 @@
+"""What every command shares: the consoles, the one-line failure, and opening a backend by name."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False)
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "auto": None}
+
+
+_RANK: dict = {}  # set when this process is one rank of many: {"rank", "world", "comm"} (data parallel)
+
+
+def fail(msg: str, code: int = 2) -> None:
+    """One clear line on stderr and a non-zero exit; nothing on disk is touched after this."""
+    who = f" (rank {_RANK['rank']} of {_RANK['world']})" if _RANK else ""
+    from rich.markup import (
+        escape,  # messages hold paths and pip specs like 'pyopencl[pocl]': not markup
+    )
+    err_console.print(f"[bold red]error{who}:[/] {escape(msg)}", soft_wrap=True)
+    if _RANK.get("comm") is not None:  # the other ranks wait in a collective: take the whole job down
+        sys.stderr.flush()
+        from llmc_cli.parallel.launch import note_failure
+        note_failure(_RANK["rank"], _RANK["world"], msg)
+        _RANK["comm"].abort(code)
+    sys.exit(code)
+
+
+def make_backend(name: str, device: str | None, dtype: str):
+    from llmc_cli.kernels import BackendUnavailable
+    from llmc_cli.registry import create_backend
+    try:
+        return create_backend(name, device=device, dtype=DTYPES[dtype])
+    except BackendUnavailable as e:
+        msg = str(e)
+        if "No module named" in msg:  # a backend whose optional package is missing: say what to install
+            from llmc_cli.training.guard import PIP_NAMES
+            mod = msg.split("No module named", 1)[1].strip(" '\"").split("'")[0].split(".")[0]
+            msg += f" (pip install {PIP_NAMES.get(mod, mod)})"
+        fail(f"--backend {name}{f' --device {device}' if device else ''}: {msg}")
+    except Exception as e:  # a driver error while opening the device: one line, not a traceback
+        fail(f"--backend {name}{f' --device {device}' if device else ''}: cannot start "
+             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as the one line `fail` prints; an OSError names its file and the system's reason."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

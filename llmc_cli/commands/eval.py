@@ -1,0 +1,68 @@
+"""`llmc eval`: mean loss over shards and HellaSwag accuracy of any checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from llmc_cli.commands.console import DTYPES, console, fail, make_backend
+from llmc_cli.commands.options import COUNT, POSITIVE
+from llmc_cli.commands.sample import load_for_inference
+
+
+@click.command(name="eval")
+@click.option("--checkpoint", required=True,
+              help="Run directory, step directory, llm.c .bin, or Hugging Face directory.")
+@click.option("--data", default=None, help="Glob of shards to evaluate on, e.g. 'datasets/shakespeare/*val*.bin'.")
+@click.option("--batches", type=COUNT, default=0, show_default=True, help="Batches to average (0 = all, once).")
+@click.option("--hellaswag", default=None, type=click.Path(),
+              help="llm.c HellaSwag eval file (`llmc tokenize hellaswag`): report acc and acc_norm.")
+@click.option("--hellaswag-limit", type=COUNT, default=0, show_default=True,
+              help="Score only the first N HellaSwag examples (0 = all).")
+@click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True)
+@click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True)
+@click.option("--backend", default="auto", show_default=True)
+@click.option("--device", default=None)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"loss": ..., "hellaswag_acc": ..., "hellaswag_acc_norm": ...} as JSON.')
+def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, seq_len, backend, device, dtype,
+             as_json) -> None:
+    """Mean loss of a model over the first batches of some shards, in order, and/or its HellaSwag accuracy
+    (acc_norm: the ending with the lowest mean loss per token wins, as llm.c and lm-eval-harness score it).
+
+    \b
+    Example:
+      llmc eval --checkpoint checkpoints/shakespeare --data 'datasets/shakespeare/*val*.bin' --json
+      llmc eval --checkpoint checkpoints/gpt2 --hellaswag datasets/hellaswag/hellaswag_val.bin
+    """
+    from llmc_cli.data.loader import DataError, ValLoader
+    from llmc_cli.evals.evaluate import HellaSwag, evaluate_loss
+    if data is None and hellaswag is None:
+        fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
+    hs = None
+    if hellaswag is not None:
+        try:
+            hs = HellaSwag(hellaswag, hellaswag_limit)
+        except DataError as e:
+            fail(f"--hellaswag: {e}")
+    be = make_backend(backend, device, dtype)
+    model = load_for_inference(checkpoint, be, batch_size if data else 1, seq_len if data else 1)
+    result = {}
+    try:
+        if data is not None:
+            loader = ValLoader(data, batch_size, seq_len, vocab_size=model.cfg.vocab_size)
+            result["loss"] = evaluate_loss(model, loader, batches)
+        if hs is not None:
+            result |= hs.evaluate(model).as_dict()
+    except (DataError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    if "loss" in result:
+        console.print(f"loss {result['loss']:.6f}")
+    if hs is not None:
+        console.print(f"hellaswag acc_norm {result['hellaswag_acc_norm']:.4f} acc {result['hellaswag_acc']:.4f} "
+                      f"({result['hellaswag_examples']} examples)")

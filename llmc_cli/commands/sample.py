@@ -1,0 +1,109 @@
+"""`llmc sample`: stream text from any checkpoint."""
+
+from __future__ import annotations
+
+import click
+
+from llmc_cli.commands.console import DTYPES, err_console, fail, make_backend
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
+
+
+def load_for_inference(checkpoint: str, backend, B: int, T: int):
+    """The model of any --checkpoint (GPT-2 or Llama, llmc file, run directory or Hugging Face directory),
+    planned for inference at (B, T)."""
+    from llmc_cli.formats import checkpoint as ckpt
+    from llmc_cli.formats.sources import load_model_any
+    from llmc_cli.models.families import family_of_config
+    try:
+        cfg, params, _ = load_model_any(checkpoint)
+    except ckpt.CheckpointError as e:
+        fail(f"--checkpoint: {e}")
+    if T > cfg.block_size:
+        fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    model = family_of_config(cfg).model_class(cfg, backend, B, T, training=False)
+    model.load_parameters(params)
+    return model
+
+
+@click.command()
+@click.option("--checkpoint", required=True,
+              help="Run directory (uses its latest), step directory, llm.c .bin, or Hugging Face directory.")
+@click.option("--prompt", default=None, help="Text to continue (default: start from end-of-text).")
+@click.option("--prompt-file", default=None, type=click.Path(), help="Read the prompt from this text file.")
+@click.option("--max-new-tokens", type=COUNT, default=128, show_default=True, help="Tokens to generate per sample.")
+@click.option("--num-samples", type=POSITIVE, default=1, show_default=True, help="Independent samples (one rng).")
+@click.option("--temperature", type=Real(0), default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the k most likely (0 = all).")
+@click.option("--top-p", type=Real(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus mass (1.0 = off).")
+@click.option("--seed", type=SEED, default=1337, show_default=True)
+@click.option("--no-kv-cache", is_flag=True, help="Recompute the whole window per token (for comparison).")
+@click.option("--backend", default="auto", show_default=True)
+@click.option("--device", default=None)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
+def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, temperature, top_k, top_p, seed,
+           no_kv_cache, backend, device, dtype) -> None:
+    """Generate text from a trained GPT-2 or Llama 3, streaming it as it comes; tokens/s goes to stderr at the end.
+    The tokenizer is the checkpoint's: GPT-2's, or a Llama directory's tokenizer.model.
+    Uses a key/value cache where the backend has one (each new token costs one position, not the window).
+
+    \b
+    Example:
+      llmc sample --checkpoint checkpoints/shakespeare --prompt "ROMEO:" --max-new-tokens 200 --top-k 40
+      llmc sample --checkpoint hf/gpt2 --prompt-file prompt.txt --num-samples 3 --top-p 0.9 --temperature 0.8
+    """
+    import time
+
+    import numpy as np
+
+    from llmc_cli.data.tokenizer import load_tokenizer
+    from llmc_cli.formats import checkpoint as ckpt
+    from llmc_cli.formats.sources import load_config_any, tokenizer_for
+    from llmc_cli.inference.decode import has_kv_cache
+    from llmc_cli.inference.sampling import generate
+    if prompt is not None and prompt_file is not None:
+        fail("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            prompt = open(prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--prompt-file: {prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
+    prompt = prompt or ""
+    from llmc_cli.data.loader import DataError
+    try:
+        cfg = load_config_any(checkpoint)
+        tok_name, tok_file = tokenizer_for(checkpoint)
+        tok = load_tokenizer(tok_name, tok_file)
+    except (ckpt.CheckpointError, DataError) as e:  # DataError: an unreadable or unknown tokenizer
+        fail(f"--checkpoint: {e}")
+    # GPT-2 documents start with <|endoftext|>, which also seeds an empty prompt (llm.c); Llama 3 documents
+    # start with <|begin_of_text|>, which Meta's and Hugging Face's tokenizers put before every prompt
+    prefix = [] if tok.name == "gpt2" else tok.doc_prefix
+    ids = prefix + tok.encode(prompt) if prompt else (prefix or [tok.eot])
+    if max(ids) >= cfg.vocab_size:
+        fail(f"the prompt has token id {max(ids)}, outside the model's vocabulary ({cfg.vocab_size})")
+    be = make_backend(backend, device, dtype)
+    window = min(cfg.block_size, max(64, -(-(len(ids) + max_new_tokens) // 64) * 64))
+    model = load_for_inference(checkpoint, be, 1, window)
+    kv = has_kv_cache(model) and not no_kv_cache
+    rng = np.random.default_rng(seed)
+    total, seconds = 0, 0.0
+    for i in range(num_samples):
+        if num_samples > 1:
+            click.echo(f"{'' if i == 0 else chr(10)}--- sample {i + 1}/{num_samples} ---")
+        if prompt:
+            click.echo(prompt, nl=False)
+        out: list[int] = []
+        shown = ""
+        t0 = time.perf_counter()
+        for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
+                          kv_cache=kv, vocab_limit=tok.vocab_size):
+            out.append(t)
+            text = tok.decode(out)
+            if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing
+                click.echo(text[len(shown):], nl=False)
+                shown = text
+        seconds += time.perf_counter() - t0
+        total += len(out)
+        click.echo(tok.decode(out)[len(shown):])
+    err_console.print(f"{total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tok/s "
+                      f"({'KV cache' if kv else 'full recomputation'}, {be.name})")

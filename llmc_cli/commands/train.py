@@ -1,0 +1,291 @@
+"""`llmc train`: options in, a Trainer run, one line out on failure; also the data-parallel launch and --dry-run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from llmc_cli.commands.console import (
+    _RANK,
+    DTYPES,
+    console,
+    fail,
+    make_backend,
+    one_line,
+)
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
+
+
+@click.command()
+@click.option("--backend", default="auto", show_default=True, help="Backend name (see `llmc backends`) or auto.")
+@click.option("--device", default=None, help="Backend-specific device selector (default: the backend's best).")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
+              help="Compute dtype; auto = the backend's default (fp32 on cpu/opencl, bf16 on cuda).")
+@click.option("--data", default=None,
+              help="Glob of training shards, e.g. 'datasets/shakespeare/*train*.bin' (required unless --dry-run).")
+@click.option("--val-data", default=None, help="Glob of validation shards.")
+@click.option("--model", default="d12", show_default=True,
+              help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; Llama 3 llama3-tiny, llama3.2-1b, "
+                   "llama3.2-3b, llama3.1-8b.")
+@click.option("--init", "init", default=None, type=click.Path(),
+              help="Start from these weights instead: an llm.c .bin, a run directory, or a Hugging Face GPT-2 / "
+                   "Llama directory (fine-tuning).")
+@click.option("--n-layer", type=POSITIVE, default=None, help="Override the preset's layer count.")
+@click.option("--n-head", type=POSITIVE, default=None, help="Override the preset's head count.")
+@click.option("--n-embd", type=POSITIVE, default=None, help="Override the preset's channels.")
+@click.option("--n-kv-head", type=POSITIVE, default=None, help="Llama: key/value heads (grouped-query attention).")
+@click.option("--block-size", type=POSITIVE, default=None, help="Max sequence length in tokens (default: the preset's).")
+@click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default="none",
+              show_default=True, help="GPT-2: recompute these activations in backward instead of keeping them.")
+@click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component, then exit.")
+@click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True, help="Micro-batch size (sequences).")
+@click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True, help="Sequence length (tokens).")
+@click.option("--total-batch-size", type=POSITIVE, default=None,
+              help="Tokens per optimizer step; a multiple of B*T (gradient accumulation). Default B*T.")
+@click.option("--steps", type=COUNT, default=20, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=Real(0), default=3e-4, show_default=True, help="Peak learning rate.")
+@click.option("--warmup", type=COUNT, default=0, show_default=True, help="Linear warmup (steps).")
+@click.option("--lr-decay-frac", type=Real(0, 1), default=1.0, show_default=True,
+              help="Final LR as a fraction of --lr, reached by cosine decay (1.0 = constant, llm.c -q).")
+@click.option("--weight-decay", type=Real(0), default=0.0, show_default=True, help="AdamW decay (matrices only).")
+@click.option("--grad-clip", type=Real(0), default=1.0, show_default=True, help="Global grad-norm clip (0 = off).")
+@click.option("--beta1", type=Real(0, 1, max_open=True), default=0.9, show_default=True)
+@click.option("--beta2", type=Real(0, 1, max_open=True), default=0.95, show_default=True)
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="Seed for init, shuffling, sampling.")
+@click.option("--overfit-batch", is_flag=True, help="Train on the first batch every step (llm.c -a 1).")
+@click.option("--shuffle", is_flag=True, help="Shuffle shards and sample positions per epoch (seeded).")
+@click.option("--val-every", type=COUNT, default=20, show_default=True, help="Validate every N steps (0 = off).")
+@click.option("--val-batches", type=COUNT, default=20, show_default=True, help="Batches per validation.")
+@click.option("--sample-every", type=COUNT, default=20, show_default=True, help="Sample every N steps (0 = off).")
+@click.option("--sample-tokens", type=COUNT, default=64, show_default=True, help="Tokens per sample.")
+@click.option("--checkpoint-every", type=COUNT, default=0, show_default=True,
+              help="Write a checkpoint every N steps (0 = only at the end, when --out is given).")
+@click.option("--keep", type=COUNT, default=0, show_default=True, help="Keep the newest N checkpoints (0 = all).")
+@click.option("--skip-loss-z", type=Real(0), default=0.0, show_default=True,
+              help="Skip the update when the loss is this many std devs above the last 128 steps' (0 = off).")
+@click.option("--skip-grad-z", type=Real(0), default=0.0, show_default=True,
+              help="Same for the grad norm (0 = off). Non-finite steps are always skipped.")
+@click.option("--max-bad-steps", type=COUNT, default=5, show_default=True,
+              help="Stop (exit 3) after this many consecutive skipped / non-finite steps (0 = never).")
+@click.option("--out", default=None, type=click.Path(), help="Run directory for checkpoints, e.g. checkpoints/run1.")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
+@click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file  [default: OUT/log.jsonl with --out]")
+@click.option("--hellaswag", default=None, type=click.Path(), help="llm.c HellaSwag eval file to score during training.")
+@click.option("--hellaswag-every", type=COUNT, default=0, show_default=True,
+              help="Score --hellaswag every N steps and at the end (0 = off); acc_norm goes to the log.")
+@click.option("--gpus", type=COUNT, default=0, help="Data parallel on N GPUs of this machine: starts N processes "
+              "(one per GPU, NCCL). Under mpirun/srun leave it out: the ranks come from the launcher.")
+@click.option("--procs", type=COUNT, default=0, help="Data parallel over N MPI processes (mpiexec -n N; for the "
+              "cpu/OpenCL backends). Needs pip install 'llmc[mpi]'.")
+@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+              help="1 = ZeRO-1: optimizer state sharded over the ranks (reduce-scatter + all-gather).")
+@click.option("--init-file", default=None, type=click.Path(),
+              help="Multi-node NCCL without MPI: a path on a shared file system through which rank 0 hands out "
+              "NCCL's id (fresh per run).")
+@click.option("--init-addr", default=None, help="Multi-node NCCL without MPI: HOST:PORT where rank 0 listens "
+              "and hands out NCCL's id.")
+def train(**o) -> None:
+    """Train a GPT-2 or a Llama 3, from scratch (--model) or from weights (--init).
+
+    \b
+    Example:
+      llmc tokenize shakespeare
+      llmc train --backend cpu --model d6 -b 4 -t 64 --steps 100 \\
+          --data 'datasets/shakespeare/*train*.bin' --val-data 'datasets/shakespeare/*val*.bin' \\
+          --out checkpoints/shakespeare
+      llmc train --backend cpu --model llama3-tiny -b 4 -t 64 --steps 100 \\
+          --data 'datasets/shakespeare/*train*.bin' --out checkpoints/llama-tiny
+      llmc train --model llama3-8b --dry-run -b 1 -t 8192 --dtype bf16
+
+    \b
+    Exit status:
+      0    finished
+      2    bad options or files, or an error that stopped the run (one line; with --out the last
+           completed step is checkpointed first)
+      3    --max-bad-steps non-finite or skipped steps in a row
+      75   stopped by SIGINT, SIGTERM or SIGHUP after writing a checkpoint: continue with --resume
+      130  stopped by a signal with nothing saved (no --out, or a second signal during the checkpoint)
+    """
+    from llmc_cli.data.loader import DataError
+    from llmc_cli.data.tokenizer import load_tokenizer
+    from llmc_cli.formats.rundir import RunDirError, check_out
+    from llmc_cli.formats.runlog import LogError, check_log
+    from llmc_cli.optim import AdamWConfig
+    from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+
+    if o["hellaswag"]:  # checked now: a bad eval file is one line before anything runs, not after the banner
+        from llmc_cli.data.loader import read_evalfile
+        try:
+            read_evalfile(o["hellaswag"])
+        except DataError as e:
+            fail(f"--hellaswag: {e}")
+    if o.pop("dry_run"):
+        return dry_run(o)
+    if not o["data"]:
+        fail("--data: give a glob of training shards, e.g. --data 'datasets/shakespeare/*train*.bin'")
+    if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
+        o["log"] = str(Path(o["out"]) / "log.jsonl")
+    try:  # said before any rank starts; the trainer checks again under the run directory's lock
+        if o["out"]:  # a run directory is continued only on purpose: a fresh run must not clobber its checkpoints
+            check_out(o["out"], o["resume"])
+        if o["log"]:
+            check_log(o["log"])
+    except (RunDirError, LogError) as e:
+        fail(str(e))
+    # data parallel (issue 7): start the ranks here, or take this process's place among them
+    from llmc_cli.parallel import comm as comm_mod
+    gpus, procs, init_file, init_addr = o.pop("gpus"), o.pop("procs"), o.pop("init_file"), o.pop("init_addr")
+    o["zero"] = int(o["zero"])
+    if gpus < 0 or procs < 0 or (gpus > 1 and procs > 1):
+        fail("--gpus N (one process per GPU) and --procs N (MPI processes) are positive and exclusive")
+    if gpus > 1 or procs > 1:
+        from llmc_cli.parallel.launch import child_args, launch_gpus, launch_mpi
+        args = child_args(click.get_current_context())
+        sys.exit(launch_gpus(args, gpus) if gpus > 1 else launch_mpi(args, procs))
+    try:
+        rank_info = comm_mod.discover()
+    except comm_mod.CommError as e:
+        fail(str(e))
+    if rank_info.world_size > 1:
+        _RANK.update(rank=rank_info.rank, world=rank_info.world_size)
+        console.quiet = rank_info.rank != 0  # rank 0 speaks for the run
+        if o["device"] is None:
+            comm_mod.pin_local_device(rank_info)  # one GPU per rank, by rank on the node
+    backend = make_backend(o.pop("backend"), o.pop("device"), o.pop("dtype"))
+    try:
+        comm = comm_mod.create(backend, rank_info, init_file=init_file, init_addr=init_addr)
+    except comm_mod.CommError as e:
+        fail(str(e))
+    if comm.world_size > 1:
+        _RANK["comm"] = comm
+        _abort_on_uncaught(comm)
+    optim = AdamWConfig(lr=o.pop("lr"), beta1=o.pop("beta1"), beta2=o.pop("beta2"),
+                        weight_decay=o.pop("weight_decay"), grad_clip=o.pop("grad_clip"))
+    args = TrainArgs(optim=optim, init=o.pop("init"), **o)
+    try:
+        tok = load_tokenizer("gpt2")
+        decode, eot = tok.decode, tok.eot
+    except Exception:  # sampling during training is optional; the run does not need a tokenizer
+        decode, eot = None, None
+    try:
+        trainer = Trainer(args, backend, say=console.print, decode=decode, eot=eot, comm=comm)
+    except (TrainError, DataError, ValueError, OSError) as e:
+        fail(one_line(e))
+    try:
+        _train_run(trainer, args, backend, comm, rank_info, load_tokenizer)
+    finally:
+        trainer.close()
+
+
+def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
+    from llmc_cli.data.loader import DataError
+    from llmc_cli.kernels import BackendUnavailable
+    from llmc_cli.training.trainer import TrainError
+    if trainer.tokenizer != "gpt2":  # Llama 3 shards: samples need Meta's ranks, from --init's directory
+        try:
+            tok = load_tokenizer(trainer.tokenizer, trainer.tokenizer_file)
+            trainer.decode, trainer.eot, trainer.sample_prompt = tok.decode, tok.eot, tok.doc_prefix
+        except Exception:
+            trainer.decode = None
+    cfg = trainer.cfg
+    console.print(f"backend: {backend.describe()} ({backend.dtype})")
+    console.print(f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} "
+                  f"(padded {cfg.padded_vocab_size}) maxT={cfg.block_size}, {trainer.model.num_params:,} params")
+    console.print(f"batch: B={args.batch_size} T={args.seq_len}, {trainer.tokens_per_step} tokens/step, "
+                  f"grad accumulation {trainer.grad_accum}")
+    console.print(trainer.memory_line())
+    if trainer.start_step:
+        console.print(f"resumed from {args.out} at step {trainer.start_step}")
+    if comm.world_size > 1:
+        console.print(f"data parallel: {comm.world_size} ranks ({rank_info.source}), {comm.name} "
+                      f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank")
+
+    def show(r: dict) -> None:
+        num = lambda v, f: "nan" if v is None else format(v, f)  # noqa: E731  (non-finite values log as null)
+        console.print(f"step {r['step']:5d}/{args.steps} | loss {num(r['loss'], '.6f')} | norm {num(r['norm'], '.4f')} | "
+                      f"lr {num(r['lr'], '.2e')} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s"
+                      + (" | skipped" if r.get("skipped") else ""))
+    from llmc_cli.training.guard import StopSignals, TrainAborted, resume_command
+    from llmc_cli.training.trainer import TrainDiverged
+    how = resume_command(click.get_current_context())
+    try:
+        with StopSignals() as stop:
+            trainer.stop_requested = lambda: stop.requested
+            trainer.run(on_step=_fault_hook(comm, show))
+    except TrainAborted as e:
+        where = (f"; {args.out} keeps its last complete checkpoint, resume with: {how}" if args.out
+                 else "; nothing was saved (no --out)")
+        fail(f"aborted by a second {e.signame}{where}", code=130)
+    except TrainDiverged as e:
+        fail(str(e), code=3)
+    except (TrainError, DataError, ValueError, OSError, BackendUnavailable) as e:  # (a kernel that fails to build)
+        msg = one_line(e)
+        if trainer.rescued is not None:
+            msg += f"; checkpoint {trainer.rescued} written (the last completed step), resume with: {how}"
+        elif trainer.rescue_error:
+            msg += f"; the checkpoint of the last completed step could not be written either ({trainer.rescue_error})"
+        fail(msg + ("" if trainer.rescued is not None else trainer.last_good()))
+    if trainer.stopped:
+        st = trainer.stopped
+        if args.out:
+            console.print(f"stopped by {st['signal']} after step {st['step']}; checkpoint {st['checkpoint']} "
+                          f"written. Resume with:\n  {how}")
+            sys.exit(75)
+        console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
+                      f"--out DIR, so this run cannot be resumed")
+        sys.exit(130)
+
+
+def _abort_on_uncaught(comm) -> None:
+    """One rank's traceback must not leave the others waiting in a collective forever."""
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        previous(tp, value, tb)
+        sys.stderr.write(f"llmc: rank {comm.rank} of {comm.world_size} failed ({tp.__name__}); stopping all ranks\n")
+        sys.stderr.flush()
+        from llmc_cli.parallel.launch import note_failure
+        note_failure(comm.rank, comm.world_size, f"{tp.__name__}: {value}")
+        comm.abort(1)
+    sys.excepthook = hook
+
+
+def _fault_hook(comm, show):
+    """on_step for every rank: rank 0 prints; LLMC_FAULT_RANK=R:STEP makes rank R fail after STEP (tests the
+    launchers' shutdown)."""
+    import os
+    spec = os.environ.get("LLMC_FAULT_RANK", "")
+    fault = tuple(int(x) for x in spec.split(":")) if spec else None
+
+    def on_step(r: dict) -> None:
+        if comm.rank == 0:
+            show(r)
+        if fault and fault[0] == comm.rank and r["step"] >= fault[1]:
+            fail(f"injected failure after step {r['step']} (LLMC_FAULT_RANK={spec})", code=7)
+    return on_step
+
+
+def dry_run(o: dict) -> None:
+    """Plans the model's memory on the host, allocating nothing: works for models this machine cannot hold."""
+    from llmc_cli.models.families import memory_plan
+    from llmc_cli.training.trainer import TrainArgs, model_config
+    try:
+        cfg = model_config(TrainArgs(data=o["data"] or "", model=o["model"], n_layer=o["n_layer"], n_head=o["n_head"],
+                                     n_embd=o["n_embd"], n_kv_head=o["n_kv_head"], block_size=o["block_size"]))
+    except ValueError as e:
+        fail(str(e))
+    dtype = DTYPES[o["dtype"]] or ("bfloat16" if o["backend"] == "cuda" else "float32")
+    B, T = o["batch_size"], o["seq_len"]
+    plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
+    from llmc_cli.models.families import family_of_config
+    n = family_of_config(cfg).module.num_parameters(cfg)
+    table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}")
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    for k, v in plan.items():
+        table.add_row(k, f"{v / 2**30:.2f}")
+    table.add_row("total", f"{sum(plan.values()) / 2**30:.2f}")
+    console.print(table)

@@ -1,0 +1,108 @@
+"""Any model source, recognised by content: an llm.c .bin, llmc's Llama .safetensors, a run or step directory,
+a Hugging Face GPT-2 or Llama directory; and the tokenizer each was trained with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.checkpoint import (  # noqa: F401
+    ST_DTYPES,
+    read_safetensors,
+    read_safetensors_header,
+    write_safetensors,
+)
+from llmc_cli.formats.hf import LLMC_TOKENIZER_KEY, hf_model_type, is_hf_dir, read_config_json
+from llmc_cli.formats.hf_gpt2 import import_hf, read_hf_config
+
+
+# ---- any model source -----------------------------------------------------------------------------------------
+def load_model_any(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]:
+    """(config, float32 params, kind) from a model file ("llmc": llm.c .bin or llmc's Llama model.safetensors),
+    a run or step directory ("run") or a Hugging Face GPT-2 or Llama directory ("hf"), recognised by content.
+    Raises CheckpointError with a one-line reason."""
+    path = Path(path)
+    if not path.exists():
+        raise ckpt.CheckpointError(f"{path}: no such file or directory")
+    try:
+        if is_hf_dir(path):
+            importer, _ = _hf_readers(path)
+            cfg, params = importer(path)
+            kind = "hf"
+        else:
+            cfg, params = ckpt.read_model_file(_resolve(path))
+            kind = "llmc" if path.is_file() else "run"
+    except OSError as e:  # no permission, a directory where a file belongs, an I/O error
+        raise ckpt.CheckpointError(f"{e.filename or path}: cannot read it ({e.strerror or e})") from None
+    ckpt.check_finite(path, params)
+    return cfg, params, kind
+
+
+def load_config_any(path: str | Path) -> ckpt.ModelConfig:
+    """The model config alone (cheap: no parameters read)."""
+    if is_hf_dir(path):
+        _, read_config = _hf_readers(path)
+        return read_config(path)
+    return ckpt.read_model_file_config(_resolve(path))
+
+
+def _hf_readers(path: Path):
+    """(import_hf, read_hf_config) for a Hugging Face directory of this model_type: GPT-2's here, Llama's in
+    llama3_hf."""
+    if hf_model_type(path) == "llama":
+        from llmc_cli.formats import hf_llama3 as llama3_hf
+        return llama3_hf.import_hf, llama3_hf.read_hf_config
+    return import_hf, read_hf_config
+
+
+def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
+    """(tokenizer name, its ranks file or None) that a model source was trained with: GPT-2's for llm.c files
+    and GPT-2 directories; for Llama, what its run recorded (a from-scratch run on GPT-2 shards says "gpt2"),
+    or a Hugging Face directory's tokenizer.model (Meta's tiktoken format). A Llama 3 tokenizer whose file is
+    not there is an error naming the file expected."""
+    path = Path(path)
+    if is_hf_dir(path):
+        if hf_model_type(path) == "gpt2" or read_config_json(path).get(LLMC_TOKENIZER_KEY) == "gpt2":
+            return "gpt2", None
+        where = [path]
+    else:
+        model_file = _resolve(path)
+        name = ckpt.model_file_tokenizer(model_file)
+        if name != "llama3":
+            return name, None
+        where = [model_file.parent, model_file.parent.parent]  # the step directory, then its run directory
+    for d in where:
+        if (d / ckpt.TOKENIZER_FILE).is_file():
+            return "llama3", d / ckpt.TOKENIZER_FILE
+    raise ckpt.CheckpointError(f"{path}: a Llama 3 model needs its tokenizer, {ckpt.TOKENIZER_FILE} (Meta's "
+                               f"tiktoken-format ranks; tokenizer.json is not read), expected in "
+                               f"{' or '.join(str(d) for d in where)}")
+
+
+
+
+def _resolve(path: str | Path) -> Path:
+    path = Path(path)
+    if path.is_dir() and not (path / "latest").is_file() and not any((path / f).is_file() for f in ckpt.MODEL_FILES):
+        raise ckpt.CheckpointError(f"{path}: not a run directory (no 'latest'), a step directory (no model.bin or "
+                                   f"model.safetensors) or a Hugging Face directory (no config.json)")
+    return ckpt.resolve_checkpoint(path)
+
+
+def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False, tokenizer: str = "gpt2",
+               tokenizer_file: str | Path | None = None) -> Path:
+    """A new run directory holding the model alone: step_00000000/<model file> and `latest` pointing at it
+    (plus a Llama's tokenizer.model beside the steps). It samples, evaluates, converts and serves as --init like
+    any run; resuming it says that it holds only a model (no optimizer state)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
+    step = out / ckpt.step_dir_name(0)
+    step.mkdir(parents=True, exist_ok=True)
+    if tokenizer_file is not None:
+        ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
+    ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
+    ckpt.atomic_write_bytes(out / "latest", [step.name.encode() + b"\n"])
+    return out
