@@ -33,7 +33,7 @@ def main():
 
     import cupy as cp
     from llmc_cli import registry
-    from llmc_cli.data.loader import write_shard
+    from llmc_cli.formats.shards import write_shard
     from llmc_cli.kernels import BFLOAT16, FLOAT32
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer

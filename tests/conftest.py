@@ -277,7 +277,7 @@ def phrase_tokens(repeats: int, seed: int = 0, vocab: int = 50257) -> np.ndarray
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """A folder with tiny_val_000000.bin (2,000 tokens) and tiny_train_000001.bin (4,800 tokens)."""
-    from llmc_cli.data.loader import write_shard
+    from llmc_cli.formats.shards import write_shard
     d = tmp_path_factory.mktemp("data")
     tokens = phrase_tokens(120)
     write_shard(d / "tiny_val_000000.bin", tokens[:2000])

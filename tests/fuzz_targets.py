@@ -15,7 +15,12 @@ import numpy as np
 from hypothesis import strategies as st
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.data.loader import DataError, DataLoader, read_evalfile, read_shard, write_evalfile
+from llmc_cli.formats.llmc_bin import VERSION_FP32
+from llmc_cli.formats.llmc_bin import model_header
+from llmc_cli.formats.files import DataError
+from llmc_cli.formats.shards import read_shard
+from llmc_cli.data.loader import DataLoader
+from llmc_cli.formats.evalfile import read_evalfile, write_evalfile
 from llmc_cli.models.gpt2 import GPT2Config, init_parameters
 from llmc_cli.data.tokenizer import TokenizerError, read_tokenizer_bin
 
@@ -34,7 +39,7 @@ class Target:
 # ---- seeds ---------------------------------------------------------------------------------------------------
 def _model_seed(_: Path) -> bytes:
     cfg = GPT2Config(block_size=8, vocab_size=11, n_layer=1, n_head=1, n_embd=4)
-    h = ckpt.model_header(cfg, ckpt.VERSION_FP32)
+    h = model_header(cfg, VERSION_FP32)
     return h.tobytes() + init_parameters(cfg, 0).astype(np.float32).tobytes()
 
 

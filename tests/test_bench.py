@@ -157,7 +157,7 @@ def test_train_cpu_opencl_and_torch():
 
 
 def test_cli_train_json(tmp_path):
-    from llmc_cli.data.loader import write_shard
+    from llmc_cli.formats.shards import write_shard
     data = write_shard(tmp_path / "d_train_000000.bin", np.arange(2000) % 50257)
     r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", *TINY, "--steps", "1", "--warmup", "0",
                                   "--data", str(data), "--json"])

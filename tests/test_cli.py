@@ -10,7 +10,9 @@ import pytest
 from conftest import TINY, losses, rewind_run, run
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.data.loader import write_shard
+from llmc_cli.formats.safetensors import bf16_bits_to_float32
+from llmc_cli.formats.safetensors import float32_to_bf16_bits
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.models.gpt2 import GPT2Config, init_parameters, num_parameters
 
 
@@ -101,7 +103,7 @@ def test_llmc_model_file_layout(tmp_path):
     _, ph, v = ckpt.read_model(tmp_path / "h.bin")
     assert v == 5 and np.allclose(ph, p, rtol=2 ** -8, atol=0)
     # ties to even: 1 + 2^-8 is halfway between two bf16 values and must round down to 1.0
-    assert ckpt.bf16_bits_to_float32(ckpt.float32_to_bf16_bits(np.array([1 + 2 ** -8], np.float32)))[0] == 1.0
+    assert bf16_bits_to_float32(float32_to_bf16_bits(np.array([1 + 2 ** -8], np.float32)))[0] == 1.0
 
 
 def test_train_from_llmc_bin_init(shards, tmp_path):

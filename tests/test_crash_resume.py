@@ -18,7 +18,7 @@ import pytest
 from conftest import phrase_tokens
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.data.loader import write_shard
+from llmc_cli.formats.shards import write_shard
 
 TRIALS = int(os.environ.get("LLMC_KILL_TRIALS", "20"))
 BASE = [sys.executable, "-m", "llmc_cli", "train", "--backend", "cpu", "--model", "d2", "--n-embd", "64",

@@ -6,7 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from llmc_cli.data.loader import DataError, DataLoader, ValLoader, read_evalfile, read_shard, read_shard_header, write_evalfile, write_shard
+from llmc_cli.formats.files import DataError
+from llmc_cli.formats.shards import read_shard, read_shard_header, write_shard
+from llmc_cli.data.loader import DataLoader, ValLoader
+from llmc_cli.formats.evalfile import read_evalfile, write_evalfile
 
 
 def llmc_shard_bytes(tokens, magic=20240520, version=1, dtype="<u2") -> bytes:

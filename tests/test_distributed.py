@@ -17,7 +17,7 @@ from conftest import losses, phrase_tokens, rewind_run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.parallel import comm as comm_mod
-from llmc_cli.data.loader import write_shard
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.parallel.zero import reshard_loader_state
 from llmc_cli.parallel.launch import find_mpiexec, supervise
 

@@ -12,7 +12,8 @@ import torch_gpt2
 from conftest import run
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.data.loader import write_evalfile, write_shard
+from llmc_cli.formats.evalfile import write_evalfile
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.evals.evaluate import HellaSwag, render_example
 from llmc_cli.inference.decode import KVDecoder
 from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters

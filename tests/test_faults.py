@@ -11,7 +11,8 @@ import pytest
 from conftest import TINY, rewind_run, run
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.data.loader import write_evalfile, write_shard
+from llmc_cli.formats.evalfile import write_evalfile
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.registry import create_backend, discover
 from llmc_cli.training.guard import OutlierDetector
 from llmc_cli.training.trainer import TrainArgs, TrainDiverged, Trainer

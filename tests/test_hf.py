@@ -202,7 +202,7 @@ def test_convert_into_run_directory_every_direction(tmp_path):
         assert (tmp_path / f"{d}.bin").read_bytes() == (tmp_path / "a.bin").read_bytes()
     run("convert", tmp_path / "run_h", tmp_path / "hf2")
     assert np.array_equal(hf_gpt2.import_hf(tmp_path / "hf2")[1], p)
-    from llmc_cli.data.loader import write_shard
+    from llmc_cli.formats.shards import write_shard
     write_shard(tmp_path / "v_val_000000.bin", np.arange(300) % CFG.vocab_size)
     losses = {json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / src, "--data",
                              tmp_path / "v_val_*.bin", "-t", 16, "--json").stdout)["loss"]
@@ -217,7 +217,7 @@ def test_convert_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     import errno
     import os
 
-    from llmc_cli.data.loader import write_shard
+    from llmc_cli.formats.shards import write_shard
     p = params(seed=5)
     src = tmp_path / "a.bin"
     ckpt.write_model(src, CFG, p)
@@ -246,11 +246,11 @@ def test_convert_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     refused(src, tmp_path / "hf", "--force", expect="is not an llmc model file or Hugging Face model directory")
     (tmp_path / "hf" / "README.md").unlink()
     # a disk that fills up while the new directory is written leaves the old one as it was, and no temp folder
-    from llmc_cli.formats import checkpoint
+    from llmc_cli.formats import safetensors
 
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(checkpoint, "atomic_write_bytes", full)
+    monkeypatch.setattr(safetensors, "atomic_write_bytes", full)
     refused(src, tmp_path / "hf", "--force", "--dtype", "bf16", expect="No space left on device")
     monkeypatch.undo()
     r = run("convert", src, tmp_path / "hf", "--force", "--dtype", "bf16")  # an earlier conversion: replaced

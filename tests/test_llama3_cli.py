@@ -14,7 +14,10 @@ from conftest import losses, phrase_tokens, rewind_run, run
 from test_llama3_hf import CONFIG, hf_tensors, write_hf_dir
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.data.loader import write_evalfile, write_shard
+from llmc_cli.formats.safetensors import read_safetensors_header
+from llmc_cli.formats.safetensors import write_safetensors
+from llmc_cli.formats.evalfile import write_evalfile
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.inference.decode import LlamaKVDecoder
 from llmc_cli.models.llama3 import Llama3, Llama3Config, init_parameters, parameter_shapes
 from llmc_cli.models.base import split_flat
@@ -106,13 +109,13 @@ def test_model_file_round_trip_and_errors(tmp_path):
     ckpt.write_model_file(tmp_path / "h.safetensors", cfg, p, bf16=True)
     assert np.allclose(ckpt.read_model_file(tmp_path / "h.safetensors")[1], p, rtol=2 ** -8, atol=0)
     # a Hugging Face weights file is not an llmc model file: the error says to give its directory
-    ckpt.write_safetensors(tmp_path / "x.safetensors", {"a": np.ones(3, np.float32)})
+    write_safetensors(tmp_path / "x.safetensors", {"a": np.ones(3, np.float32)})
     with pytest.raises(ckpt.CheckpointError, match="config.json"):
         ckpt.read_model_file(tmp_path / "x.safetensors")
     t = split_flat(p, parameter_shapes(cfg))
     del t["w2"]
-    meta = ckpt.read_safetensors_header(tmp_path / "m.safetensors")[0]["__metadata__"]
-    ckpt.write_safetensors(tmp_path / "y.safetensors", t, metadata=meta)
+    meta = read_safetensors_header(tmp_path / "m.safetensors")[0]["__metadata__"]
+    write_safetensors(tmp_path / "y.safetensors", t, metadata=meta)
     with pytest.raises(ckpt.CheckpointError, match="w2 is missing"):
         ckpt.read_model_file(tmp_path / "y.safetensors")
 

@@ -13,6 +13,8 @@ import pytest
 from conftest import TINY, run
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.safetensors import read_safetensors
+from llmc_cli.formats.safetensors import read_safetensors_header
 from llmc_cli.models.gpt2 import GPT2Config, init_parameters
 from llmc_cli.models.llama3 import Llama3Config
 from llmc_cli.models.llama3 import init_parameters as llama_init
@@ -69,15 +71,15 @@ def test_config_json_field_types(hf_dirs, tmp_path, family, field, value):
 
 
 def test_llmc_llama_metadata_field_types(tmp_path):
-    from llmc_cli.formats.checkpoint import write_safetensors
+    from llmc_cli.formats.safetensors import write_safetensors
     params = llama_init(LLAMA_CFG, 0)
     good = tmp_path / "good.safetensors"
     ckpt.write_llama_model(good, LLAMA_CFG, params)
-    header, _ = ckpt.read_safetensors_header(good)
+    header, _ = read_safetensors_header(good)
     for field, value in (("n_layer", "1"), ("rope_theta", float("nan")), ("norm_eps", -1.0), ("tie_embeddings", 1)):
         conf = json.loads(header["__metadata__"]["config"]) | {field: value}
         bad = tmp_path / f"bad_{field}.safetensors"
-        tensors = ckpt.read_safetensors(good)
+        tensors = read_safetensors(good)
         write_safetensors(bad, tensors, "F32", header["__metadata__"] | {"config": json.dumps(conf)})
         msg = one_line(run("sample", "--backend", "cpu", "--checkpoint", bad, "--max-new-tokens", 1, ok=False))
         assert "bad Llama config" in msg and field in msg, msg

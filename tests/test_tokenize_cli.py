@@ -16,7 +16,7 @@ import tiktoken
 import tiktoken.load
 from click.testing import CliRunner
 
-from llmc_cli.data.loader import write_shard
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.commands import tokenize as tz
 from llmc_cli.commands.tokenize import tokenize
 
@@ -417,11 +417,11 @@ def test_disk_full_is_one_line(tmp_path, monkeypatch):
     import errno
     import os
 
-    from llmc_cli.data import loader as dataloader
+    from llmc_cli.formats import shards
 
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    monkeypatch.setattr(dataloader, "atomic_write_bytes", full)
+    monkeypatch.setattr(shards, "atomic_write_bytes", full)
     (tmp_path / "a.txt").write_text("hello world. " * 200)
     r = run(["text", tmp_path / "a.txt", "--name", "x", "--out-dir", tmp_path / "o"], ok=False)
     line = r.output.strip().splitlines()[-1]

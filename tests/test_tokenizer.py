@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from llmc_cli.data import tokenizer as tk
-from llmc_cli.data.loader import DataError
+from llmc_cli.formats.files import DataError
 from llmc_cli.data.tokenizer import TokenizerError, gpt2_ranks_path, load_tokenizer, read_tokenizer_bin, write_tokenizer_bin
 
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import TINY, losses, run
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.data.loader import write_shard
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.registry import create_backend
 from llmc_cli.formats.rundir import RunLock
@@ -269,7 +269,7 @@ def test_out_inside_a_checkpoint_and_unreadable_eval_file(shards, tmp_path):
 def test_an_error_between_steps_keeps_the_completed_steps(shards, tmp_path, monkeypatch):
     """Validation failing at step 3 (a val shard that went bad): the 3 completed steps are checkpointed with
     the loader's own position, and the run resumes from there to the same losses as one that never failed."""
-    from llmc_cli.data.loader import DataError
+    from llmc_cli.formats.files import DataError
     from llmc_cli.training.trainer import Trainer as T
     real, calls = T.validate, {"n": 0}
 

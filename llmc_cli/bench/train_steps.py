@@ -140,7 +140,7 @@ def train_torch(cfg: GPT2Config, B: int, T: int, data: str, *, steps: int, warmu
 
 def random_shard(directory: str | Path, cfg: GPT2Config, ntokens: int, seed: int) -> str:
     """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it."""
-    from llmc_cli.data.loader import write_shard
+    from llmc_cli.formats.shards import write_shard
     rng = np.random.default_rng(seed)
     path = Path(directory) / "bench_train_000000.bin"
     write_shard(path, rng.integers(0, cfg.vocab_size, ntokens, dtype=np.int64).astype(np.uint16))

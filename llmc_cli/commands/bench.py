@@ -240,7 +240,7 @@ def train(**o) -> None:
       llmc bench train --backend cpu --model d12 -b 4 -t 64 --compare torch --plot train.png
     """
     from llmc_cli.commands.console import DTYPES, console, err_console, fail
-    from llmc_cli.data.loader import DataError
+    from llmc_cli.formats.files import DataError
     cfg, B, T, backends, skipped = _setup(o)
     compare = []
     for c in o["compare"]:

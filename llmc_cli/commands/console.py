@@ -38,7 +38,7 @@ def make_backend(name: str, device: str | None, dtype: str):
     except BackendUnavailable as e:
         msg = str(e)
         if "No module named" in msg:  # a backend whose optional package is missing: say what to install
-            from llmc_cli.training.guard import PIP_NAMES
+            from llmc_cli.commands.console import PIP_NAMES
             mod = msg.split("No module named", 1)[1].strip(" '\"").split("'")[0].split(".")[0]
             msg += f" (pip install {PIP_NAMES.get(mod, mod)})"
         fail(f"--backend {name}{f' --device {device}' if device else ''}: {msg}")
@@ -53,3 +53,18 @@ def one_line(e: BaseException) -> str:
         where = f"{e.filename}: " if e.filename else ""
         return f"{where}{e.strerror}"
     return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+
+# ---- missing optional packages ----------------------------------------------------------------------------------
+PIP_NAMES = {"pyarrow": "pyarrow", "datasets": "datasets", "safetensors": "safetensors", "torch": "torch",
+             "pyopencl": "'pyopencl[pocl]'", "cupy": "cupy-cuda12x", "tiktoken": "tiktoken",
+             "hypothesis": "hypothesis", "huggingface_hub": "huggingface_hub", "transformers": "transformers",
+             "nvmath": "nvmath-python", "cudnn": "nvidia-cudnn-frontend", "whisper": "--no-deps openai-whisper",
+             "mpi4py": "mpi4py"}
+
+
+def missing_package_message(e: ModuleNotFoundError) -> str:
+    mod = (e.name or str(e)).split(".")[0]
+    pip = PIP_NAMES.get(mod, mod)
+    return f"this needs the optional package '{mod}', which is not installed: pip install {pip}"

@@ -8,6 +8,8 @@ from pathlib import Path
 import click
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.llmc_bin import VERSION_BF16
+from llmc_cli.formats.llmc_bin import VERSION_FP32
 from llmc_cli.formats.convert import _write_dir_atomically, check_destination
 from llmc_cli.formats.hf_gpt2 import export_hf
 from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
@@ -71,7 +73,7 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto", force: bool = Fals
                      f".safetensors files are llmc's Llama format")
             d.parent.mkdir(parents=True, exist_ok=True)
             ckpt.write_model_file(d, cfg, params, bf16=bf16, tokenizer=tok_name)
-            what = (f"llm.c model file (version {ckpt.VERSION_BF16 if bf16 else ckpt.VERSION_FP32})" if not llama
+            what = (f"llm.c model file (version {VERSION_BF16 if bf16 else VERSION_FP32})" if not llama
                     else "llmc Llama model file")
         else:
             if d.exists() and not d.is_dir():

@@ -18,7 +18,7 @@ class _Main(click.Group):
         except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2
             fail(usage_error_line(e), code=e.exit_code)
         except ModuleNotFoundError as e:
-            from llmc_cli.training.guard import missing_package_message
+            from llmc_cli.commands.console import missing_package_message
             fail(missing_package_message(e))
         except MemoryError as e:
             fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")

@@ -68,7 +68,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--prompt-file: {prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
     prompt = prompt or ""
-    from llmc_cli.data.loader import DataError
+    from llmc_cli.formats.files import DataError
     try:
         cfg = load_config_any(checkpoint)
         tok_name, tok_file = tokenizer_for(checkpoint)

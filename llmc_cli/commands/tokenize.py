@@ -27,14 +27,10 @@ import click
 import numpy as np
 
 from llmc_cli.commands.options import POSITIVE, Real
-from llmc_cli.data.loader import (
-    DataError,
-    atomic_write_bytes,
-    read_shard_header,
-    shard_format,
-    write_evalfile,
-    write_shard,
-)
+from llmc_cli.formats.files import DataError
+from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
+from llmc_cli.formats.files import atomic_write_bytes
+from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
 
 URLS = {

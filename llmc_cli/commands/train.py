@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def train(**o) -> None:
       75   stopped by SIGINT, SIGTERM or SIGHUP after writing a checkpoint: continue with --resume
       130  stopped by a signal with nothing saved (no --out, or a second signal during the checkpoint)
     """
-    from llmc_cli.data.loader import DataError
+    from llmc_cli.formats.files import DataError
     from llmc_cli.data.tokenizer import load_tokenizer
     from llmc_cli.formats.rundir import RunDirError, check_out
     from llmc_cli.formats.runlog import LogError, check_log
@@ -117,7 +118,7 @@ def train(**o) -> None:
     from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
 
     if o["hellaswag"]:  # checked now: a bad eval file is one line before anything runs, not after the banner
-        from llmc_cli.data.loader import read_evalfile
+        from llmc_cli.formats.evalfile import read_evalfile
         try:
             read_evalfile(o["hellaswag"])
         except DataError as e:
@@ -181,7 +182,7 @@ def train(**o) -> None:
 
 
 def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
-    from llmc_cli.data.loader import DataError
+    from llmc_cli.formats.files import DataError
     from llmc_cli.kernels import BackendUnavailable
     from llmc_cli.training.trainer import TrainError
     if trainer.tokenizer != "gpt2":  # Llama 3 shards: samples need Meta's ranks, from --init's directory
@@ -208,7 +209,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         console.print(f"step {r['step']:5d}/{args.steps} | loss {num(r['loss'], '.6f')} | norm {num(r['norm'], '.4f')} | "
                       f"lr {num(r['lr'], '.2e')} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s"
                       + (" | skipped" if r.get("skipped") else ""))
-    from llmc_cli.training.guard import StopSignals, TrainAborted, resume_command
+    from llmc_cli.training.signals import StopSignals, TrainAborted
     from llmc_cli.training.trainer import TrainDiverged
     how = resume_command(click.get_current_context())
     try:
@@ -289,3 +290,13 @@ def dry_run(o: dict) -> None:
         table.add_row(k, f"{v / 2**30:.2f}")
     table.add_row("total", f"{sum(plan.values()) / 2**30:.2f}")
     console.print(table)
+
+
+def resume_command(ctx) -> str:
+    """The command line that was run (the options given explicitly, from click's context) plus --resume."""
+    from llmc_cli.parallel.launch import child_args
+
+    parts = ["llmc"] + child_args(ctx, drop=())
+    if "--resume" not in parts:
+        parts.append("--resume")
+    return shlex.join(parts)

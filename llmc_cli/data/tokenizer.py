@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from llmc_cli.data.loader import DataError
+from llmc_cli.formats.files import DataError
 
 __all__ = [
     "Tokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
@@ -270,7 +270,7 @@ def load_tokenizer(name: str = "gpt2", path: str | os.PathLike | None = None) ->
 
 def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
     """Write llm.c's tokenizer file for ``tok`` (anything with vocab_size, eot, token_bytes)."""
-    from llmc_cli.data.loader import check_replaceable
+    from llmc_cli.formats.files import check_replaceable
     path = Path(path)
     check_replaceable(path, [TOKENIZER_MAGIC], "tokenizer file")
     header = np.zeros(HEADER_INTS, dtype="<i4")
@@ -282,7 +282,7 @@ def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
             raise TokenizerError(f"token {i} is {len(b)} bytes long; llm.c's format holds 1..255")
         parts.append(struct.pack("<B", len(b)))
         parts.append(b)
-    from llmc_cli.data.loader import atomic_write_bytes
+    from llmc_cli.formats.files import atomic_write_bytes
 
     atomic_write_bytes(path, b"".join(parts))
     return path

@@ -21,226 +21,30 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict
-from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.data.loader import atomic_write_bytes, fsync_dir, replace_dir
-from llmc_cli.models.base import split_flat
-from llmc_cli.models import llama3 as llama3_spec
-from llmc_cli.models.gpt2 import GPT2Config, num_parameters
+from llmc_cli.formats.files import (
+    CheckpointError,
+    atomic_write_bytes,
+    fault_delay,
+    fsync_dir,
+    replace_dir,
+)
+from llmc_cli.formats.llama_file import (
+    read_llama_header,
+    read_llama_model,
+    write_llama_model,
+)
+from llmc_cli.formats.llmc_bin import (
+    MODEL_MAGIC,
+    read_model,
+    read_model_header,
+    write_model,
+)
+from llmc_cli.models.gpt2 import GPT2Config
 from llmc_cli.models.llama3 import Llama3Config
-from llmc_cli.training.guard import fault_delay
-
-MODEL_MAGIC = 20240326
-VERSION_FP32 = 3
-VERSION_BF16 = 5
-HEADER_INTS = 256
-
-
-class CheckpointError(ValueError):
-    """A model file or run directory that cannot be used; the message names the file and the problem."""
-
-
-# ---- bfloat16 on the host (no dependency): round to nearest even, as the GPUs do -------------------------------
-def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    nan = np.isnan(x)
-    if nan.any():
-        rounded = np.where(nan, np.uint32(0x7FC0), rounded)
-    return rounded.astype(np.uint16)
-
-
-def bf16_bits_to_float32(b: np.ndarray) -> np.ndarray:
-    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-# ---- llm.c model .bin -----------------------------------------------------------------------------------------
-def model_header(cfg: GPT2Config, version: int) -> np.ndarray:
-    h = np.zeros(HEADER_INTS, dtype=np.int32)
-    h[:8] = [MODEL_MAGIC, version, cfg.block_size, cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.n_embd,
-             cfg.padded_vocab_size]
-    return h
-
-
-def write_model(path: str | Path, cfg: GPT2Config, params: np.ndarray, bf16: bool = False) -> None:
-    """Writes float32 `params` as llm.c's version 3 file, or rounded to bfloat16 as version 5."""
-    if params.size != num_parameters(cfg):
-        raise ValueError(f"{path}: {params.size} parameters do not fit the config ({num_parameters(cfg)})")
-    header = model_header(cfg, VERSION_BF16 if bf16 else VERSION_FP32)
-    body = float32_to_bf16_bits(params) if bf16 else np.ascontiguousarray(params, dtype=np.float32)
-    atomic_write_bytes(path, [header.tobytes(), body.tobytes()])
-
-
-def read_model_header(path: str | Path) -> tuple[GPT2Config, int]:
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such model file")
-    raw = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
-    if raw.size < HEADER_INTS:
-        raise CheckpointError(f"{path}: truncated header ({raw.size * 4} bytes, expected {HEADER_INTS * 4})")
-    if raw[0] != MODEL_MAGIC:
-        raise CheckpointError(f"{path}: bad magic {raw[0]} (expected {MODEL_MAGIC}, an llm.c GPT-2 model file)")
-    version = int(raw[1])
-    if version not in (VERSION_FP32, VERSION_BF16):
-        raise CheckpointError(f"{path}: unsupported version {version} (expected {VERSION_FP32} float32 or "
-                              f"{VERSION_BF16} bfloat16)")
-    cfg = GPT2Config(block_size=int(raw[2]), vocab_size=int(raw[3]), n_layer=int(raw[4]), n_head=int(raw[5]),
-                     n_embd=int(raw[6]))
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    if int(raw[7]) != cfg.padded_vocab_size:
-        raise CheckpointError(f"{path}: padded vocab {raw[7]} (expected {cfg.padded_vocab_size} for vocab "
-                              f"{cfg.vocab_size})")
-    return cfg, version
-
-
-def read_model(path: str | Path) -> tuple[GPT2Config, np.ndarray, int]:
-    """(config, float32 parameters, version) from an llm.c model file."""
-    cfg, version = read_model_header(path)
-    n = num_parameters(cfg)
-    itemsize = 2 if version == VERSION_BF16 else 4
-    expected = HEADER_INTS * 4 + n * itemsize
-    size = os.path.getsize(path)
-    if size != expected:
-        raise CheckpointError(f"{path}: {size} bytes, expected {expected} for this config "
-                              f"({'truncated' if size < expected else 'trailing data'})")
-    body = np.fromfile(path, dtype=np.uint16 if itemsize == 2 else np.float32, offset=HEADER_INTS * 4, count=n)
-    params = bf16_bits_to_float32(body) if itemsize == 2 else body
-    return cfg, params, version
-
-
-# ---- safetensors ----------------------------------------------------------------------------------------------
-ST_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
-
-
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32",
-                      metadata: dict[str, str] | None = None) -> None:
-    """float32 arrays -> one safetensors file in `dtype` (F32, or BF16 rounded to nearest even), atomically."""
-    if dtype not in ("F32", "BF16"):
-        raise ValueError(f"safetensors dtype {dtype} (F32 or BF16)")
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    blobs, off = [], 0
-    for name, a in tensors.items():
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        raw = (float32_to_bf16_bits(a).astype("<u2") if dtype == "BF16" else a.astype("<f4")).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    atomic_write_bytes(path, [np.uint64(len(h)).astype("<u8").tobytes(), h, *blobs])
-
-
-def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
-    """(header dict, byte offset where the data starts)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: too short for a safetensors file")
-            n = int(np.frombuffer(head, "<u8")[0])
-            if n > 100 * 2**20:
-                raise CheckpointError(f"{path}: header length {n} is implausible (not a safetensors file)")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, expected a safetensors file") from None
-    try:
-        header = json.loads(raw)
-        assert isinstance(header, dict)
-    except (ValueError, AssertionError):
-        raise CheckpointError(f"{path}: the header is not JSON (not a safetensors file)") from None
-    return header, 8 + n
-
-
-def read_safetensors(path: str | Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """name -> float32 array (F32, BF16, F16), for every tensor or only those in `names`."""
-    path = Path(path)
-    header, start = read_safetensors_header(path)
-    size = path.stat().st_size
-    out = {}
-    with open(path, "rb") as f:
-        for name, info in header.items():
-            if name == "__metadata__" or (names is not None and name not in names):
-                continue
-            if not isinstance(info, dict):
-                raise CheckpointError(f"{path}: tensor {name} has no dtype/shape/data_offsets entry")
-            dt = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
-            if dt is None:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype')} "
-                                      f"(supported: {', '.join(ST_DTYPES)})")
-            offs, shape = info.get("data_offsets"), info.get("shape")
-            if not (isinstance(offs, list) and len(offs) == 2 and isinstance(shape, list)
-                    and all(type(v) is int and v >= 0 for v in offs + shape) and offs[0] <= offs[1]):
-                raise CheckpointError(f"{path}: tensor {name} has a bad shape {shape!r} or data_offsets "
-                                      f"{offs!r} (non-negative integers expected)")
-            b, e = offs
-            shape = tuple(shape)
-            if start + e > size or e - b != int(np.prod(shape, dtype=object)) * dt.itemsize:
-                raise CheckpointError(f"{path}: tensor {name} data out of bounds or of the wrong size")
-            f.seek(start + b)
-            a = np.frombuffer(f.read(e - b), dtype=dt).reshape(shape)
-            out[name] = bf16_bits_to_float32(a) if info["dtype"] == "BF16" else a.astype(np.float32)
-    return out
-
-
-# ---- llmc's Llama model file (model.safetensors in a run directory) ------------------------------------------
-LLMC_FORMAT = "llmc"
-
-
-def write_llama_model(path: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: bool = False,
-                      tokenizer: str = "gpt2") -> None:
-    """Parameters under llmc's names (wte, wqkv, ...; per-layer tensors stacked), config in the metadata."""
-    n = llama3_spec.num_parameters(cfg)
-    if params.size != n:
-        raise ValueError(f"{path}: {params.size} parameters do not fit the config ({n})")
-    meta = {"format": LLMC_FORMAT, "family": "llama3", "config": json.dumps(asdict(cfg)), "tokenizer": tokenizer}
-    write_safetensors(path, split_flat(np.asarray(params, np.float32), llama3_spec.parameter_shapes(cfg)),
-                      "BF16" if bf16 else "F32", meta)
-
-
-def read_llama_header(path: str | Path) -> tuple[Llama3Config, dict]:
-    """(config, metadata) of an llmc Llama model file, without reading the parameters."""
-    header, _ = read_safetensors_header(path)
-    meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or meta.get("format") != LLMC_FORMAT:
-        raise CheckpointError(f"{path}: not an llmc model file (no llmc metadata); for Hugging Face weights give "
-                              f"the directory holding config.json")
-    if meta.get("family") != "llama3":
-        raise CheckpointError(f"{path}: model family {meta.get('family')!r} (expected 'llama3')")
-    try:
-        fields = json.loads(meta["config"])
-        known = {f.name for f in dataclass_fields(Llama3Config)}
-        if not isinstance(fields, dict) or set(fields) - known:
-            raise ValueError(f"unknown fields {sorted(set(fields) - known) if isinstance(fields, dict) else fields}")
-        cfg = Llama3Config(**fields)
-        cfg.validate()
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: bad Llama config in the metadata ({type(e).__name__}: {e})") from None
-    return cfg, meta
-
-
-def read_llama_model(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
-    cfg, _ = read_llama_header(path)
-    tensors = read_safetensors(path)
-    flat = np.empty(llama3_spec.num_parameters(cfg), np.float32)
-    for name, view in split_flat(flat, llama3_spec.parameter_shapes(cfg)).items():
-        a = tensors.get(name)
-        if a is None:
-            raise CheckpointError(f"{path}: tensor {name} is missing")
-        if a.shape != view.shape:
-            raise CheckpointError(f"{path}: tensor {name} has shape {a.shape}, the config says {view.shape}")
-        view[...] = a
-    return cfg, flat
-
 
 # ---- any model file: GPT-2 as llm.c's .bin, Llama as model.safetensors ---------------------------------------
 ModelConfig = GPT2Config | Llama3Config

@@ -8,14 +8,8 @@ import re
 import shutil
 from pathlib import Path
 
-from llmc_cli.data.loader import replace_dir
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.checkpoint import (  # noqa: F401
-    ST_DTYPES,
-    read_safetensors,
-    read_safetensors_header,
-    write_safetensors,
-)
+from llmc_cli.formats.files import replace_dir
 
 # ---- llmc convert ---------------------------------------------------------------------------------------------
 _HF_FILES = re.compile(r"config\.json|generation_config\.json|model\.safetensors|model\.safetensors\.index\.json|"

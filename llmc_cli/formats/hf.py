@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.checkpoint import read_safetensors, write_safetensors
+from llmc_cli.formats.safetensors import read_safetensors, write_safetensors
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

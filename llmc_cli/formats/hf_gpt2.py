@@ -14,12 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.checkpoint import (  # noqa: F401
-    ST_DTYPES,
-    read_safetensors,
-    read_safetensors_header,
-    write_safetensors,
-)
 from llmc_cli.formats.hf import (
     GPT2_HF_KEYS,
     hf_field_names,

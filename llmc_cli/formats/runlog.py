@@ -86,5 +86,5 @@ def trim_log(path: str | Path, step: int) -> None:
                 continue
             if ("loss" in rec and s <= step) or ("loss" not in rec and s < step):
                 keep.append(line if line.endswith(b"\n") else line + b"\n")
-    from llmc_cli.data.loader import atomic_write_bytes
+    from llmc_cli.formats.files import atomic_write_bytes
     atomic_write_bytes(path, keep)

@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.checkpoint import (  # noqa: F401
-    ST_DTYPES,
-    read_safetensors,
-    read_safetensors_header,
-    write_safetensors,
+from llmc_cli.formats.hf import (
+    LLMC_TOKENIZER_KEY,
+    hf_model_type,
+    is_hf_dir,
+    read_config_json,
 )
-from llmc_cli.formats.hf import LLMC_TOKENIZER_KEY, hf_model_type, is_hf_dir, read_config_json
 from llmc_cli.formats.hf_gpt2 import import_hf, read_hf_config
 
 

@@ -17,7 +17,8 @@ from llmc_cli.models.families import family_for, family_of_config
 from llmc_cli.optim import AdamW, AdamWConfig, lr_at
 from llmc_cli.parallel.comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
 from llmc_cli.parallel.zero import make_optimizer, reshard_loader_state
-from llmc_cli.training.guard import OutlierDetector, is_out_of_memory, out_of_memory_message
+from llmc_cli.training.guard import OutlierDetector
+from llmc_cli.training.memory import is_out_of_memory, out_of_memory_message
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.inference.sampling import generate

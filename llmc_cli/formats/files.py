@@ -1,0 +1,100 @@
+"""Writing files so that a crash or a full disk never leaves a half-written one under the real name: a temporary
+sibling, fsync, rename (and fsync of the directory). Also what may be replaced: only a file of the kind being
+written, recognised by its magic number."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            tmp.unlink()
+        except OSError:  # never created (on a read-only file system unlink says so rather than ENOENT)
+            pass
+        if isinstance(e, OSError) and e.errno is not None:  # name the file being written, not its temporary name
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+    fsync_dir(path.parent)  # make the rename itself durable
+
+
+def replace_dir(tmp: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Put the finished directory `tmp` in `dst`'s place: a `dst` already there is moved aside first and dropped
+    only after the new one stands, so at every moment one complete version exists under `dst` or beside it."""
+    tmp, dst = Path(tmp), Path(dst)
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+
+
+def check_replaceable(path: str | os.PathLike, magics: Sequence[int], what: str) -> None:
+    """llmc writes over a file only when it is one of its own kind (its int32 magic number is one of `magics`);
+    anything else at `path` is the user's and is refused before a byte is written."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        head = np.fromfile(path, dtype="<i4", count=1) if path.is_file() else np.zeros(0, "<i4")
+    except OSError:
+        head = np.zeros(0, "<i4")
+    if head.size < 1 or int(head[0]) not in magics:
+        raise DataError(f"{path}: exists and is not an llm.c {what}, so llmc will not replace it; move it or "
+                        "choose another path")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so the names created or renamed in it survive a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+
+class CheckpointError(ValueError):
+    """A model file or run directory that cannot be used; the message names the file and the problem."""
+
+
+def fault_delay(phase: str) -> None:
+    """Test hook: LLMC_FAULT_CHECKPOINT_DELAY=seconds sleeps at each phase of a checkpoint write, so a test's
+    SIGKILL lands inside one. Unset (always, outside tests): does nothing."""
+    d = os.environ.get("LLMC_FAULT_CHECKPOINT_DELAY")
+    if d:
+        import time
+        time.sleep(float(d))
+
+
+class DataError(ValueError):
+    """Bad or missing data (shards, tokenizer files, source corpora). The message is one line and
+    names the file and what was expected."""

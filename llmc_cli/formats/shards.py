@@ -1,0 +1,174 @@
+"""Token shards, llm.c's format: 256 little-endian int32 header, then the tokens.
+
+    header[0] magic     20240520 (GPT-2 vocabulary, uint16 tokens)  | 20240801 (Llama 3, uint32 tokens)
+    header[1] version   1                                           | 7
+    header[2] number of tokens that follow (< 2**31); header[3:] zero
+
+byte for byte what llm.c's ``dev/data/data_common.py write_datafile`` writes ("gpt-2" / "llama-3"),
+so the magic/version pair also records which vocabulary the shard was tokenized with.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from llmc_cli.formats.files import DataError, atomic_write_bytes, check_replaceable
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+MAX_TOKENS = 2**31 - 1
+
+
+
+
+@dataclass(frozen=True)
+class _Format:
+    tokenizer: str
+    magic: int
+    version: int
+    dtype: np.dtype
+
+
+SHARD_FORMATS = {
+    "gpt2": _Format("gpt2", 20240520, 1, np.dtype("<u2")),
+    "llama3": _Format("llama3", 20240801, 7, np.dtype("<u4")),
+}
+_BY_MAGIC = {(f.magic, f.version): f for f in SHARD_FORMATS.values()}
+_KNOWN = ", ".join(f"magic {f.magic} version {f.version} ({f.tokenizer}, {f.dtype.itemsize * 8}-bit tokens)"
+                   for f in SHARD_FORMATS.values())
+
+
+def shard_format(tokenizer: str = "gpt2") -> _Format:
+    """The on-disk format for shards of a tokenizer's ids ("gpt2" -> uint16, "llama3" -> uint32)."""
+    try:
+        return SHARD_FORMATS[tokenizer]
+    except KeyError:
+        raise DataError(f"no shard format for tokenizer {tokenizer!r}; known: {', '.join(SHARD_FORMATS)}") from None
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: str
+    magic: int
+    version: int
+    num_tokens: int
+    dtype: np.dtype
+    tokenizer: str  # which vocabulary the format stands for ("gpt2" or "llama3")
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.num_tokens * self.dtype.itemsize
+
+
+def _shard_bytes(tokens, fmt: _Format, name: str) -> list:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.size and arr.dtype != fmt.dtype:
+        if arr.dtype.kind not in "iu":
+            raise DataError(f"{name}: tokens must be integers, got dtype {arr.dtype}")
+        lo, hi = int(arr.min()), int(arr.max())
+        limit = int(np.iinfo(fmt.dtype).max) + 1
+        if lo < 0 or hi >= limit:
+            bad = hi if hi >= limit else lo
+            raise DataError(f"{name}: token id {bad} does not fit the {fmt.tokenizer} shard format "
+                            f"({fmt.dtype.itemsize * 8}-bit tokens, ids 0..{limit - 1})")
+    if arr.size > MAX_TOKENS:
+        raise DataError(f"{name}: {arr.size:,} tokens is too many for one shard (max {MAX_TOKENS:,})")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = fmt.magic, fmt.version, arr.size
+    return [header.tobytes(), np.ascontiguousarray(arr, dtype=fmt.dtype).tobytes()]
+
+
+def write_shard(path: str | os.PathLike, tokens, tokenizer: str = "gpt2") -> Path:
+    """Write one shard atomically. ``tokens``: a sequence / array of ids. Returns the path."""
+    path = Path(path)
+    check_replaceable(path, [f.magic for f in SHARD_FORMATS.values()], "token shard")
+    atomic_write_bytes(path, _shard_bytes(tokens, shard_format(tokenizer), str(path)))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+def read_shard_header(path: str | os.PathLike) -> ShardInfo:
+    """Read and validate a shard's header against its size; raises :class:`DataError`."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except FileNotFoundError:
+        raise DataError(f"data shard {path} not found") from None
+    except IsADirectoryError:
+        raise DataError(f"data shard {path} is a directory, expected a .bin file") from None
+    if len(raw) < 12:
+        raise DataError(f"{path}: truncated shard, {size} bytes is shorter than the {HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype="<i4", count=len(raw) // 4)
+    magic, version, ntok = int(header[0]), int(header[1]), int(header[2])
+    if magic not in {f.magic for f in SHARD_FORMATS.values()}:
+        hint = " (this is an llm.c tokenizer file)" if magic == 20240328 else (
+            " (this is an llm.c eval file, e.g. HellaSwag)" if magic == 20240522 else (
+                " (this is an llm.c model checkpoint)" if magic == 20240326 else ""))
+        raise DataError(f"{path}: bad magic {magic}, expected a token shard ({_KNOWN}){hint}")
+    fmt = _BY_MAGIC.get((magic, version))
+    if fmt is None:
+        raise DataError(f"{path}: unsupported shard version {version} for magic {magic}; "
+                        f"this llmc reads {_KNOWN}")
+    if len(raw) < HEADER_BYTES:
+        raise DataError(f"{path}: truncated shard, {size} bytes is shorter than the {HEADER_BYTES}-byte header")
+    if ntok < 0:
+        raise DataError(f"{path}: corrupt header, negative token count {ntok}")
+    expected = HEADER_BYTES + ntok * fmt.dtype.itemsize
+    if size < expected:
+        raise DataError(f"{path}: truncated shard, header says {ntok:,} tokens ({expected:,} bytes) "
+                        f"but the file has {size:,} bytes")
+    if size > expected:
+        raise DataError(f"{path}: header says {ntok:,} tokens ({expected:,} bytes) but the file has "
+                        f"{size:,} bytes ({size - expected:,} extra)")
+    return ShardInfo(path, magic, version, ntok, fmt.dtype, fmt.tokenizer)
+
+
+def read_shard(path: str | os.PathLike, mmap: bool = True) -> np.ndarray:
+    """The tokens of a shard (validated header) as a read-only memory map (or an in-memory copy)."""
+    info = read_shard_header(path)
+    if info.num_tokens == 0:
+        return np.zeros(0, dtype=info.dtype)
+    arr = np.memmap(info.path, dtype=info.dtype, mode="r", offset=HEADER_BYTES, shape=(info.num_tokens,))
+    return arr if mmap else np.array(arr)
+
+
+_GLOB_CHARS = set("*?[")
+
+
+def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """Glob pattern (or list of patterns / paths) -> sorted, de-duplicated shard paths."""
+    pats = [pattern] if isinstance(pattern, (str, os.PathLike)) else list(pattern)
+    if not pats:
+        raise DataError("no data shards given")
+    files: list[str] = []
+    for p in pats:
+        p = os.fspath(p)
+        if _GLOB_CHARS & set(p):
+            hits = sorted(h for h in _glob.glob(p) if os.path.isfile(h))
+            if not hits:
+                raise DataError(f"no data shards match the pattern {p!r}")
+            files += hits
+        elif os.path.isdir(p):
+            hits = sorted(_glob.glob(os.path.join(p, "*.bin")))
+            if not hits:
+                raise DataError(f"no .bin shards in directory {p}")
+            files += hits
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise DataError(f"data shard {p} not found")
+    seen: set[str] = set()
+    return [f for f in files if not (f in seen or seen.add(f))]

@@ -1,0 +1,43 @@
+"""Out of memory while planning a model: one line saying what the plan asks for, what the device has, and what
+to lower."""
+
+from __future__ import annotations
+
+
+# ---- out of memory ----------------------------------------------------------------------------------------------
+def is_out_of_memory(e: BaseException) -> bool:
+    """MemoryError (numpy, CuPy's OutOfMemoryError) or a backend's allocation failure (OpenCL, CUDA)."""
+    if isinstance(e, MemoryError):
+        return True
+    name = type(e).__name__.lower()
+    text = str(e).lower()
+    return ("outofmemory" in name or name == "memoryerror" or "out of memory" in text
+            or "mem_object_allocation_failure" in text or "out_of_resources" in text
+            or "cudaerrormemoryallocation" in text)
+
+
+def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int) -> str:
+    """One line: what the plan asks for, what the device has free (when it says), and what to lower."""
+    asked = None
+    try:
+        from llmc_cli.models.families import memory_plan
+        asked = sum(memory_plan(cfg, B, T, backend.dtype).values())
+    except Exception:
+        pass
+    parts = [f"out of memory on --backend {getattr(backend, 'name', '?')} planning B={B} T={T}"]
+    if asked:
+        parts.append(f"the run needs {asked / 2**30:.2f} GiB")
+    try:
+        r = backend.memory_report()
+        held = f"{r.allocated / 2**30:.2f} GiB allocated when it failed"
+        if r.device_free is not None:
+            held += f", {r.device_free / 2**30:.2f} GiB free"
+            if r.device_total:
+                held += f" of {r.device_total / 2**30:.2f} GiB"
+        parts.append(held)
+    except Exception:
+        pass
+    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ("; ".join(parts) + f" ({detail}); lower -b/--batch-size (keep the step size with "
+            "--total-batch-size) or -t/--seq-len, or activation --recompute where the backend offers it; "
+            "`llmc train --dry-run` shows the plan")
