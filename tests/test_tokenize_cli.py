@@ -17,7 +17,8 @@ import tiktoken.load
 from click.testing import CliRunner
 
 from llmc_cli.formats.shards import write_shard
-from llmc_cli.commands import tokenize as tz
+from llmc_cli.data.tokenizer import load_tokenizer
+from llmc_cli.tokenizing import downloads, pipeline, sources
 from llmc_cli.commands.tokenize import tokenize
 
 EOT = 50256
@@ -205,7 +206,7 @@ def test_shakespeare_offline_corpus(tmp_path, enc, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default output: datasets/shakespeare/ under the CWD
     r = run(["shakespeare", "--shard-size", "500K", "--workers", "2"])
     out = tmp_path / "datasets" / "shakespeare"
-    files = tz.shakespeare_files()
+    files = sources.shakespeare_files()
     assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)
     toks = stream(enc, [f.read_text(encoding="utf-8") for f in files])
     layout = expected_layout(toks, 500_000, 500_000)  # > 2 shards of tokens: the first shard is val
@@ -223,7 +224,7 @@ def test_resume_after_interruption(tmp_path, enc, monkeypatch):
         (d / f"{i:03d}.txt").write_text(t)
     args = ["text", d, "--name", "c", "--out-dir", tmp_path / "out", "--shard-size", "37", "--val-tokens", "20",
             "--workers", "1"]
-    real = tz.write_shard
+    real = pipeline.write_shard
     calls = {"n": 0}
 
     def dying(*a, **kw):
@@ -232,12 +233,12 @@ def test_resume_after_interruption(tmp_path, enc, monkeypatch):
         calls["n"] += 1
         return real(*a, **kw)
 
-    monkeypatch.setattr(tz, "write_shard", dying)
+    monkeypatch.setattr(pipeline, "write_shard", dying)
     r = run(args, ok=False)
     assert r.exit_code == 130 and "resume" in r.output
     assert len(list((tmp_path / "out").glob("*.bin"))) == 4
     first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.bin")}
-    monkeypatch.setattr(tz, "write_shard", real)
+    monkeypatch.setattr(pipeline, "write_shard", real)
     r = run(args)
     assert "4 kept from an earlier run" in r.output
     layout = expected_layout(stream(enc, docs), 20, 37)
@@ -329,7 +330,7 @@ def test_fineweb_streams_through_hf_datasets(tmp_path, enc, monkeypatch):
     fake = types.ModuleType("datasets")
     fake.load_dataset = load_dataset
     monkeypatch.setitem(sys.modules, "datasets", fake)
-    monkeypatch.setattr(tz, "_probe", lambda url, timeout=5.0: None)
+    monkeypatch.setattr(downloads, "_probe", lambda url, timeout=5.0: None)
     out = tmp_path / "fw"
     run(["fineweb", "--version", "100B", "--out-dir", out, "--shard-size", "100", "--workers", "2"])
     assert calls == [("HuggingFaceFW/fineweb", "sample-100BT", "train", True)]
@@ -349,7 +350,7 @@ def test_llama3_vocabulary_writes_uint32_shards(tmp_path):
     out = tmp_path / "l3"
     run(["text", src, "--out-dir", out, "--tokenizer", "llama3", "--tokenizer-path", ranks, "--shard-size", "40",
          "--val-tokens", "10", "--workers", "2"])
-    direct = tiktoken.Encoding("toy", pat_str=tz.load_tokenizer("llama3", ranks).enc._pat_str,
+    direct = tiktoken.Encoding("toy", pat_str=load_tokenizer("llama3", ranks).enc._pat_str,
                                mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(ranks)), special_tokens={})
     toks = []
     for d in docs:

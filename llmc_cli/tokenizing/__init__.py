@@ -1,0 +1,1 @@
+"""The tokenize workflow: reading corpora, downloading them, and turning documents into llm.c shards."""

@@ -1,0 +1,98 @@
+"""Downloads for the corpora that live on the network. Offline they fail fast, in one line that names --local."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from llmc_cli.formats.files import DataError
+from llmc_cli.tokenizing.progress import ProgressFactory, silent
+
+URLS = {
+    "tinyshakespeare": "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+    "tinystories": "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStories_all_data.tar.gz",
+    "hellaswag": "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# network (only for download commands; offline they fail fast with one line)
+
+
+def _probe(url: str, timeout: float = 5.0) -> None:
+    """Fail fast with a DataError if the host of ``url`` cannot be reached."""
+    import urllib.parse
+
+    u = urllib.parse.urlparse(url)
+    host, port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+    err: list[BaseException] = []
+
+    def connect():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            err.append(e)
+
+    t = threading.Thread(target=connect, daemon=True)
+    t.start()
+    t.join(timeout + 1)
+    if t.is_alive() or err:
+        why = f"{type(err[0]).__name__}: {err[0]}" if err else "timed out"
+        raise DataError(f"cannot reach {host} ({why}); offline? download the data elsewhere and "
+                        "pass it with --local PATH")
+
+
+def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
+    """Fetch ``url`` to ``dest`` (skipped when dest exists) through urllib, atomically."""
+    import urllib.error
+    import urllib.request
+
+    if dest.is_file():
+        return dest
+    _probe(url)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
+            total = int(r.headers.get("Content-Length") or 0) or None
+            with progress(True) as prog:
+                task = prog.add_task(f"download {dest.name}", total=total)
+                while chunk := r.read(1 << 20):
+                    f.write(chunk)
+                    prog.advance(task, len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except (urllib.error.URLError, OSError, TimeoutError) as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"download of {url} failed ({getattr(e, 'reason', e)}); download it elsewhere "
+                        "and pass it with --local PATH") from None
+    return dest
+
+
+def hf_check(repo: str):
+    """Fail fast, before anything is written, when a Hugging Face dataset cannot be streamed: `datasets`
+    missing, or the hub unreachable. Returns ``datasets.load_dataset``."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise DataError(f"streaming {repo} needs Hugging Face datasets: pip install datasets "
+                        "(or download its parquet files and pass --local PATH)") from None
+    _probe(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    return load_dataset
+
+
+def hf_stream(repo: str, config: str | None, split: str = "train", load_dataset=None) -> Iterator[dict]:
+    """Stream a Hugging Face dataset (never fully in memory); clear errors when unavailable."""
+    load_dataset = load_dataset or hf_check(repo)
+    try:
+        ds = load_dataset(repo, name=config, split=split, streaming=True)
+        yield from ds
+    except DataError:
+        raise
+    except Exception as e:  # network / hub errors surface here
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"cannot stream {repo} ({config}): {msg}; pass local files with --local PATH") from None

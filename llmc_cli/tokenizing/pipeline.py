@@ -1,0 +1,328 @@
+"""The shard pipeline: documents -> tokens (a pool of worker processes) -> llm.c shards, resumable through a
+manifest, with llm.c's val split."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from llmc_cli.data.tokenizer import load_tokenizer
+from llmc_cli.formats.files import DataError, atomic_write_bytes
+from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
+from llmc_cli.tokenizing.progress import ProgressFactory, silent
+from llmc_cli.tokenizing.sources import Source
+
+BATCH_BYTES = 1 << 20  # text handed to a worker per task
+BATCH_DOCS = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenization workers
+
+_WORKER_TOK = None
+
+
+def _worker_init(name: str, path: str | None, child: bool = False) -> None:
+    global _WORKER_TOK
+    if child:  # Ctrl-C is handled once, in the parent (which then stops the pool)
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER_TOK = load_tokenizer(name, path)
+
+
+def _encode_batch(texts: list[str]):
+    """Worker: documents -> (concatenated ids with a doc prefix each, per-doc lengths, utf-8 bytes)."""
+    tok = _WORKER_TOK
+    fmt = shard_format(tok.name)
+    prefix = tok.doc_prefix
+    out: list[int] = []
+    lens = []
+    nbytes = 0
+    for t in texts:
+        ids = tok.enc.encode_ordinary(t)
+        out += prefix
+        out += ids
+        lens.append(len(prefix) + len(ids))
+        nbytes += len(t.encode("utf-8"))
+    return np.asarray(out, dtype=fmt.dtype), np.asarray(lens, dtype=np.int64), nbytes
+
+
+def _batches(docs: Iterator[tuple[int, str | None, str]]):
+    idx, splits, texts, size = [], [], [], 0
+    for i, s, t in docs:
+        idx.append(i), splits.append(s), texts.append(t)
+        size += len(t)
+        if size >= BATCH_BYTES or len(texts) >= BATCH_DOCS:
+            yield idx, splits, texts
+            idx, splits, texts, size = [], [], [], 0
+    if texts:
+        yield idx, splits, texts
+
+
+def _encoded(batches, workers: int, tok) -> Iterator[tuple[list, list, np.ndarray, np.ndarray, int]]:
+    """Tokenize batches in order, with at most ~2 tasks per worker in flight (bounded memory)."""
+    if workers <= 1:
+        _worker_init(tok.name, tok.path)
+        for idx, splits, texts in batches:
+            yield (idx, splits, *_encode_batch(texts))
+        return
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.name, tok.path, True)) as pool:
+        pending: collections.deque = collections.deque()
+        for idx, splits, texts in batches:
+            pending.append((idx, splits, pool.apply_async(_encode_batch, (texts,))))
+            if len(pending) >= 2 * workers:
+                i, s, r = pending.popleft()
+                yield (i, s, *r.get())
+        while pending:
+            i, s, r = pending.popleft()
+            yield (i, s, *r.get())
+
+
+# ----------------------------------------------------------------------------------------------
+# the shard pipeline
+
+
+@dataclass
+class _Piece:
+    doc: int       # document index in the source stream
+    start: int     # offset of arr[0] inside that document's token list (prefix included)
+    split: str | None
+    arr: np.ndarray
+
+
+@dataclass
+class Summary:
+    name: str
+    out_dir: Path
+    shards: list = field(default_factory=list)
+    resumed: int = 0
+    seconds: float = 0.0
+    input_bytes: int = 0
+    new_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards)
+
+    def line(self) -> str:
+        nval = sum(1 for s in self.shards if s["split"] == "val")
+        vt = sum(s["tokens"] for s in self.shards if s["split"] == "val")
+        rate = f", {self.new_tokens / self.seconds:,.0f} tok/s" if self.seconds > 0 and self.new_tokens else ""
+        res = f", {self.resumed} kept from an earlier run" if self.resumed else ""
+        return (f"{self.name}: {len(self.shards)} shards ({nval} val, {len(self.shards) - nval} train{res}), "
+                f"{self.tokens:,} tokens ({vt:,} val) in {self.out_dir} [{self.seconds:.1f} s{rate}]")
+
+
+def _shard_name(name: str, split: str, k: int) -> str:
+    return f"{name}_{split}_{k:06d}.bin"
+
+
+def _existing_shards(out_dir: Path, name: str) -> list[Path]:
+    import re
+
+    pat = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin$")
+    return sorted(p for p in out_dir.glob(f"{name}_*.bin") if pat.match(p.name)) if out_dir.is_dir() else []
+
+
+def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int = 1,
+                 val_tokens: int | None = None, val_fraction: float = 0.1, force: bool = False,
+                 progress: ProgressFactory = silent) -> Summary:
+    """Tokenize ``src`` into shards under ``out_dir``; resumable through ``<name>_manifest.json``.
+
+    Val split: the corpus' own (``src.explicit_split``); else the first ``val_tokens`` tokens; else
+    (default) the first shard, except for corpora of at most two shards' worth of tokens, where the first
+    ``ceil(val_fraction * total)`` tokens are val.
+    """
+    if shard_size < 1:
+        raise DataError(f"--shard-size must be at least 1 token, got {shard_size}")
+    shard_format(tok.name)  # an unknown tokenizer fails here, before anything is written
+    out_dir = Path(out_dir)
+    manifest_path = out_dir / f"{src.name}_manifest.json"
+    fp = {"source": src.ident, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+          "shard_size": shard_size, "explicit_split": src.explicit_split,
+          "val_tokens": None if src.explicit_split else val_tokens,
+          "val_fraction": None if (src.explicit_split or val_tokens) else val_fraction, "layout": 1}
+    fp = json.loads(json.dumps(fp))
+    summary = Summary(src.name, out_dir)
+    t0 = time.perf_counter()
+
+    done: list[dict] = []
+    manifest = None
+    if manifest_path.is_file() and not force:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            manifest = None
+        if manifest and manifest.get("fingerprint") != fp:
+            old = manifest.get("fingerprint") or {}
+            diff = sorted(k for k in set(fp) | set(old) if fp.get(k) != old.get(k))
+            raise DataError(f"{out_dir} holds {src.name} shards made from other inputs or settings "
+                            f"({', '.join(diff)} differ); pass --force to redo them or choose another --out-dir")
+        for sh in (manifest or {}).get("shards", []):
+            p = out_dir / sh["file"]
+            try:
+                ok = read_shard_header(p).num_tokens == sh["tokens"]
+            except DataError:
+                ok = False
+            if not ok:
+                break
+            done.append(sh)
+        if manifest and manifest.get("complete") and len(done) == len(manifest.get("shards", [])):
+            summary.shards, summary.resumed = done, len(done)
+            summary.seconds = time.perf_counter() - t0
+            return summary
+    stale = [p for p in _existing_shards(out_dir, src.name) if p.name not in {d["file"] for d in done}]
+    if stale and not force and manifest is None:
+        raise DataError(f"{out_dir} already has {len(stale)} {src.name} shard(s) (e.g. {stale[0].name}) without a "
+                        "manifest to resume from; pass --force to overwrite them or choose another --out-dir")
+    for p in stale:  # --force replaces llm.c shards only: a file of the user's under a shard's name stays
+        try:
+            read_shard_header(p)
+        except DataError:
+            raise DataError(f"{p}: not an llm.c token shard, so llmc will not replace it (even with --force); move "
+                            "it or choose another --out-dir") from None
+    if manifest_path.exists() and manifest is None:
+        try:
+            ours = isinstance(json.loads(manifest_path.read_bytes()).get("fingerprint"), dict)
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise DataError(f"{manifest_path}: not an llmc tokenize manifest, so llmc will not replace it (even "
+                            "with --force); move it or choose another --out-dir")
+    for p in stale:
+        p.unlink()
+    # (out_dir is made by the first shard's write: input that fails before it leaves nothing behind)
+
+    state = {"fingerprint": fp, "shards": list(done), "complete": False,
+             "val_size": manifest.get("val_size") if (manifest and done) else None}
+
+    def save_manifest():
+        atomic_write_bytes(manifest_path, json.dumps(state, indent=1).encode())
+
+    summary.resumed = len(done)
+    skip_doc, skip_off = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
+    k = len(done)
+    pieces: collections.deque[_Piece] = collections.deque()
+    buffered = 0
+    next_doc = skip_doc  # index of the next document the stream will deliver
+    val_size = state["val_size"] if state["val_size"] is not None else (
+        val_tokens if (val_tokens and not src.explicit_split) else None)
+
+    def flush(n: int, split: str) -> None:
+        nonlocal buffered, k
+        take, got = [], 0
+        while got < n:
+            pc = pieces[0]
+            need = n - got
+            if len(pc.arr) <= need:
+                take.append(pc.arr), pieces.popleft()
+                got += len(pc.arr)
+            else:
+                take.append(pc.arr[:need])
+                pieces[0] = _Piece(pc.doc, pc.start + need, pc.split, pc.arr[need:])
+                got += need
+        buffered -= n
+        arr = np.concatenate(take) if len(take) != 1 else take[0]
+        fname = _shard_name(src.name, split, k)
+        write_shard(out_dir / fname, arr, tok.name)
+        nd, no = (pieces[0].doc, pieces[0].start) if pieces else (next_doc, 0)
+        state["shards"].append({"file": fname, "split": split, "tokens": int(n), "next_doc": nd, "next_offset": no})
+        state["val_size"] = val_size
+        save_manifest()
+        summary.new_tokens += n
+        k += 1
+        if prog is not None:
+            prog.update(task, shard=k)
+
+    def drain(final: bool) -> None:
+        """Write every shard the buffer can fill (all of it when final)."""
+        nonlocal val_size
+        while buffered > 0:
+            if src.explicit_split:
+                split = pieces[0].split or "train"
+                n_split = 0
+                for pc in pieces:  # tokens of the head split available
+                    if pc.split != pieces[0].split:
+                        break
+                    n_split += len(pc.arr)
+                complete = n_split < buffered or final
+                if n_split >= shard_size:
+                    flush(shard_size, split)
+                elif complete:
+                    flush(n_split, split)
+                else:
+                    return
+                continue
+            if k == 0:
+                if val_size is None:
+                    if final:  # a small corpus: val is a fraction of it (leaving train at least 1 token)
+                        val_size = max(1, min(math.ceil(val_fraction * buffered), buffered - 1))
+                    elif buffered > 2 * shard_size:
+                        val_size = shard_size
+                    else:
+                        return
+                if buffered >= val_size or final:
+                    flush(min(val_size, buffered), "val")
+                    continue
+                return
+            if buffered >= shard_size:
+                flush(shard_size, "train")
+            elif final:
+                flush(buffered, "train")
+            else:
+                return
+
+    def doc_stream():
+        for i, (split, text) in enumerate(src.docs()):
+            if i < skip_doc:
+                continue
+            yield i, split, text
+
+    task = None
+    workers = max(1, int(workers))
+    total = src.total_bytes
+    with progress(False) as prog:
+        task = prog.add_task(f"tokenize {src.name}", total=total if not done else None,
+                             tokens=0, tok_s=0.0, shard=k)
+        ntok = 0
+        try:
+            for idx, splits, arr, lens, nbytes in _encoded(_batches(doc_stream()), workers, tok):
+                off = 0
+                for i, s, ln in zip(idx, splits, lens.tolist()):
+                    a = arr[off: off + ln]
+                    off += ln
+                    start = 0
+                    if i == skip_doc and skip_off:
+                        a, start = a[skip_off:], skip_off
+                    if len(a):
+                        pieces.append(_Piece(i, start, s, a))
+                        buffered += len(a)
+                    next_doc = i + 1
+                ntok += int(arr.size)
+                summary.input_bytes += nbytes
+                el = max(time.perf_counter() - t0, 1e-9)
+                prog.update(task, advance=nbytes, tokens=ntok, tok_s=ntok / el)
+                drain(final=False)
+            drain(final=True)
+            if not state["shards"]:  # (before any manifest: a rerun must not find an "already complete" empty run)
+                raise DataError(f"{src.name}: the input holds no documents, no shards written")
+        except BaseException:  # the error line alone then says what happened (and how to resume)
+            prog.discard()
+            raise
+    state["complete"] = True
+    state["val_size"] = val_size
+    save_manifest()
+    summary.shards = state["shards"]
+    summary.seconds = time.perf_counter() - t0
+    return summary
