@@ -21,8 +21,34 @@ same GPT-2 / Llama 3 code runs on numpy, CUDA and OpenCL. The conventions follow
   log-sum-exp, losses and optimizer state are always float32; token ids are int32.
 
 A backend subclasses `Backend` and registers a `BackendPlugin` under the entry-point group ``llmc.backends``
-(see `llmc_cli.registry`). Optional fused variants are announced in `Backend.capabilities`; the engine asks for a
-capability, it never checks a backend's name.
+(see `llmc_cli.registry` and docs/writing-a-backend.md). Abstract methods are exactly what the engine calls;
+optional ones have host defaults (slow but correct) a backend overrides to go fast; a capability is announced in
+`Backend.capabilities` only when implemented, and the engine asks for capabilities, never for a backend's name.
+
+Determinism, per kernel. "Deterministic" means identical inputs give bit-identical outputs on the same backend
+and device, run after run, whatever the scheduling: the engine promises bit-identical losses for the same seed,
+data and backend, so every kernel it calls is deterministic, including those that reduce across rows
+(encoder_backward's dwte/dwpe, layernorm/rmsnorm_backward's dweight, matmul_backward's dweight/dbias,
+attention_backward's dqkv, global_norm_squared, loss_sum). The conformance kit (`llmc_cli.testing`) checks it.
+
+    kernel                              writes                                   deterministic
+    encoder_forward / _backward         overwrite / accumulate (dwte, dwpe)      yes / yes
+    layernorm_forward / _backward       overwrite / accumulate (dinp, dw, db)    yes / yes
+    fused_residual_layernorm_forward    overwrite                                yes
+    residual_forward                    overwrite (may alias inp1)               yes
+    rmsnorm_forward / _backward         overwrite / accumulate (dinp, dw)        yes / yes
+    matmul_forward / _backward          overwrite / dinp overwrite, dw db +=     yes / yes
+    gelu_forward / gelu_backward*       overwrite (may alias)                    yes / yes
+    swiglu_forward / _backward          overwrite                                yes / yes
+    rope_forward / _backward            in place                                 yes / yes
+    attention_forward / _backward       overwrite                                yes / yes
+    attention_decode*                   overwrite out; writes the caches         yes
+    classifier_forward_backward         overwrite losses; logits -> dlogits      yes
+    global_norm_squared                 overwrite (fixed summation order)        yes
+    adamw_update                        in place (seeded stochastic rounding)    yes
+    loss_sum*, step_guard*              overwrite                                yes
+    scale*                              in place                                 yes
+    (* optional: host default, or a capability)
 """
 
 from __future__ import annotations
@@ -35,6 +61,8 @@ import numpy as np
 
 Buffer = Any  # the backend's array type
 
+_GELU_C = float(np.sqrt(2.0 / np.pi))
+
 # Names the engine uses for dtypes; each backend maps them to its own array dtype.
 FLOAT32 = "float32"
 BFLOAT16 = "bfloat16"
@@ -42,7 +70,7 @@ INT32 = "int32"
 
 # Capabilities a backend may announce.
 CAP_BF16 = "bf16"                      # Backend can run with dtype=bfloat16
-CAP_GRAPHS = "graphs"                  # capture_step / replay_step work (whole-step graph replay)
+CAP_REFERENCE = "reference"            # float32 on the host: the backend others are checked against (bench errors)
 CAP_DEVICE_EVENTS = "device_events"    # timer() measures device time rather than host time
 CAP_KV_CACHE = "kv_cache"              # attention_decode works (incremental decoding over a key/value cache)
 
@@ -106,6 +134,12 @@ class Backend(abc.ABC):
     def describe(self) -> str:
         """One line naming the device, for logs and `llmc backends`."""
         return self.name
+
+    def is_out_of_memory(self, e: BaseException) -> bool:
+        """Whether `e` (raised while allocating or running) means the device ran out of memory, so the engine
+        can say what the plan needed and what to lower. The default knows MemoryError; a device backend adds
+        its own allocation failures."""
+        return isinstance(e, MemoryError)
 
     def peak_flops(self, dtype: str | None = None) -> float | None:
         """The device's peak dense FLOP/s for matmuls in `dtype` (None = `self.dtype`), used for MFU by
@@ -173,9 +207,14 @@ class Backend(abc.ABC):
     def gelu_forward(self, out: Buffer, inp: Buffer) -> None:
         """out = gelu(inp), the tanh approximation GPT-2 uses; any shape."""
 
-    @abc.abstractmethod
     def gelu_backward(self, dinp: Buffer, inp: Buffer, dout: Buffer) -> None:
-        """dinp = gelu'(inp) * dout (overwritten; dinp may alias dout)."""
+        """Optional: dinp = gelu'(inp) * dout (overwritten; dinp may alias dout). The engine reaches GELU's
+        backward through matmul_backward's `pre_gelu`; this standalone form is for backends that build that
+        fusion from parts, and for `llmc bench kernels`. The default goes through the host."""
+        x = self.download(inp).astype(np.float64)
+        t = np.tanh(_GELU_C * (x + 0.044715 * x ** 3))
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * x * x)
+        self.upload(dinp, (d * self.download(dout).astype(np.float64)).astype(np.float32))
 
     @abc.abstractmethod
     def swiglu_forward(self, out: Buffer, inp: Buffer) -> None:
@@ -264,9 +303,10 @@ class Backend(abc.ABC):
         self.upload(guard, guard_values(float(self.download(loss)[0]), float(self.download(norm_squared)[0]),
                                         grad_clip, max_loss, max_norm))
 
-    @abc.abstractmethod
     def scale(self, buf: Buffer, factor: float) -> None:
-        """buf *= factor (used for averaging gradients across ranks)."""
+        """Optional: buf *= factor, any shape and dtype (a communicator may use it to average). The default goes
+        through the host."""
+        self.upload(buf, (self.download(buf).astype(np.float64) * factor).astype(np.float32))
 
     # ---- timing ---------------------------------------------------------------------------------------------
     def timer(self) -> "Timer":
@@ -320,6 +360,69 @@ class HostTimer:
         return time.perf_counter() - self.t0
 
 
+# ---- collectives: how data-parallel ranks move gradients -------------------------------------------------------
+# The engine falls back on MPI through host memory for any backend; a plugin whose device has its own fabric
+# (NCCL for CUDA) returns a Communicator from `BackendPlugin.communicator`, and the engine uses that instead.
+
+SUM, AVG, MAX = "sum", "avg", "max"
+REDUCE_OPS = (SUM, AVG, MAX)
+
+
+class CommError(RuntimeError):
+    """Ranks cannot be set up or cannot talk; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place among the ranks, read from the launcher's environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0           # rank on this node: picks the device
+    source: str = "single process"  # which launcher's variables said so
+
+
+class Rendezvous(Protocol):
+    """How rank 0 hands a few bytes (a communicator's unique id) to every rank before any communicator exists:
+    through MPI, a shared file or a TCP socket (llm.c's three ways), as the user chose."""
+
+    how: str  # "mpi", "file" or "tcp"
+
+    def share(self, data: bytes | None, nbytes: int) -> bytes:
+        """Rank 0 passes `nbytes` bytes, the others None; every rank gets rank 0's bytes back."""
+
+    def abort(self, code: int) -> None:
+        """Take every rank down (MPI_Abort under MPI; this process otherwise)."""
+
+
+class Communicator(Protocol):
+    """Collectives over *backend buffers*, all in place and enqueued in order with the kernels around them:
+
+    * ``all_reduce(buf, op)``: every rank ends with the sum (or average / max) of all ranks' ``buf``.
+    * ``reduce_scatter(buf, op)``: ``buf`` holds ``world_size`` equal chunks; afterwards chunk ``rank`` holds the
+      reduction of that chunk over all ranks (the other chunks are undefined).
+    * ``all_gather(buf)``: chunk ``rank`` of ``buf`` is this rank's contribution; afterwards every chunk is filled.
+    * ``broadcast(buf, root)``; ``all_reduce_value(x, op)`` for one host float (returns at once with the result);
+      ``barrier()``; ``abort(code)`` takes every rank down after a fatal error on one.
+
+    Reductions run in the buffer's dtype (bf16 gradients are reduced in bf16, as llm.c does) and must be
+    deterministic for a fixed world size: the same inputs give bit-identical results."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    name: str
+
+    def all_reduce(self, buf: Buffer, op: str = AVG) -> None: ...
+    def reduce_scatter(self, buf: Buffer, op: str = AVG) -> None: ...
+    def all_gather(self, buf: Buffer) -> None: ...
+    def broadcast(self, buf: Buffer, root: int = 0) -> None: ...
+    def all_reduce_value(self, x: float, op: str = AVG) -> float: ...
+    def barrier(self) -> None: ...
+    def abort(self, code: int = 1) -> None: ...
+    def close(self) -> None: ...
+
+
 class BackendUnavailable(RuntimeError):
     """Raised by a plugin's `create` (or `probe`) when it cannot run here; the message says why."""
 
@@ -329,7 +432,8 @@ class BackendPlugin(abc.ABC):
 
     name: str = "?"
     priority: int = 0  # `--backend auto` picks the usable plugin with the highest priority
-    default_dtype: str = FLOAT32  # what `create(dtype=None)` gives
+    default_dtype: str = FLOAT32  # what `create(dtype=None)` gives (also what `--dry-run` plans with)
+    reference: bool = False  # create(dtype=FLOAT32) gives a CAP_REFERENCE backend (bench checks the others on it)
 
     @abc.abstractmethod
     def probe(self) -> tuple[bool, str]:
@@ -343,3 +447,9 @@ class BackendPlugin(abc.ABC):
     def create(self, device: str | None = None, dtype: str | None = None) -> Backend:
         """A ready backend on `device` (plugin-specific selector, None = default) computing in `dtype`
         (None = `default_dtype`). Raises BackendUnavailable with a one-line reason."""
+
+    def communicator(self, backend: Backend, info: RankInfo, rendezvous: Rendezvous) -> "Communicator | None":
+        """Optional: a Communicator over the device's own fabric for `info.world_size` ranks (every rank calls
+        this collectively), using `rendezvous` to share its unique id; raise CommError with a one-line reason.
+        None (the default) leaves the engine's MPI communicator, which stages buffers through host memory."""
+        return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from llmc_cli.kernels import Backend, BackendPlugin, BackendUnavailable
+from llmc_cli.kernels import FLOAT32, Backend, BackendPlugin, BackendUnavailable
 
 GROUP = "llmc.backends"
 
@@ -58,3 +58,26 @@ def create_backend(name: str = "auto", device: str | None = None, dtype: str | N
             return p.plugin.create(device=device, dtype=dtype)
     names = ", ".join(p.name for p in plugins) or "none"
     raise BackendUnavailable(f"unknown backend '{name}' (installed: {names})")
+
+
+def load_plugin(name: str) -> BackendPlugin | None:
+    """The plugin registered as `name`, loaded but not probed (None when no such entry point loads)."""
+    for ep in entry_points(group=GROUP):
+        if ep.name == name:
+            try:
+                obj = ep.load()
+            except Exception:
+                return None
+            return obj() if isinstance(obj, type) else obj
+    return None
+
+
+def default_dtype(name: str = "auto") -> str:
+    """The dtype `create(dtype=None)` would give for backend `name` ("auto": the best usable one), without
+    creating it (what `--dry-run` plans with); float32 when nothing answers."""
+    if name == "auto":
+        usable = [p.plugin for p in discover() if p.usable and p.plugin is not None]
+        plugin = usable[0] if usable else None
+    else:
+        plugin = load_plugin(name)
+    return getattr(plugin, "default_dtype", FLOAT32) if plugin is not None else FLOAT32

@@ -17,6 +17,7 @@ from conftest import losses, phrase_tokens, rewind_run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.parallel import comm as comm_mod
+from llmc_cli.parallel import rendezvous
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.parallel.zero import reshard_loader_state
 from llmc_cli.parallel.launch import find_mpiexec, supervise
@@ -150,9 +151,9 @@ def test_nccl_id_rendezvous_file_and_tcp(tmp_path):
     uid = bytes(range(128))
     got = {}
     path = tmp_path / "nccl_id"
-    t = threading.Thread(target=lambda: got.update(f=comm_mod._share_id_file(None, 1, str(path), 10)))
+    t = threading.Thread(target=lambda: got.update(f=rendezvous.share_file(None, 1, str(path), 10)))
     t.start()
-    assert comm_mod._share_id_file(uid, 0, str(path), 10) == uid
+    assert rendezvous.share_file(uid, 0, str(path), 10) == uid
     t.join()
     assert got["f"] == uid
 
@@ -160,16 +161,16 @@ def test_nccl_id_rendezvous_file_and_tcp(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     addr = f"127.0.0.1:{port}"
-    ts = [threading.Thread(target=lambda r=r: got.update({r: comm_mod._share_id_tcp(None, r, 3, addr, 20)}))
+    ts = [threading.Thread(target=lambda r=r: got.update({r: rendezvous.share_tcp(None, r, 3, addr, 20)}))
           for r in (1, 2)]
     for t in ts:
         t.start()
-    assert comm_mod._share_id_tcp(uid, 0, 3, addr, 20) == uid
+    assert rendezvous.share_tcp(uid, 0, 3, addr, 20) == uid
     for t in ts:
         t.join()
     assert got[1] == got[2] == uid
     with pytest.raises(comm_mod.CommError, match="HOST:PORT"):
-        comm_mod._share_id_tcp(None, 1, 2, "nohostport", 1)
+        rendezvous.share_tcp(None, 1, 2, "nohostport", 1)
 
 
 def test_loader_state_moves_between_world_sizes():

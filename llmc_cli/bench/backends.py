@@ -7,6 +7,7 @@ from typing import Sequence
 from llmc_cli import registry
 from llmc_cli.kernels import (
     BFLOAT16,
+    CAP_REFERENCE,
     FLOAT32,
     INT32,
     Backend,
@@ -56,13 +57,14 @@ def resolve_backends(names: Sequence[str], dtype: str | None = None, plugins=Non
 
 
 def reference_backend(backends: Sequence[tuple[str, Backend]], plugins=None) -> Backend | None:
-    """The numpy float32 backend every other is checked against: the one in `backends` if it is there."""
+    """The float32 host backend every other is checked against (CAP_REFERENCE): the one in `backends` if it is
+    there, else one created from the first usable plugin that offers it."""
     for label, b in backends:
-        if b.name == "cpu" and b.dtype == FLOAT32:
+        if CAP_REFERENCE in b.capabilities and b.dtype == FLOAT32:
             return b
     plugins = registry.discover() if plugins is None else plugins
     for p in plugins:
-        if p.name == "cpu" and p.plugin is not None and p.usable:
+        if p.plugin is not None and p.usable and getattr(p.plugin, "reference", False):
             try:
                 return p.plugin.create(dtype=FLOAT32)
             except BackendUnavailable:

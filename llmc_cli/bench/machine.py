@@ -57,10 +57,28 @@ def _nvidia_smi() -> list[str]:
         return []
 
 
+def _backend_distributions() -> list[str]:
+    """Every installed backend's distribution and what it requires (the device libraries it runs on)."""
+    import re
+    from importlib.metadata import PackageNotFoundError, entry_points, requires
+
+    out: list[str] = []
+    for ep in entry_points(group="llmc.backends"):
+        dist = ep.dist.name if ep.dist is not None else None
+        if not dist:
+            continue
+        out.append(dist)
+        try:
+            reqs = requires(dist) or []
+        except PackageNotFoundError:
+            reqs = []
+        out += [re.split(r"[\[<>=!~ ;]", r, maxsplit=1)[0] for r in reqs if "extra ==" not in r]
+    return list(dict.fromkeys(d for d in out if d != "llmc"))
+
+
 def describe_machine(backends: Sequence[tuple[str, Backend]] = ()) -> dict:
     """CPU model, cores, OS, library versions, GPUs (nvidia-smi where present) and each backend's own line."""
-    libs = {d: _version(d) for d in ("llmc", "llmc-cpu", "llmc-opencl", "llmc-cuda", "numpy", "scipy", "pyopencl",
-                                     "cupy-cuda12x", "cupy-cuda13x", "torch", "click", "rich")}
+    libs = {d: _version(d) for d in ("llmc", *_backend_distributions(), "numpy", "scipy", "torch", "click", "rich")}
     return {
         "cpu": _cpu_model(), "cores": os.cpu_count(), "os": platform.platform(),
         "python": platform.python_version(), "blas": _blas(),

@@ -37,10 +37,9 @@ def make_backend(name: str, device: str | None, dtype: str):
         return create_backend(name, device=device, dtype=DTYPES[dtype])
     except BackendUnavailable as e:
         msg = str(e)
-        if "No module named" in msg:  # a backend whose optional package is missing: say what to install
-            from llmc_cli.commands.console import PIP_NAMES
+        if "No module named" in msg and "pip install" not in msg:  # say what to install, once
             mod = msg.split("No module named", 1)[1].strip(" '\"").split("'")[0].split(".")[0]
-            msg += f" (pip install {PIP_NAMES.get(mod, mod)})"
+            msg += f" (pip install {pip_name(mod, _distribution_of(name))})"
         fail(f"--backend {name}{f' --device {device}' if device else ''}: {msg}")
     except Exception as e:  # a driver error while opening the device: one line, not a traceback
         fail(f"--backend {name}{f' --device {device}' if device else ''}: cannot start "
@@ -58,10 +57,36 @@ def one_line(e: BaseException) -> str:
 
 # ---- missing optional packages ----------------------------------------------------------------------------------
 PIP_NAMES = {"pyarrow": "pyarrow", "datasets": "datasets", "safetensors": "safetensors", "torch": "torch",
-             "pyopencl": "'pyopencl[pocl]'", "cupy": "cupy-cuda12x", "tiktoken": "tiktoken",
-             "hypothesis": "hypothesis", "huggingface_hub": "huggingface_hub", "transformers": "transformers",
-             "nvmath": "nvmath-python", "cudnn": "nvidia-cudnn-frontend", "whisper": "--no-deps openai-whisper",
-             "mpi4py": "mpi4py"}
+             "tiktoken": "tiktoken", "hypothesis": "hypothesis", "huggingface_hub": "huggingface_hub",
+             "transformers": "transformers", "whisper": "--no-deps openai-whisper", "mpi4py": "mpi4py"}
+
+
+def _distribution_of(backend: str) -> str | None:
+    from llmc_cli.registry import discover
+    return next((p.distribution for p in discover() if p.name == backend), None)
+
+
+def pip_name(module: str, distribution: str | None = None) -> str:
+    """What to `pip install` for a missing `module`: a backend's own requirement naming it (from its
+    distribution's metadata, extras kept: the fuller install), else the table above, else the module's name."""
+    if distribution:
+        import re
+        from importlib.metadata import PackageNotFoundError, requires
+        try:
+            reqs = requires(distribution) or []
+        except PackageNotFoundError:
+            reqs = []
+        norm = module.replace("_", "-").lower()
+        found = []
+        for r in reqs:
+            spec = r.split(";")[0].strip()
+            name = re.split(r"[\[<>=!~ ]", spec, maxsplit=1)[0].replace("_", "-").lower()
+            if name == norm or name.startswith(norm + "-"):
+                found.append(re.split(r"[<>=!~ ]", spec, maxsplit=1)[0])
+        if found:
+            best = max(found, key=lambda f: "[" in f)
+            return f"'{best}'" if "[" in best else best
+    return PIP_NAMES.get(module, module)
 
 
 def missing_package_message(e: ModuleNotFoundError) -> str:

@@ -278,7 +278,8 @@ def dry_run(o: dict) -> None:
                                      n_embd=o["n_embd"], n_kv_head=o["n_kv_head"], block_size=o["block_size"]))
     except ValueError as e:
         fail(str(e))
-    dtype = DTYPES[o["dtype"]] or ("bfloat16" if o["backend"] == "cuda" else "float32")
+    from llmc_cli.registry import default_dtype
+    dtype = DTYPES[o["dtype"]] or default_dtype(o["backend"])
     B, T = o["batch_size"], o["seq_len"]
     plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
     from llmc_cli.models.families import family_of_config

@@ -2,7 +2,7 @@
 
 * ``--gpus N``: one process per GPU, started here (no extra tool). Rank r sees only GPU r
   (CUDA_VISIBLE_DEVICES), learns its place from LLMC_RANK / LLMC_WORLD_SIZE / LLMC_LOCAL_RANK, and the ranks
-  share NCCL's unique id through a fresh file (LLMC_INIT_FILE). Rank 0's output streams through; the others'
+  share the device communicator's unique id through a fresh file (LLMC_INIT_FILE). Rank 0's output streams through; the others'
   goes to a log that is shown if that rank fails. When one rank fails, the others are stopped (SIGTERM, then
   SIGKILL after a grace period) and the launcher exits non-zero naming the rank. Ctrl-C / SIGTERM are passed on
   to every rank once, so they stop after the same step and rank 0 writes its checkpoint.
@@ -149,7 +149,7 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
 
 
 def launch_gpus(args: list[str], n: int, env: dict | None = None) -> int:
-    """`llmc <args>` on N GPUs of this machine, one process each, NCCL id through a temporary file."""
+    """`llmc <args>` on N GPUs of this machine, one process each, the communicator's id through a temporary file."""
     env = dict(os.environ if env is None else env)
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if "CUDA_VISIBLE_DEVICES" in env:
@@ -165,7 +165,7 @@ def launch_gpus(args: list[str], n: int, env: dict | None = None) -> int:
     for r in range(n):
         e = dict(env)
         e.update(LLMC_RANK=str(r), LLMC_WORLD_SIZE=str(n), LLMC_LOCAL_RANK=str(r),
-                 LLMC_INIT_FILE=str(logdir / "nccl_id"), CUDA_VISIBLE_DEVICES=devices[r], PYTHONUNBUFFERED="1")
+                 LLMC_INIT_FILE=str(logdir / "comm_id"), CUDA_VISIBLE_DEVICES=devices[r], PYTHONUNBUFFERED="1")
         envs.append(e)
     _say(f"{n} ranks on GPUs {','.join(devices)}; rank 0's output follows, the others log to {logdir}")
     rc = supervise([cmd] * n, envs, logdir, describe=lambda r: f"rank {r} (GPU {devices[r]})")

@@ -21,9 +21,9 @@ import math
 
 import numpy as np
 
-from llmc_cli.parallel.comm import AVG, SUM, Communicator, SingleProcess
 from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend
 from llmc_cli.optim import AdamW, AdamWConfig
+from llmc_cli.parallel.comm import AVG, SUM, Communicator, SingleProcess
 
 ZERO_STAGES = (0, 1)
 

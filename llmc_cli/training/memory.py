@@ -5,17 +5,6 @@ from __future__ import annotations
 
 
 # ---- out of memory ----------------------------------------------------------------------------------------------
-def is_out_of_memory(e: BaseException) -> bool:
-    """MemoryError (numpy, CuPy's OutOfMemoryError) or a backend's allocation failure (OpenCL, CUDA)."""
-    if isinstance(e, MemoryError):
-        return True
-    name = type(e).__name__.lower()
-    text = str(e).lower()
-    return ("outofmemory" in name or name == "memoryerror" or "out of memory" in text
-            or "mem_object_allocation_failure" in text or "out_of_resources" in text
-            or "cudaerrormemoryallocation" in text)
-
-
 def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int) -> str:
     """One line: what the plan asks for, what the device has free (when it says), and what to lower."""
     asked = None

@@ -18,7 +18,7 @@ from llmc_cli.optim import AdamW, AdamWConfig, lr_at
 from llmc_cli.parallel.comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
 from llmc_cli.parallel.zero import make_optimizer, reshard_loader_state
 from llmc_cli.training.guard import OutlierDetector
-from llmc_cli.training.memory import is_out_of_memory, out_of_memory_message
+from llmc_cli.training.memory import out_of_memory_message
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.inference.sampling import generate
@@ -193,7 +193,7 @@ class Trainer:
             self.model.load_parameters(params)
             self.opt = make_optimizer(backend, self.model, a.optim, self.comm, a.zero)
         except Exception as e:
-            if is_out_of_memory(e):
+            if backend.is_out_of_memory(e):
                 raise TrainError(out_of_memory_message(e, backend, cfg, B, T)) from None
             raise
         self.opt.sync_master_from_params()

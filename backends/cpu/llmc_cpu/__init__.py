@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from llmc_cli.kernels import (CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
+from llmc_cli.kernels import (CAP_KV_CACHE, CAP_REFERENCE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
                               MemoryReport, guard_scale)
 
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
@@ -62,7 +62,7 @@ def _sum_of_squares(f: np.ndarray) -> float:
 class CpuBackend(Backend):
     name = "cpu"
     dtype = FLOAT32
-    capabilities = frozenset({CAP_KV_CACHE})
+    capabilities = frozenset({CAP_KV_CACHE, CAP_REFERENCE})
 
     def __init__(self, threads: int | None = None):
         self.threads = threads or max(1, min(os.cpu_count() or 1, 8))
@@ -507,6 +507,7 @@ class CpuPlugin(BackendPlugin):
     name = "cpu"
     priority = 0
     default_dtype = FLOAT32
+    reference = True
 
     def probe(self):
         blas = ""

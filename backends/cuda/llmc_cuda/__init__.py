@@ -84,5 +84,10 @@ class CudaPlugin(BackendPlugin):
         from .backend import CudaBackend
         return CudaBackend(device=index, dtype=dt)
 
+    def communicator(self, backend, info, rendezvous):
+        """NCCL on the backend's stream (see nccl.py)."""
+        from .nccl import create
+        return create(backend, info, rendezvous)
+
 
 __all__ = ["CudaPlugin"]

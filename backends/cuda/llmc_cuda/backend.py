@@ -218,6 +218,12 @@ class CudaBackend(Backend):
     def synchronize(self):
         self.stream.synchronize()
 
+    def is_out_of_memory(self, e: BaseException) -> bool:
+        """CuPy's OutOfMemoryError, or a CUDA allocation failure surfacing through cuBLASLt / NVRTC / cuDNN."""
+        text = f"{type(e).__name__} {e}".lower()
+        return (isinstance(e, MemoryError) or "outofmemory" in text or "out of memory" in text
+                or "cudaerrormemoryallocation" in text)
+
     def memory_report(self):
         free, total = cp.cuda.runtime.memGetInfo()
         return MemoryReport(allocated=sum(v for k, v in self._allocated.items()), by_tag=dict(self._allocated),

@@ -289,6 +289,12 @@ class OpenCLBackend(Backend):
     def synchronize(self):
         self.queue.finish()
 
+    def is_out_of_memory(self, e: BaseException) -> bool:
+        """An OpenCL allocation failure (the driver's MEM_OBJECT_ALLOCATION_FAILURE / OUT_OF_RESOURCES)."""
+        text = f"{type(e).__name__} {e}".lower()
+        return (isinstance(e, MemoryError) or "mem_object_allocation_failure" in text
+                or "out_of_resources" in text or "out of memory" in text)
+
     def memory_report(self):
         return MemoryReport(allocated=sum(self._allocated.values()), by_tag=dict(self._allocated),
                             device_total=int(self.device.global_mem_size))

@@ -1,0 +1,218 @@
+"""NCCL for the cuda backend: the Communicator `CudaPlugin.communicator` returns. Collectives run on CUDA buffers,
+enqueued on the backend's stream so they are ordered with the kernels around them; bf16 gradients are reduced
+in bf16, as llm.c does. Through CuPy's binding where CuPy was built with NCCL, else straight from libnccl.so.2
+(ctypes). The unique id reaches every rank through the engine's rendezvous (MPI, a shared file or TCP)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from llmc_cli.kernels import AVG, MAX, SUM, CommError, RankInfo, Rendezvous
+
+_OPS = (SUM, AVG, MAX)
+
+
+def _check_op(op: str) -> None:
+    if op not in _OPS:
+        raise ValueError(f"unknown reduction {op!r} (one of {', '.join(_OPS)})")
+
+
+def _chunk(buf, world: int) -> int:
+    n = int(buf.size)
+    if n % world:
+        raise ValueError(f"a buffer of {n} elements does not split into {world} equal chunks")
+    return n // world
+
+
+_NCCL_DTYPES = {"float32": 7, "bfloat16": 9, "float64": 8, "float16": 6, "int32": 2,
+                "uint16": 9}  # a CuPy without bfloat16 stores it as raw 16-bit words
+_NCCL_OPS = {SUM: 0, MAX: 2, AVG: 4}  # ncclSum, ncclMax, ncclAvg (NCCL >= 2.10)
+NCCL_ID_BYTES = 128
+
+
+class _CtypesNccl:
+    """The few NCCL entry points llmc needs, straight from libnccl.so.2 (used when CuPy was built without NCCL)."""
+
+    def __init__(self):
+        self.lib = self._load()
+        L = self.lib
+        L.ncclGetErrorString.restype = ctypes.c_char_p
+        for fn in ("ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclReduceScatter", "ncclAllGather",
+                   "ncclBroadcast", "ncclCommDestroy", "ncclCommAbort"):
+            getattr(L, fn).restype = ctypes.c_int
+
+    @staticmethod
+    def _load():
+        names = ["libnccl.so.2", "libnccl.so"]
+        try:  # PyPI's nvidia-nccl-cu12 / -cu13
+            import nvidia.nccl as nn
+            for p in getattr(nn, "__path__", []):
+                names.insert(0, str(Path(p) / "lib" / "libnccl.so.2"))
+        except ImportError:
+            pass
+        errors = []
+        for n in names:
+            try:
+                return ctypes.CDLL(n)
+            except OSError as e:
+                errors.append(str(e))
+        raise CommError("NCCL not found (pip install nvidia-nccl-cu12, or a CuPy built with NCCL): "
+                        + "; ".join(errors[-2:]))
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise CommError(f"NCCL {what} failed: {self.lib.ncclGetErrorString(rc).decode()} (code {rc})")
+
+    def unique_id(self) -> bytes:
+        buf = ctypes.create_string_buffer(NCCL_ID_BYTES)
+        self.check(self.lib.ncclGetUniqueId(buf), "ncclGetUniqueId")
+        return buf.raw
+
+    def init(self, world: int, uid: bytes, rank: int):
+        comm = ctypes.c_void_p()
+        idbuf = (ctypes.c_char * NCCL_ID_BYTES).from_buffer_copy(uid)
+
+        class _Id(ctypes.Structure):
+            _fields_ = [("internal", ctypes.c_char * NCCL_ID_BYTES)]
+        self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), ctypes.c_int(world), _Id(idbuf.raw),
+                                             ctypes.c_int(rank)), "ncclCommInitRank")
+        return comm
+
+
+def _nccl_unique_id() -> tuple[str, bytes]:
+    """(which binding, a fresh NCCL unique id as 128 bytes)."""
+    try:
+        from cupy.cuda import nccl
+        if getattr(nccl, "available", True):
+            return "cupy", bytes(x & 0xFF for x in nccl.get_unique_id())
+    except ImportError:
+        pass
+    return "ctypes", _CtypesNccl().unique_id()
+
+
+class NCCLCommunicator:
+    """NCCL collectives on CUDA buffers, enqueued on the backend's stream (so they are ordered with the kernels
+    around them). bf16 gradients are reduced in bf16, as llm.c does."""
+
+    name = "nccl"
+
+    def __init__(self, backend, rank: int, world_size: int, local_rank: int, uid: bytes,
+                 rendezvous: Rendezvous | None = None):
+        import cupy as cp
+        self.cp = cp
+        self.backend = backend
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.rendezvous = rendezvous
+        self._stream = getattr(backend, "stream", None)
+        self._scalar = None
+        try:
+            from cupy.cuda import nccl
+            if not getattr(nccl, "available", True):
+                raise ImportError
+            try:  # CuPy >= 14 takes the id as bytes, older ones as a tuple of signed chars
+                self._cupy = nccl.NcclCommunicator(world_size, bytes(uid), rank)
+            except TypeError:
+                self._cupy = nccl.NcclCommunicator(world_size, tuple(b - 256 if b > 127 else b for b in uid), rank)
+            self._ct = None
+            self.binding = "cupy.cuda.nccl"
+        except ImportError:
+            self._cupy = None
+            self._ct = _CtypesNccl()
+            self._comm = self._ct.init(world_size, uid, rank)
+            self.binding = "libnccl (ctypes)"
+
+    @property
+    def stream_ptr(self) -> int:
+        return self._stream.ptr if self._stream is not None else self.cp.cuda.get_current_stream().ptr
+
+    @staticmethod
+    def _dtype(buf) -> int:
+        name = str(buf.dtype)
+        if name not in _NCCL_DTYPES:
+            raise CommError(f"NCCL: no reduction for dtype {name}")
+        return _NCCL_DTYPES[name]
+
+    def _call(self, fn: str, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
+        """ncclAllReduce / ncclReduceScatter: (send, recv, count, dtype, op, stream)."""
+        if self._cupy is not None:
+            meth = {"ncclAllReduce": "allReduce", "ncclReduceScatter": "reduceScatter"}[fn]
+            getattr(self._cupy, meth)(send, recv, count, dtype, op, stream)
+        else:
+            ct = ctypes
+            self._ct.check(getattr(self._ct.lib, fn)(ct.c_void_p(send), ct.c_void_p(recv), ct.c_size_t(count),
+                                                     ct.c_int(dtype), ct.c_int(op), self._comm, ct.c_void_p(stream)),
+                           fn)
+
+    def all_reduce(self, buf, op=AVG):
+        _check_op(op)
+        p = buf.data.ptr
+        self._call("ncclAllReduce", p, p, int(buf.size), self._dtype(buf), _NCCL_OPS[op], self.stream_ptr)
+
+    def reduce_scatter(self, buf, op=AVG):
+        _check_op(op)
+        c = _chunk(buf, self.world_size)
+        p = buf.data.ptr
+        self._call("ncclReduceScatter", p, p + self.rank * c * buf.itemsize, c, self._dtype(buf), _NCCL_OPS[op],
+                   self.stream_ptr)
+
+    def all_gather(self, buf):
+        c = _chunk(buf, self.world_size)
+        p = buf.data.ptr
+        if self._cupy is not None:
+            self._cupy.allGather(p + self.rank * c * buf.itemsize, p, c, self._dtype(buf), self.stream_ptr)
+        else:
+            L, ct = self._ct.lib, ctypes
+            self._ct.check(L.ncclAllGather(ct.c_void_p(p + self.rank * c * buf.itemsize), ct.c_void_p(p),
+                                           ct.c_size_t(c), ct.c_int(self._dtype(buf)), self._comm,
+                                           ct.c_void_p(self.stream_ptr)), "ncclAllGather")
+
+    def broadcast(self, buf, root=0):
+        p = buf.data.ptr
+        if self._cupy is not None:
+            self._cupy.broadcast(p, p, int(buf.size), self._dtype(buf), root, self.stream_ptr)
+        else:
+            L, ct = self._ct.lib, ctypes
+            self._ct.check(L.ncclBroadcast(ct.c_void_p(p), ct.c_void_p(p), ct.c_size_t(int(buf.size)),
+                                           ct.c_int(self._dtype(buf)), ct.c_int(root), self._comm,
+                                           ct.c_void_p(self.stream_ptr)), "ncclBroadcast")
+
+    def all_reduce_value(self, x, op=AVG):
+        _check_op(op)
+        cp = self.cp
+        if self._scalar is None:
+            self._scalar = cp.empty(1, dtype=cp.float64)  # no kernel: it is filled on our stream
+        s = self._scalar
+        self._stream_do(lambda: s.fill(float(x)))
+        self.all_reduce(s, op)
+        if self._stream is not None:
+            self._stream.synchronize()
+        else:
+            cp.cuda.get_current_stream().synchronize()
+        return float(s.get()[0])
+
+    def _stream_do(self, fn):
+        if self._stream is not None:
+            with self._stream:
+                fn()
+        else:
+            fn()
+
+    def barrier(self):
+        self.all_reduce_value(0.0, SUM)
+
+    def abort(self, code=1):
+        if self.rendezvous is not None:
+            self.rendezvous.abort(code)
+        os._exit(code)
+
+    def close(self):
+        pass
+
+
+def create(backend, info: RankInfo, rendezvous: Rendezvous) -> NCCLCommunicator:
+    """Every rank calls this: rank 0 draws the unique id, the rendezvous hands it to the others."""
+    uid = _nccl_unique_id()[1] if info.rank == 0 else None
+    uid = rendezvous.share(uid, NCCL_ID_BYTES)
+    return NCCLCommunicator(backend, info.rank, info.world_size, info.local_rank, uid, rendezvous=rendezvous)
