@@ -15,6 +15,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.llmc_bin import read_model
 from llmc_cli.formats.llmc_bin import VERSION_FP32
 from llmc_cli.formats.llmc_bin import model_header
 from llmc_cli.formats.files import DataError
@@ -129,7 +130,7 @@ def _read_hf_config(p: Path):
 
 
 TARGETS: dict[str, Target] = {
-    "model_bin": Target(_model_seed, ckpt.read_model, (ckpt.CheckpointError,)),
+    "model_bin": Target(_model_seed, read_model, (ckpt.CheckpointError,)),
     "shard": Target(_shard_seed, _read_shard, (DataError,)),
     "tokenizer_bin": Target(_tokenizer_seed, read_tokenizer_bin, (TokenizerError,)),
     "eval_file": Target(_eval_seed, read_evalfile, (DataError,)),

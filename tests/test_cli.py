@@ -10,6 +10,8 @@ import pytest
 from conftest import TINY, losses, rewind_run, run
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.llmc_bin import read_model
+from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats.safetensors import bf16_bits_to_float32
 from llmc_cli.formats.safetensors import float32_to_bf16_bits
 from llmc_cli.formats.shards import write_shard
@@ -91,16 +93,16 @@ def test_llmc_model_file_layout(tmp_path):
     """Headers byte for byte as llm.c writes them; fp32 round trip exact, bf16 rounds to nearest even."""
     cfg = GPT2Config(block_size=32, vocab_size=300, n_layer=2, n_head=2, n_embd=16)
     p = init_parameters(cfg, 0)
-    ckpt.write_model(tmp_path / "m.bin", cfg, p)
+    write_model(tmp_path / "m.bin", cfg, p)
     raw = np.fromfile(tmp_path / "m.bin", dtype=np.int32, count=256)
     assert list(raw[:8]) == [20240326, 3, 32, 300, 2, 2, 16, 384] and not raw[8:].any()
     assert (tmp_path / "m.bin").stat().st_size == 1024 + 4 * num_parameters(cfg)
-    cfg2, p2, v = ckpt.read_model(tmp_path / "m.bin")
+    cfg2, p2, v = read_model(tmp_path / "m.bin")
     assert cfg2 == cfg and v == 3 and np.array_equal(p, p2)
-    ckpt.write_model(tmp_path / "h.bin", cfg, p, bf16=True)
+    write_model(tmp_path / "h.bin", cfg, p, bf16=True)
     assert list(np.fromfile(tmp_path / "h.bin", dtype=np.int32, count=2)) == [20240326, 5]
     assert (tmp_path / "h.bin").stat().st_size == 1024 + 2 * num_parameters(cfg)
-    _, ph, v = ckpt.read_model(tmp_path / "h.bin")
+    _, ph, v = read_model(tmp_path / "h.bin")
     assert v == 5 and np.allclose(ph, p, rtol=2 ** -8, atol=0)
     # ties to even: 1 + 2^-8 is halfway between two bf16 values and must round down to 1.0
     assert bf16_bits_to_float32(float32_to_bf16_bits(np.array([1 + 2 ** -8], np.float32)))[0] == 1.0
@@ -108,7 +110,7 @@ def test_llmc_model_file_layout(tmp_path):
 
 def test_train_from_llmc_bin_init(shards, tmp_path):
     cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=32)
-    ckpt.write_model(tmp_path / "init.bin", cfg, init_parameters(cfg, 4))
+    write_model(tmp_path / "init.bin", cfg, init_parameters(cfg, 4))
     r = run("train", "--backend", "cpu", "--init", tmp_path / "init.bin", "-b", 2, "-t", 32, "--steps", 2,
             "--data", shards / "*train*.bin", "--val-every", 0, "--sample-every", 0)
     assert "L=1 NH=2 C=32" in r.output

@@ -12,6 +12,7 @@ import torch_gpt2
 from conftest import run
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.evals.evaluate import HellaSwag, render_example
@@ -97,7 +98,7 @@ def test_hellaswag_acc_norm_by_hand(cpu, tmp_path):
     assert r.acc_norm == want_norm / 6
 
     # the command line: --hellaswag with --json, alone and with --data
-    ckpt.write_model(tmp_path / "m.bin", cfg, flat)
+    write_model(tmp_path / "m.bin", cfg, flat)
     out = json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--hellaswag", path,
                          "--json").stdout)
     assert out == {"hellaswag_acc": want / 6, "hellaswag_acc_norm": want_norm / 6, "hellaswag_examples": 6}
@@ -112,7 +113,7 @@ def test_hellaswag_acc_norm_by_hand(cpu, tmp_path):
 
 def test_hellaswag_during_training_is_logged(tmp_path):
     cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
-    ckpt.write_model(tmp_path / "init.bin", cfg, init_parameters(cfg, 0))
+    write_model(tmp_path / "init.bin", cfg, init_parameters(cfg, 0))
     write_shard(tmp_path / "t_train_000000.bin", np.random.default_rng(0).integers(0, 50257, 3000))
     hs = write_evalfile(tmp_path / "hs.bin", examples(GPT2Config(vocab_size=50257), 3, 5))
     run("train", "--backend", "cpu", "--init", tmp_path / "init.bin", "-b", 2, "-t", 16, "--steps", 4,
@@ -184,7 +185,7 @@ def test_sample_command(tmp_path):
     p = init_parameters(cfg, 0)
     p[cfg.padded_vocab_size * cfg.n_embd:] += np.random.default_rng(0).normal(0, 0.05, p.size - cfg.padded_vocab_size
                                                                                * cfg.n_embd).astype(np.float32)
-    ckpt.write_model(tmp_path / "m.bin", cfg, p)
+    write_model(tmp_path / "m.bin", cfg, p)
     (tmp_path / "prompt.txt").write_text("Hello there")
     common = ["sample", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--max-new-tokens", 12,
               "--seed", 3, "--top-p", 0.95, "--num-samples", 2]
@@ -205,7 +206,7 @@ def test_sample_command(tmp_path):
 
 def test_bad_hellaswag_file_is_one_line_error(tmp_path):
     cfg = GPT2Config(block_size=32, vocab_size=97, n_layer=1, n_head=2, n_embd=16)
-    ckpt.write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
+    write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
     write_shard(tmp_path / "shard.bin", np.arange(100))  # a token shard, not an eval file
     for args in (["--hellaswag", tmp_path / "shard.bin"], ["--hellaswag", tmp_path / "none.bin"], []):
         r = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", *args, ok=False)
@@ -228,7 +229,7 @@ def test_eval_averages_every_batch_of_every_shard_by_default(tmp_path):
     windows by hand; --batches 1 is the first batch alone."""
     cfg = SMALL
     flat = params_for(cfg, 5, sharpen=2.0)
-    ckpt.write_model(tmp_path / "m.bin", cfg, flat)
+    write_model(tmp_path / "m.bin", cfg, flat)
     rng = np.random.default_rng(9)
     shards = [rng.integers(0, cfg.vocab_size, n) for n in (500, 300)]
     for i, toks in enumerate(shards):
@@ -278,7 +279,7 @@ def test_generation_stops_at_the_stop_token(cpu):
 
 def test_sample_command_stops_at_end_of_text(tmp_path):
     cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
-    ckpt.write_model(tmp_path / "eot.bin", cfg, eot_model(cfg, 50256))
+    write_model(tmp_path / "eot.bin", cfg, eot_model(cfg, 50256))
     for extra in ([], ["--no-kv-cache"], ["--temperature", 0]):
         r = run("sample", "--backend", "cpu", "--checkpoint", tmp_path / "eot.bin", "--prompt", "Hi",
                 "--max-new-tokens", 20, "--num-samples", 2, *extra)
@@ -292,7 +293,7 @@ def test_sample_command_streams_token_by_token(tmp_path, monkeypatch):
 
     import llmc_cli.inference.sampling as sample_mod
     cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
-    ckpt.write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
+    write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
     events = []
     real_generate, real_echo = sample_mod.generate, click.echo
 

@@ -11,6 +11,7 @@ import pytest
 from conftest import TINY, rewind_run, run
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.registry import create_backend, discover
@@ -231,7 +232,7 @@ def test_bad_input_one_line(case, shards, tmp_path, monkeypatch):
         from llmc_cli.models.gpt2 import GPT2Config, init_parameters
         cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=32)
         m = work / "m.bin"
-        ckpt.write_model(m, cfg, init_parameters(cfg, 0))
+        write_model(m, cfg, init_parameters(cfg, 0))
         if case == "model_version":
             _header(m, 1, 4)
             expect = "unsupported version 4"

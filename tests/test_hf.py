@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from conftest import run
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats import hf, hf_gpt2, sources
 from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters
 
@@ -100,7 +101,7 @@ def test_round_trip_is_bit_exact(tmp_path):
     cfg2, p2 = hf_gpt2.import_hf(tmp_path / "hf")
     assert cfg2 == CFG and p2.dtype == np.float32 and np.array_equal(p2, p)
     # through the command line: .bin -> HF -> .bin gives the same file, byte for byte
-    ckpt.write_model(tmp_path / "a.bin", CFG, p)
+    write_model(tmp_path / "a.bin", CFG, p)
     run("convert", tmp_path / "a.bin", tmp_path / "hf2")
     run("convert", tmp_path / "hf2", tmp_path / "b.bin")
     assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
@@ -108,7 +109,7 @@ def test_round_trip_is_bit_exact(tmp_path):
     run("convert", tmp_path / "a.bin", tmp_path / "hf16", "--dtype", "bf16")
     assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     run("convert", tmp_path / "hf16", tmp_path / "c.bin", "--dtype", "bf16")
-    ckpt.write_model(tmp_path / "d.bin", CFG, p, bf16=True)
+    write_model(tmp_path / "d.bin", CFG, p, bf16=True)
     assert (tmp_path / "c.bin").read_bytes() == (tmp_path / "d.bin").read_bytes()
     st16 = (tmp_path / "hf16" / "model.safetensors").stat().st_size
     st32 = (tmp_path / "hf2" / "model.safetensors").stat().st_size
@@ -126,7 +127,7 @@ def test_convert_from_run_directory(tmp_path):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_torch_reference_reads_export_and_matches_llmc(cpu, tmp_path, dtype):
     p = params(seed=1)
-    ckpt.write_model(tmp_path / "m.bin", CFG, p)
+    write_model(tmp_path / "m.bin", CFG, p)
     run("convert", tmp_path / "m.bin", tmp_path / "hf", "--dtype", dtype)
     sd = read_safetensors_torch(tmp_path / "hf" / "model.safetensors")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -190,7 +191,7 @@ def test_bad_input_one_line_error(tmp_path, case):
 def test_convert_into_run_directory_every_direction(tmp_path):
     """.bin -> run, HF -> run, run -> .bin / HF: bit-exact, and the run directory is one sample/eval read."""
     p = params(seed=4)
-    ckpt.write_model(tmp_path / "a.bin", CFG, p)
+    write_model(tmp_path / "a.bin", CFG, p)
     run("convert", tmp_path / "a.bin", tmp_path / "hf")
     run("convert", tmp_path / "a.bin", tmp_path / "run_b", "--to", "run")
     r = run("convert", tmp_path / "hf", tmp_path / "run_h", "--to", "run")
@@ -220,7 +221,7 @@ def test_convert_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     from llmc_cli.formats.shards import write_shard
     p = params(seed=5)
     src = tmp_path / "a.bin"
-    ckpt.write_model(src, CFG, p)
+    write_model(src, CFG, p)
 
     def tree():
         return {str(q.relative_to(tmp_path)): q.read_bytes() if q.is_file() else None

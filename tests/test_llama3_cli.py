@@ -18,7 +18,7 @@ from llmc_cli.formats.safetensors import read_safetensors_header
 from llmc_cli.formats.safetensors import write_safetensors
 from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.shards import write_shard
-from llmc_cli.inference.decode import LlamaKVDecoder
+from llmc_cli.inference.decode import KVDecoder
 from llmc_cli.models.llama3 import Llama3, Llama3Config, init_parameters, parameter_shapes
 from llmc_cli.models.base import split_flat
 from llmc_cli.inference.sampling import generate
@@ -156,7 +156,7 @@ def test_kv_cache_matches_full_forward(cpu):
     m = Llama3(cfg, cpu, 1, 24, training=False)
     m.load_parameters(p)
     seq = np.random.default_rng(5).integers(0, cfg.vocab_size, 24).astype(np.int32)
-    dec = LlamaKVDecoder(m, chunk=8)
+    dec = KVDecoder(m, chunk=8)
     got = {10: dec.feed(seq[:10])}  # a prompt in two chunks, then one token at a time
     for n in range(11, 25):
         got[n] = dec.feed(seq[n - 1:n])

@@ -13,6 +13,8 @@ import pytest
 from conftest import TINY, run
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.llama_file import write_llama_model
+from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats.safetensors import read_safetensors
 from llmc_cli.formats.safetensors import read_safetensors_header
 from llmc_cli.models.gpt2 import GPT2Config, init_parameters
@@ -33,9 +35,9 @@ def one_line(r, code=2):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
-    ckpt.write_model(d / "g.bin", GPT2_CFG, init_parameters(GPT2_CFG, 0))
+    write_model(d / "g.bin", GPT2_CFG, init_parameters(GPT2_CFG, 0))
     run("convert", d / "g.bin", d / "gpt2")
-    ckpt.write_llama_model(d / "l.safetensors", LLAMA_CFG, llama_init(LLAMA_CFG, 0))
+    write_llama_model(d / "l.safetensors", LLAMA_CFG, llama_init(LLAMA_CFG, 0))
     run("convert", d / "l.safetensors", d / "llama")
     return d
 
@@ -74,7 +76,7 @@ def test_llmc_llama_metadata_field_types(tmp_path):
     from llmc_cli.formats.safetensors import write_safetensors
     params = llama_init(LLAMA_CFG, 0)
     good = tmp_path / "good.safetensors"
-    ckpt.write_llama_model(good, LLAMA_CFG, params)
+    write_llama_model(good, LLAMA_CFG, params)
     header, _ = read_safetensors_header(good)
     for field, value in (("n_layer", "1"), ("rope_theta", float("nan")), ("norm_eps", -1.0), ("tie_embeddings", 1)):
         conf = json.loads(header["__metadata__"]["config"]) | {field: value}
@@ -89,7 +91,7 @@ def test_nonfinite_weights_are_refused_everywhere(tmp_path, shards):
     p = init_parameters(GPT2Config(n_layer=1, n_head=2, n_embd=64), 0)
     p[[3, 99]] = [np.nan, np.inf]
     bad = tmp_path / "diverged.bin"
-    ckpt.write_model(bad, GPT2Config(n_layer=1, n_head=2, n_embd=64), p)
+    write_model(bad, GPT2Config(n_layer=1, n_head=2, n_embd=64), p)
     for args in (["sample", "--backend", "cpu", "--checkpoint", bad, "--max-new-tokens", 2],
                  ["eval", "--backend", "cpu", "--checkpoint", bad, "--data", shards / "*val*.bin"],
                  ["convert", bad, tmp_path / "x.bin"],
@@ -124,7 +126,7 @@ def test_state_json_field_types(shards, tmp_path, field, value):
 
 
 def test_ctrl_c_is_one_line_and_exit_130(shards, tmp_path):
-    ckpt.write_model(tmp_path / "m.bin", GPT2_CFG, init_parameters(GPT2_CFG, 0))
+    write_model(tmp_path / "m.bin", GPT2_CFG, init_parameters(GPT2_CFG, 0))
     for args in (["sample", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--max-new-tokens", 10 ** 7,
                   "--temperature", 0],
                  ["eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--data", shards / "*train*.bin",

@@ -19,6 +19,7 @@ from llmc_cli.kernels import (
     INT32,
     Backend,
 )
+from llmc_cli.models.families import family_of
 from llmc_cli.models.gpt2 import GPT2Config, num_parameters
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,8 +91,10 @@ def _shared_tail_cases(B: int, T: int, Vp: int, V: int, P: int, NH: int, NKV: in
 def kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
     """Every kernel of the interface the model uses, on its shapes at (B, T): GPT-2's, or Llama 3's (rmsnorm,
     rotary embedding, grouped-query attention, SwiGLU) for a Llama config."""
-    if not isinstance(cfg, GPT2Config):
-        return llama_kernel_cases(cfg, B, T)
+    return {"gpt2": gpt2_kernel_cases, "llama3": llama_kernel_cases}[family_of(cfg).name](cfg, B, T)
+
+
+def gpt2_kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
     C, NH, Vp, V, maxT = cfg.n_embd, cfg.n_head, cfg.padded_vocab_size, cfg.vocab_size, cfg.block_size
     N, hd, P = B * T, C // NH, num_parameters(cfg)
     F = 4 * C
@@ -428,11 +431,11 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
 
 
 def _cfg_dict(cfg) -> dict:
-    from llmc_cli.models.families import family_of_config
-    fam = family_of_config(cfg)
+    from llmc_cli.models.families import family_of
+    fam = family_of(cfg)
     d = {"family": fam.name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
          "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size, "block_size": cfg.block_size,
-         "num_parameters": fam.module.num_parameters(cfg)}
+         "num_parameters": fam.num_parameters(cfg)}
     if hasattr(cfg, "n_kv_head"):
         d["n_kv_head"] = cfg.n_kv_head
     return d

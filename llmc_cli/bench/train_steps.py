@@ -26,6 +26,10 @@ from llmc_cli.models.gpt2 import GPT2Config, num_parameters
 # ---------------------------------------------------------------------------------------------------------------
 # end-to-end training
 
+# the families `llmc bench train` times (it builds a PyTorch twin of the model for --compare torch)
+TRAIN_FAMILIES = ("gpt2",)
+
+
 def flops_per_step(cfg: GPT2Config, B: int, T: int) -> int:
     """llm.c's estimate: 6 FLOPs per parameter per token plus attention's 6*L*C*T per token (causal)."""
     return (6 * num_parameters(cfg) + 6 * cfg.n_layer * cfg.n_embd * T) * B * T

@@ -28,10 +28,10 @@ from llmc_cli.bench.backends import BenchError, reference_backend, resolve_backe
 from llmc_cli.bench.kernel_cases import run_kernels
 from llmc_cli.bench.machine import describe_machine, machine_lines
 from llmc_cli.bench.report import kernels_table, train_table
-from llmc_cli.bench.train_steps import run_train
+from llmc_cli.bench.train_steps import TRAIN_FAMILIES, run_train
 from llmc_cli.charts import plot_kernels, plot_train, require_matplotlib
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
-from llmc_cli.models.gpt2 import GPT2Config, preset
+from llmc_cli.models.gpt2 import preset
 
 
 def print_wide(console, renderable) -> None:
@@ -88,10 +88,9 @@ def _setup(o: dict):
         fail(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
     over = {k: o[k] for k in ("n_layer", "n_head", "n_embd") if o[k]}
     try:
-        from llmc_cli.models.families import GPT2 as GPT2_FAMILY
         from llmc_cli.models.families import family_for
         fam = family_for(o["model"])
-        if fam is GPT2_FAMILY:
+        if fam.name in TRAIN_FAMILIES:
             cfg = preset(o["model"], block_size=o["block_size"] or 1024, vocab_size=o["vocab_size"] or 50257, **over)
         else:  # Llama 3: the preset's own vocabulary and context unless given
             over |= {k: o[k] for k in ("block_size", "vocab_size") if o[k]}
@@ -99,7 +98,7 @@ def _setup(o: dict):
         cfg.validate()
     except ValueError as e:
         fail(f"--model: {e}")
-    if not isinstance(cfg, GPT2Config) and not o.get("kernels_only"):
+    if fam.name not in TRAIN_FAMILIES and not o.get("kernels_only"):
         fail(f"--model {o['model']}: `llmc bench train` times GPT-2 models; Llama 3 kernels are timed by "
              f"`llmc bench kernels --model {o['model']}`")
     if T > cfg.block_size:

@@ -37,9 +37,9 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
       llmc eval --checkpoint checkpoints/shakespeare --data 'datasets/shakespeare/*val*.bin' --json
       llmc eval --checkpoint checkpoints/gpt2 --hellaswag datasets/hellaswag/hellaswag_val.bin
     """
-    from llmc_cli.formats.files import DataError
     from llmc_cli.data.loader import ValLoader
     from llmc_cli.evals.evaluate import HellaSwag, evaluate_loss
+    from llmc_cli.formats.files import DataError
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
     hs = None

@@ -13,14 +13,14 @@ def load_for_inference(checkpoint: str, backend, B: int, T: int):
     planned for inference at (B, T)."""
     from llmc_cli.formats import checkpoint as ckpt
     from llmc_cli.formats.sources import load_model_any
-    from llmc_cli.models.families import family_of_config
+    from llmc_cli.models.families import family_of
     try:
         cfg, params, _ = load_model_any(checkpoint)
     except ckpt.CheckpointError as e:
         fail(f"--checkpoint: {e}")
     if T > cfg.block_size:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
-    model = family_of_config(cfg).model_class(cfg, backend, B, T, training=False)
+    model = family_of(cfg).model_class(cfg, backend, B, T, training=False)
     model.load_parameters(params)
     return model
 

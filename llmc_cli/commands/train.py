@@ -110,8 +110,8 @@ def train(**o) -> None:
       75   stopped by SIGINT, SIGTERM or SIGHUP after writing a checkpoint: continue with --resume
       130  stopped by a signal with nothing saved (no --out, or a second signal during the checkpoint)
     """
-    from llmc_cli.formats.files import DataError
     from llmc_cli.data.tokenizer import load_tokenizer
+    from llmc_cli.formats.files import DataError
     from llmc_cli.formats.rundir import RunDirError, check_out
     from llmc_cli.formats.runlog import LogError, check_log
     from llmc_cli.optim import AdamWConfig
@@ -282,8 +282,8 @@ def dry_run(o: dict) -> None:
     dtype = DTYPES[o["dtype"]] or default_dtype(o["backend"])
     B, T = o["batch_size"], o["seq_len"]
     plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
-    from llmc_cli.models.families import family_of_config
-    n = family_of_config(cfg).module.num_parameters(cfg)
+    from llmc_cli.models.families import family_of
+    n = family_of(cfg).num_parameters(cfg)
     table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}")
     table.add_column("component")
     table.add_column("GiB", justify="right")

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmc_cli.formats.files import DataError
 from llmc_cli.data.loader import ValLoader
 from llmc_cli.formats.evalfile import read_evalfile
+from llmc_cli.formats.files import DataError
 from llmc_cli.models.base import Model
 
 NUM_ENDINGS = 4

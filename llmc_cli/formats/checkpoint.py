@@ -32,50 +32,53 @@ from llmc_cli.formats.files import (
     fsync_dir,
     replace_dir,
 )
+from llmc_cli.formats.hf import TOKENIZER_FILE
 from llmc_cli.formats.llama_file import (
     read_llama_header,
-    read_llama_model,
-    write_llama_model,
 )
 from llmc_cli.formats.llmc_bin import (
     MODEL_MAGIC,
-    read_model,
-    read_model_header,
-    write_model,
 )
+from llmc_cli.formats.safetensors import read_safetensors_header
+from llmc_cli.models.families import FAMILIES, GPT2, LLAMA3, family_of
+from llmc_cli.models.family import Family
 from llmc_cli.models.gpt2 import GPT2Config
 from llmc_cli.models.llama3 import Llama3Config
 
 # ---- any model file: GPT-2 as llm.c's .bin, Llama as model.safetensors ---------------------------------------
 ModelConfig = GPT2Config | Llama3Config
 MODEL_FILES = ("model.bin", "model.safetensors")
-TOKENIZER_FILE = "tokenizer.model"  # Meta's tiktoken-format Llama 3 ranks, as Hugging Face directories hold it
 
 
 def model_file_name(cfg: ModelConfig) -> str:
-    return "model.bin" if isinstance(cfg, GPT2Config) else "model.safetensors"
+    return family_of(cfg).model_file.name
 
 
 def write_model_file(path: str | Path, cfg: ModelConfig, params: np.ndarray, bf16: bool = False,
                      tokenizer: str = "gpt2") -> None:
-    if isinstance(cfg, GPT2Config):
-        write_model(path, cfg, params, bf16=bf16)  # llm.c's format has no tokenizer field: GPT-2's, always
-    else:
-        write_llama_model(path, cfg, params, bf16=bf16, tokenizer=tokenizer)
+    family_of(cfg).model_file.write(path, cfg, params, bf16=bf16, tokenizer=tokenizer)
+
+
+def _file_family(path: str | Path) -> Family:
+    """Whose model file `path` is, by content: llm.c's magic is GPT-2's .bin; a safetensors file names its family
+    in the metadata (the family's reader says what is wrong with one that does not)."""
+    if not _is_safetensors(path):
+        return GPT2
+    try:
+        meta = read_safetensors_header(path)[0].get("__metadata__")
+    except CheckpointError:
+        meta = None
+    name = meta.get("family") if isinstance(meta, dict) else None
+    return FAMILIES.get(name, LLAMA3) if isinstance(name, str) else LLAMA3
 
 
 def read_model_file(path: str | Path) -> tuple[ModelConfig, np.ndarray]:
     """(config, float32 params) of an llm.c .bin or an llmc Llama model.safetensors, told apart by content."""
-    if _is_safetensors(path):
-        return read_llama_model(path)
-    cfg, params, _ = read_model(path)
-    return cfg, params
+    return _file_family(path).model_file.read(path)
 
 
 def read_model_file_config(path: str | Path) -> ModelConfig:
-    if _is_safetensors(path):
-        return read_llama_header(path)[0]
-    return read_model_header(path)[0]
+    return _file_family(path).model_file.read_config(path)
 
 
 def model_file_tokenizer(path: str | Path) -> str:

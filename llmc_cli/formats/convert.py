@@ -10,8 +10,9 @@ from pathlib import Path
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import replace_dir
+from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
+from llmc_cli.models.families import FAMILIES, family_of
 
-# ---- llmc convert ---------------------------------------------------------------------------------------------
 _HF_FILES = re.compile(r"config\.json|generation_config\.json|model\.safetensors|model\.safetensors\.index\.json|"
                        r"model-\d{5}-of-\d{5}\.safetensors|tokenizer\.model")
 
@@ -23,10 +24,7 @@ def _is_llmc_output(path: Path) -> bool:
         names = [p.name for p in path.iterdir()]
         return "config.json" in names and all(_HF_FILES.fullmatch(n) and (path / n).is_file() for n in names)
     try:
-        if path.suffix == ".bin":
-            ckpt.read_model_header(path)
-        else:
-            ckpt.read_llama_header(path)
+        ckpt.read_model_file_config(path)
     except (ckpt.CheckpointError, OSError):
         return False
     return True
@@ -65,3 +63,51 @@ def _write_dir_atomically(dst: Path, write) -> None:
         replace_dir(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "auto", force: bool = False):
+    """Converts the model at `src` (any source, by content) to `dst`: a new run directory (`to="run"`), the
+    family's model file when `dst` ends in that file's suffix, else a Hugging Face directory (written beside and
+    swapped in). Returns (config, source kind, what was written). CheckpointError messages start with SRC: or
+    DST: (the path the user named, never a temporary one)."""
+    try:
+        check_destination(src, dst, force)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"DST: {e}") from None
+    try:
+        cfg, params, kind = load_model_any(src)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"SRC: {e}") from None
+    fam = family_of(cfg)
+    try:
+        tok_name, tok_file = tokenizer_for(src)
+    except ckpt.CheckpointError:  # a tokenizer file that is not there: nothing to copy along
+        tok_name, tok_file = fam.tokenizer, None
+    d = Path(dst)
+    suffix = Path(fam.model_file.name).suffix
+    try:
+        if to == "run":
+            export_run(d, cfg, params, bf16=bf16, tokenizer=tok_name, tokenizer_file=tok_file)
+            return cfg, kind, f"run directory ({ckpt.step_dir_name(0)}/{fam.model_file.name}, latest; model only)"
+        if d.suffix in MODEL_SUFFIXES:
+            if d.is_dir():
+                raise ckpt.CheckpointError(f"{d} is a directory")
+            if d.suffix != suffix:
+                raise ckpt.CheckpointError(f"{d}: a {fam.label} model is written to a {suffix} file "
+                                           f"({fam.model_file.label(bf16)}) or a directory (Hugging Face)")
+            d.parent.mkdir(parents=True, exist_ok=True)
+            ckpt.write_model_file(d, cfg, params, bf16=bf16, tokenizer=tok_name)
+            return cfg, kind, fam.model_file.label(bf16)
+        if d.exists() and not d.is_dir():
+            raise ckpt.CheckpointError(f"{d} exists and is not a directory (name a model file with "
+                                       f"{' or '.join(MODEL_SUFFIXES)})")
+        _write_dir_atomically(d, lambda out: fam.hf.save(out, cfg, params, bf16=bf16, tokenizer=tok_name,
+                                                          tokenizer_file=tok_file))
+        return cfg, kind, "Hugging Face directory (config.json, model.safetensors)"
+    except OSError as e:  # (the file that failed may be a temporary one beside DST: DST is what the user named)
+        raise ckpt.CheckpointError(f"DST: {d}: {e.strerror or e}") from None
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"DST: {e}") from None
+
+
+MODEL_SUFFIXES = tuple(Path(f.model_file.name).suffix for f in FAMILIES.values())

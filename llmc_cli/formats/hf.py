@@ -9,11 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.files import CheckpointError, atomic_write_bytes
 from llmc_cli.formats.safetensors import read_safetensors, write_safetensors
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.model"  # Meta's tiktoken-format Llama 3 ranks, as Hugging Face directories hold it
 LLMC_TOKENIZER_KEY = "llmc_tokenizer"  # config.json of a Llama llmc trained with GPT-2's tokenizer says so
 
 
@@ -27,17 +28,17 @@ def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise TypeError("weight_map is not an object of file names")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ckpt.CheckpointError(f"{path / INDEX}: unreadable index ({type(e).__name__}: {e})") from None
+            raise CheckpointError(f"{path / INDEX}: unreadable index ({type(e).__name__}: {e})") from None
         tensors: dict[str, np.ndarray] = {}
         for fname in sorted(set(weight_map.values())):
             if "/" in fname or "\\" in fname or not (path / fname).is_file():
-                raise ckpt.CheckpointError(f"{path / INDEX} names shard {fname}, which is missing from {path}")
+                raise CheckpointError(f"{path / INDEX} names shard {fname}, which is missing from {path}")
             tensors.update(read_safetensors(path / fname, {n for n, f in weight_map.items() if f == fname}))
         return tensors
     if not (path / WEIGHTS).is_file():
         other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
         hint = f" (found {', '.join(other)}: PyTorch pickles, which llmc does not read)" if other else ""
-        raise ckpt.CheckpointError(f"{path}: no {WEIGHTS} or {INDEX}{hint}")
+        raise CheckpointError(f"{path}: no {WEIGHTS} or {INDEX}{hint}")
     return read_safetensors(path / WEIGHTS)
 
 
@@ -68,7 +69,7 @@ def write_hf_weights(out: Path, tensors: dict[str, np.ndarray], bf16: bool = Fal
         write_safetensors(out / fname, shard, dtype, meta)
         weight_map.update({n: fname for n in shard})
     index = {"metadata": {"total_size": sum(a.size * itemsize for a in tensors.values())}, "weight_map": weight_map}
-    ckpt.atomic_write_bytes(out / INDEX, [json.dumps(index, indent=2).encode()])
+    atomic_write_bytes(out / INDEX, [json.dumps(index, indent=2).encode()])
 
 
 def read_config_json(path: str | Path) -> dict:
@@ -76,9 +77,9 @@ def read_config_json(path: str | Path) -> dict:
     try:
         c = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: unreadable ({e})") from None
+        raise CheckpointError(f"{path}/config.json: unreadable ({e})") from None
     if not isinstance(c, dict):
-        raise ckpt.CheckpointError(f"{path}/config.json: expected a JSON object, got {type(c).__name__}")
+        raise CheckpointError(f"{path}/config.json: expected a JSON object, got {type(c).__name__}")
     return c
 
 
@@ -99,7 +100,7 @@ def hf_model_type(path: str | Path) -> str:
     """config.json's model_type, checked to be one llmc has a model for."""
     kind = read_config_json(path).get("model_type")
     if kind not in HF_MODEL_TYPES:
-        raise ckpt.CheckpointError(f"{Path(path) / 'config.json'}: model_type {kind!r} is not supported "
+        raise CheckpointError(f"{Path(path) / 'config.json'}: model_type {kind!r} is not supported "
                                    f"(llmc reads {' and '.join(HF_MODEL_TYPES)})")
     return kind
 

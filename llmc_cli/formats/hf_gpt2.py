@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.files import CheckpointError, atomic_write_bytes
 from llmc_cli.formats.hf import (
     GPT2_HF_KEYS,
     hf_field_names,
@@ -63,11 +63,11 @@ def export_hf(out_dir: str | Path, cfg: GPT2Config, params: np.ndarray, bf16: bo
     """Writes config.json + model.safetensors (F32, or BF16) into `out_dir` (created)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise ckpt.CheckpointError(f"{out}: exists and is not a directory")
+        raise CheckpointError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     write_hf_weights(out, to_hf_tensors(cfg, params), bf16)
     conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32"), indent=2) + "\n"
-    ckpt.atomic_write_bytes(out / "config.json", [conf.encode()])
+    atomic_write_bytes(out / "config.json", [conf.encode()])
     return out
 
 
@@ -76,21 +76,21 @@ def read_hf_config(path: str | Path) -> GPT2Config:
     path = Path(path)
     c = read_config_json(path)
     if c.get("model_type") != "gpt2":
-        raise ckpt.CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a GPT-2 (gpt2)")
+        raise CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a GPT-2 (gpt2)")
     try:
         cfg = GPT2Config(block_size=c["n_positions"], vocab_size=c["vocab_size"], n_layer=c["n_layer"],
                          n_head=c["n_head"], n_embd=c["n_embd"])
         cfg.validate()  # the fields' JSON types too: "12" or true is not a layer count
     except KeyError as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: bad GPT-2 config (no field {e})") from None
+        raise CheckpointError(f"{path}/config.json: bad GPT-2 config (no field {e})") from None
     except (TypeError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: bad GPT-2 config ({hf_field_names(e, GPT2_HF_KEYS)})") from None
+        raise CheckpointError(f"{path}/config.json: bad GPT-2 config ({hf_field_names(e, GPT2_HF_KEYS)})") from None
     inner = c.get("n_inner")
     if inner not in (None, 4 * cfg.n_embd):
-        raise ckpt.CheckpointError(f"{path}: n_inner {inner} is not 4*n_embd, which llm.c's GPT-2 requires")
+        raise CheckpointError(f"{path}: n_inner {inner} is not 4*n_embd, which llm.c's GPT-2 requires")
     act = c.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        raise ckpt.CheckpointError(f"{path}: activation {act!r}; llmc's GPT-2 uses the tanh GELU (gelu_new)")
+        raise CheckpointError(f"{path}: activation {act!r}; llmc's GPT-2 uses the tanh GELU (gelu_new)")
     return cfg
 
 
@@ -105,9 +105,9 @@ def import_hf(path: str | Path) -> tuple[GPT2Config, np.ndarray]:
     def get(name: str, shape: tuple) -> np.ndarray:
         a = tensors.get(name)
         if a is None:
-            raise ckpt.CheckpointError(f"{path}: tensor {name} is missing")
+            raise CheckpointError(f"{path}: tensor {name} is missing")
         if a.shape != shape:
-            raise ckpt.CheckpointError(f"{path}: tensor {name} has shape {a.shape}, config says {shape}")
+            raise CheckpointError(f"{path}: tensor {name} has shape {a.shape}, config says {shape}")
         return a
 
     C, V = cfg.n_embd, cfg.vocab_size

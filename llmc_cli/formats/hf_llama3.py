@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.files import CheckpointError, atomic_write_bytes
 from llmc_cli.formats.hf import (
     LLMC_TOKENIZER_KEY,
+    TOKENIZER_FILE,
     hf_field_names,
     read_config_json,
     read_hf_tensors,
@@ -54,7 +55,7 @@ def read_hf_config(path: str | Path) -> Llama3Config:
     path = Path(path)
     c = read_config_json(path)
     if c.get("model_type") != "llama":
-        raise ckpt.CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a Llama "
+        raise CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a Llama "
                                    f"(llama)")
     try:
         C, NH = c["hidden_size"], c["num_attention_heads"]
@@ -77,9 +78,9 @@ def read_hf_config(path: str | Path) -> Llama3Config:
         if c.get("head_dim", cfg.head_dim) != cfg.head_dim:
             raise ValueError("head_dim must be hidden_size / num_attention_heads")
     except KeyError as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: bad Llama config (no field {e})") from None
+        raise CheckpointError(f"{path}/config.json: bad Llama config (no field {e})") from None
     except (TypeError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{path}/config.json: bad Llama config ({hf_field_names(e, HF_KEYS)})") from None
+        raise CheckpointError(f"{path}/config.json: bad Llama config ({hf_field_names(e, HF_KEYS)})") from None
     return cfg
 
 
@@ -125,13 +126,13 @@ def export_hf(out_dir: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: 
     is copied in as tokenizer.model."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise ckpt.CheckpointError(f"{out}: exists and is not a directory")
+        raise CheckpointError(f"{out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     write_hf_weights(out, to_hf_tensors(cfg, params), bf16, max_shard_bytes)
-    if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / ckpt.TOKENIZER_FILE).resolve():
-        ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
+    if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / TOKENIZER_FILE).resolve():
+        atomic_write_bytes(out / TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
     conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32", tokenizer), indent=2) + "\n"
-    ckpt.atomic_write_bytes(out / "config.json", [conf.encode()])
+    atomic_write_bytes(out / "config.json", [conf.encode()])
     return out
 
 
@@ -144,9 +145,9 @@ def import_hf(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in t:
-            raise ckpt.CheckpointError(f"{path}: tensor {name} is missing")
+            raise CheckpointError(f"{path}: tensor {name} is missing")
         if tuple(t[name].shape) != shape:
-            raise ckpt.CheckpointError(f"{path}: tensor {name} has shape {tuple(t[name].shape)}, "
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(t[name].shape)}, "
                                        f"expected {shape}")
         return t[name]
 

@@ -14,7 +14,7 @@ from llmc_cli.formats.hf import (
     is_hf_dir,
     read_config_json,
 )
-from llmc_cli.formats.hf_gpt2 import import_hf, read_hf_config
+from llmc_cli.models.families import family_of_hf
 
 
 # ---- any model source -----------------------------------------------------------------------------------------
@@ -48,12 +48,9 @@ def load_config_any(path: str | Path) -> ckpt.ModelConfig:
 
 
 def _hf_readers(path: Path):
-    """(import_hf, read_hf_config) for a Hugging Face directory of this model_type: GPT-2's here, Llama's in
-    llama3_hf."""
-    if hf_model_type(path) == "llama":
-        from llmc_cli.formats import hf_llama3 as llama3_hf
-        return llama3_hf.import_hf, llama3_hf.read_hf_config
-    return import_hf, read_hf_config
+    """(load, read_config) of the family whose model_type this Hugging Face directory's config.json names."""
+    hf = family_of_hf(hf_model_type(path)).hf  # (hf_model_type refused types without a family)
+    return hf.load, hf.read_config
 
 
 def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:

@@ -1,72 +1,81 @@
-"""The model families the engine trains, and what the engine needs to know of each: its config, presets,
-parameter table, activation plan and model class. `family_for(name)` maps a --model name to its family."""
+"""The model families the engine trains, GPT-2 and Llama 3, each one `Family` value (family.py), and the lookups:
+`family_for(--model name)`, `family_of(config)`. A new family is a new value here, not a new branch elsewhere."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import ModuleType
+from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.models import gpt2, llama3
+from llmc_cli.formats import hf_gpt2, hf_llama3, llama_file, llmc_bin
 from llmc_cli.kernels import BFLOAT16
+from llmc_cli.models import gpt2, llama3
+from llmc_cli.models.family import Family, HFMapping, ModelFile
 
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    module: ModuleType   # gpt2 or llama3: preset, init_parameters, num_parameters, parameter_shapes, ...
-    model_class: type
-    config_class: type
-
-    def preset(self, name: str, **overrides):
-        return self.module.preset(name, **overrides)
-
-    def presets(self) -> list[str]:
-        return list(self.module.PRESETS) + list(getattr(self.module, "ALIASES", {}))
+def _write_gpt2(path: str | Path, cfg, params: np.ndarray, bf16: bool = False, tokenizer: str = "gpt2") -> None:
+    llmc_bin.write_model(path, cfg, params, bf16=bf16)  # llm.c's format has no tokenizer field: GPT-2's, always
 
 
-GPT2 = Family("gpt2", gpt2, gpt2.GPT2, gpt2.GPT2Config)
-LLAMA3 = Family("llama3", llama3, llama3.Llama3, llama3.Llama3Config)
-FAMILIES = (GPT2, LLAMA3)
+def _read_gpt2(path: str | Path):
+    cfg, params, _ = llmc_bin.read_model(path)
+    return cfg, params
+
+
+def _save_gpt2_hf(out_dir, cfg, params, bf16=False, tokenizer="gpt2", tokenizer_file=None) -> Path:
+    return hf_gpt2.export_hf(out_dir, cfg, params, bf16=bf16)
+
+
+GPT2 = Family(
+    name="gpt2", label="GPT-2", tokenizer="gpt2", config_class=gpt2.GPT2Config, model_class=gpt2.GPT2, preset_names=tuple(gpt2.PRESETS),
+    preset=gpt2.preset, parameter_shapes=gpt2.parameter_shapes, num_parameters=gpt2.num_parameters,
+    init_parameters=gpt2.init_parameters, activation_bytes=gpt2.activation_bytes,
+    model_file=ModelFile("model.bin", lambda bf16: f"llm.c model file (version {5 if bf16 else 3})", _write_gpt2, _read_gpt2, lambda p: llmc_bin.read_model_header(p)[0]),
+    hf=HFMapping("gpt2", hf_gpt2.read_hf_config, hf_gpt2.import_hf, _save_gpt2_hf),
+)
+LLAMA3 = Family(
+    name="llama3", label="Llama 3", tokenizer="llama3", config_class=llama3.Llama3Config, model_class=llama3.Llama3,
+    preset_names=tuple(llama3.PRESETS) + tuple(llama3.ALIASES), preset=llama3.preset,
+    parameter_shapes=llama3.parameter_shapes, num_parameters=llama3.num_parameters,
+    init_parameters=llama3.init_parameters, activation_bytes=llama3.activation_bytes,
+    model_file=ModelFile("model.safetensors", lambda bf16: "llmc Llama model file", llama_file.write_llama_model, llama_file.read_llama_model,
+                         lambda p: llama_file.read_llama_header(p)[0]),
+    hf=HFMapping("llama", hf_llama3.read_hf_config, hf_llama3.import_hf, hf_llama3.export_hf),
+)
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPT2, LLAMA3)}
 
 
 def family_for(model: str) -> Family:
     """The family of a --model preset name (d12 -> gpt2, llama3.2-1b -> llama3)."""
-    for f in FAMILIES:
-        if model in f.presets():
+    for f in FAMILIES.values():
+        if model in f.preset_names:
             return f
-    names = ", ".join(n for f in FAMILIES for n in f.presets())
+    names = ", ".join(n for f in FAMILIES.values() for n in f.preset_names)
     raise ValueError(f"unknown model '{model}' (presets: {names})")
 
 
-def family_of_config(cfg) -> Family:
-    for f in FAMILIES:
-        if isinstance(cfg, f.config_class):
-            return f
-    raise TypeError(f"no model family for {type(cfg).__name__}")
+def family_of(cfg) -> Family:
+    """The family a config belongs to (its class names it)."""
+    try:
+        return FAMILIES[cfg.family]
+    except (AttributeError, KeyError):
+        raise TypeError(f"no model family for {type(cfg).__name__}") from None
+
+
+def family_of_hf(model_type: str) -> Family | None:
+    """The family a Hugging Face config.json's model_type is, or None."""
+    return next((f for f in FAMILIES.values() if f.hf.model_type == model_type), None)
 
 
 def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recompute: str = "none") -> dict[str, int]:
     """Bytes the engine will allocate, by component, without allocating anything (for --dry-run)."""
-    fam = family_of_config(cfg)
+    fam = family_of(cfg)
     act_bytes = 2 if dtype == BFLOAT16 else 4
-    n = fam.module.num_parameters(cfg)
+    n = fam.num_parameters(cfg)
     plan = {"parameters": n * act_bytes}
     if training:
         plan["gradients"] = n * act_bytes
         plan["optimizer (m, v" + (", fp32 master)" if dtype == BFLOAT16 else ")")] = \
             n * 4 * (3 if dtype == BFLOAT16 else 2)
-    acts = 0
-    extra = {}
-    if fam is GPT2:  # the same classifier chunking and placement as GPT2.__init__ plans
-        extra = {"recompute": recompute,
-                 "chunks": gpt2.auto_classifier_chunks(cfg, B, T, training, act_bytes, recompute)}
-    aliased = getattr(fam.module, "in_logits", lambda *a, **k: {})(cfg, B, T, training, **extra)
-    for name, shape, kind, per_layer in fam.module.activation_shapes(cfg, B, T, training, **extra):
-        if name in aliased or (training and name in getattr(fam.module, "SCRATCH_PARTNER", {})):
-            continue  # placed inside the logits buffer or in its partner's memory: none of its own
-        elems = int(np.prod(shape)) * (cfg.n_layer if per_layer else 1)
-        acts += elems * (act_bytes if kind == "act" else 4)
-    plan["activations"] = acts
+    plan["activations"] = fam.activation_bytes(cfg, B, T, training, act_bytes, recompute)
     return plan

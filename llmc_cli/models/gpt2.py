@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from llmc_cli.models.base import Model, check_config_fields, split_flat
 
 @dataclass(frozen=True)
 class GPT2Config:
+    family: ClassVar[str] = "gpt2"  # names its Family (models.families)
     block_size: int = 1024        # max sequence length (T at most this)
     vocab_size: int = 50257       # real vocabulary
     n_layer: int = 12
@@ -187,6 +189,20 @@ def in_logits(cfg: GPT2Config, B: int, T: int, training: bool, recompute: str = 
     return out
 
 
+def activation_bytes(cfg: GPT2Config, B: int, T: int, training: bool, act_bytes: int,
+                     recompute: str = "none") -> int:
+    """Bytes of the activations GPT2.__init__ allocates for (B, T), without allocating: the same classifier
+    chunking, and nothing for the buffers placed inside the logits or in their partner's memory."""
+    chunks = auto_classifier_chunks(cfg, B, T, training, act_bytes, recompute)
+    aliased = in_logits(cfg, B, T, training, recompute, chunks)
+    total = 0
+    for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training, recompute, chunks):
+        if name in aliased or (training and name in SCRATCH_PARTNER):
+            continue
+        total += int(np.prod(shape)) * (cfg.n_layer if per_layer else 1) * (act_bytes if kind == "act" else 4)
+    return total
+
+
 class GPT2(Model):
     """Parameters, gradients and activations of one GPT-2, planned once for batch (B, T)."""
 
@@ -243,7 +259,7 @@ class GPT2(Model):
         wte's gradient accumulates, for `backward` to continue from. Without targets (a model planned with
         classifier chunks cannot do that) the logits buffer keeps the logits."""
         k, p, a, cfg = self.backend, self.params, self.acts, self.cfg
-        L, NH = cfg.n_layer, cfg.n_head
+        NH = cfg.n_head
         al = self.acts_layer
         if targets is None and self.chunks > 1:
             raise ValueError(f"this model computes its logits in {self.chunks} chunks of the batch (a training "
@@ -254,26 +270,8 @@ class GPT2(Model):
         k.encoder_forward(a["encoded"], a["inputs"], p.wte, p.wpe)
         k.layernorm_forward(al["ln1"][0], al["ln1_mean"][0], al["ln1_rstd"][0], a["encoded"],
                             p.layer("ln1w", 0), p.layer("ln1b", 0))
-        for l in range(L):
-            residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
-            # attention block: ln1 -> qkv -> attention -> projection, then residual + ln2 fused
-            k.matmul_forward(al["qkv"][l], al["ln1"][l], p.layer("qkvw", l), p.layer("qkvb", l))
-            k.attention_forward(al["atty"][l], al["att_lse"][l], al["qkv"][l], NH, NH)
-            k.matmul_forward(a["btc"], al["atty"][l], p.layer("attprojw", l), p.layer("attprojb", l))
-            k.fused_residual_layernorm_forward(al["residual2"][l], al["ln2"][l], al["ln2_mean"][l],
-                                               al["ln2_rstd"][l], residual, a["btc"],
-                                               p.layer("ln2w", l), p.layer("ln2b", l))
-            # MLP block: fc with GELU fused, projection, then residual + next layer's ln1 (or lnf) fused
-            k.matmul_forward(al["fch_gelu"][l], al["ln2"][l], p.layer("fcw", l), p.layer("fcb", l),
-                             pre_gelu=al["fch"][l])
-            k.matmul_forward(a["btc"], al["fch_gelu"][l], p.layer("fcprojw", l), p.layer("fcprojb", l))
-            if l + 1 < L:
-                k.fused_residual_layernorm_forward(al["residual3"][l], al["ln1"][l + 1], al["ln1_mean"][l + 1],
-                                                   al["ln1_rstd"][l + 1], al["residual2"][l], a["btc"],
-                                                   p.layer("ln1w", l + 1), p.layer("ln1b", l + 1))
-            else:
-                k.fused_residual_layernorm_forward(al["residual3"][l], a["lnf"], a["lnf_mean"], a["lnf_rstd"],
-                                                   al["residual2"][l], a["btc"], p.lnfw, p.lnfb)
+        self._layers(a["encoded"], lambda name, l: al[name][l],
+                     lambda l, atty, qkv: k.attention_forward(atty, al["att_lse"][l], qkv, NH, NH))
         if targets is None:
             k.matmul_forward(a["logits"], a["lnf"], p.wte)
             return
@@ -282,6 +280,67 @@ class GPT2(Model):
             k.classifier_forward_backward(a["logits"], losses, tgt, cfg.vocab_size, dloss)
             if dloss is not None:  # dwte accumulates over the chunks (the interface's += on dweight)
                 k.matmul_backward(dlnf, self.grads.wte, None, a["logits"], lnf, p.wte)
+
+    def _layers(self, encoded, act, attend) -> None:
+        """The layer loop, written once for the forward pass and for decoding: `act(name, l)` is layer l's buffer
+        (forward: its own, kept for backward; decode: scratch shared by every layer) and `attend(l, atty, qkv)`
+        runs the attention (forward: attention_forward, keeping lse; decode: attention_decode over the cache).
+        Layer 0's ln1 is done on entry; the final layernorm's output is in act("lnf", L - 1) on exit."""
+        k, p, L = self.backend, self.params, self.cfg.n_layer
+        for l in range(L):
+            residual = encoded if l == 0 else act("residual3", l - 1)
+            # attention block: ln1 -> qkv -> attention -> projection, then residual + ln2 fused
+            k.matmul_forward(act("qkv", l), act("ln1", l), p.layer("qkvw", l), p.layer("qkvb", l))
+            attend(l, act("atty", l), act("qkv", l))
+            k.matmul_forward(act("btc", l), act("atty", l), p.layer("attprojw", l), p.layer("attprojb", l))
+            k.fused_residual_layernorm_forward(act("residual2", l), act("ln2", l), act("ln2_mean", l),
+                                               act("ln2_rstd", l), residual, act("btc", l),
+                                               p.layer("ln2w", l), p.layer("ln2b", l))
+            # MLP block: fc with GELU fused, projection, then residual + next layer's ln1 (or lnf) fused
+            k.matmul_forward(act("fch_gelu", l), act("ln2", l), p.layer("fcw", l), p.layer("fcb", l),
+                             pre_gelu=act("fch", l))
+            k.matmul_forward(act("btc", l), act("fch_gelu", l), p.layer("fcprojw", l), p.layer("fcprojb", l))
+            if l + 1 < L:
+                out, mean, rstd = act("ln1", l + 1), act("ln1_mean", l + 1), act("ln1_rstd", l + 1)
+                w, b = p.layer("ln1w", l + 1), p.layer("ln1b", l + 1)
+            else:
+                out, mean, rstd, w, b = act("lnf", l), act("lnf_mean", l), act("lnf_rstd", l), p.lnfw, p.lnfb
+            k.fused_residual_layernorm_forward(act("residual3", l), out, mean, rstd, act("residual2", l),
+                                               act("btc", l), w, b)
+
+    # ---- decoding over a key/value cache (inference.decode.KVDecoder drives it) -----------------------------
+    # decode runs the same layer loop on (B, Tn) scratch: one buffer per role, shared by every layer
+    _DECODE_SHARED = {"residual2": "r2", "residual3": "r3", "ln1": "ln", "ln2": "ln", "lnf": "ln",
+                      "ln1_mean": "mean", "ln2_mean": "mean", "lnf_mean": "mean",
+                      "ln1_rstd": "rstd", "ln2_rstd": "rstd", "lnf_rstd": "rstd"}
+
+    def decode_plan(self, B: int, S: int, dt: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        C, Vp = self.cfg.n_embd, self.cfg.padded_vocab_size
+        return {
+            "inputs": ((B, S), INT32), "x": ((B, S, C), dt), "r2": ((B, S, C), dt), "r3": ((B, S, C), dt),
+            "ln": ((B, S, C), dt), "mean": ((B, S), FLOAT32), "rstd": ((B, S), FLOAT32),
+            "qkv": ((B, S, 3 * C), dt), "atty": ((B, S, C), dt), "btc": ((B, S, C), dt),
+            "fch": ((B, S, 4 * C), dt), "fch_gelu": ((B, S, 4 * C), dt), "logits": ((B, S, Vp), dt),
+        }
+
+    def decode_heads(self) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head size): the shape of the key/value cache."""
+        return self.cfg.n_head, self.cfg.n_head, self.cfg.n_embd // self.cfg.n_head
+
+    def decode_max_len(self) -> int:
+        return self.cfg.block_size  # wpe has a row for every position up to the block size
+
+    def decode_forward(self, v: dict, pos: int, k_cache: list, v_cache: list) -> None:
+        """The new tokens in v["inputs"] (B, Tn) at positions pos..: logits for each in v["logits"]."""
+        k, p, cfg = self.backend, self.params, self.cfg
+        C, NH = cfg.n_embd, cfg.n_head
+        wpe = k.view(p.wpe, pos * C, (cfg.block_size - pos, C))  # row t of this view is position pos + t
+        k.encoder_forward(v["x"], v["inputs"], p.wte, wpe)
+        k.layernorm_forward(v["ln"], v["mean"], v["rstd"], v["x"], p.layer("ln1w", 0), p.layer("ln1b", 0))
+        shared = self._DECODE_SHARED
+        self._layers(v["x"], lambda name, l: v[shared.get(name, name)],
+                     lambda l, atty, qkv: k.attention_decode(atty, qkv, k_cache[l], v_cache[l], pos, NH, NH))
+        k.matmul_forward(v["logits"], v["ln"], p.wte)
 
     def backward(self) -> None:
         """Accumulates every parameter gradient; needs forward(..., dloss=...) first, which already ran the lm-head's

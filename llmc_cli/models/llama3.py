@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from llmc_cli.models.base import Model, Tensors, check_config_fields, split_flat
 
 @dataclass(frozen=True)
 class Llama3Config:
+    family: ClassVar[str] = "llama3"  # names its Family (models.families)
     block_size: int = 8192          # max sequence length planned for (T at most this)
     vocab_size: int = 128256
     n_layer: int = 32
@@ -171,6 +173,19 @@ def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool) -> list
     return plan
 
 
+def activation_bytes(cfg: Llama3Config, B: int, T: int, training: bool, act_bytes: int,
+                     recompute: str = "none") -> int:
+    """Bytes of the activations Llama3.__init__ allocates for (B, T), without allocating."""
+    check_recompute(recompute)
+    return sum(int(np.prod(shape)) * (cfg.n_layer if per_layer else 1) * (act_bytes if kind == "act" else 4)
+               for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training))
+
+
+def check_recompute(recompute: str) -> None:
+    if recompute != "none":
+        raise ValueError(f"--recompute {recompute} is for GPT-2 models; Llama keeps every activation")
+
+
 class Llama3(Model):
     """Parameters, gradients and activations of one Llama 3, planned once for batch (B, T)."""
 
@@ -180,8 +195,7 @@ class Llama3(Model):
     def __init__(self, cfg: Llama3Config, backend: Backend, B: int, T: int, training: bool = True,
                  share_params: "Llama3 | None" = None, recompute: str = "none"):
         cfg.validate()
-        if recompute != "none":
-            raise ValueError(f"--recompute {recompute} is for GPT-2 models; Llama keeps every activation")
+        check_recompute(recompute)
         if T > cfg.block_size:
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
@@ -196,45 +210,88 @@ class Llama3(Model):
             buf = backend.alloc((L,) + shape if per_layer else shape, dt if kind == "act" else kind,
                                 tag="activations")
             self.acts[name] = buf
-            if per_layer:
-                step = int(np.prod(shape))
-                self.acts_layer[name] = [backend.view(buf, l * step, shape) for l in range(L)]
+            step = int(np.prod(shape))  # (a buffer that is not per layer serves every layer: L times the same)
+            self.acts_layer[name] = [backend.view(buf, l * step, shape) if per_layer else buf for l in range(L)]
 
     def head(self, tensors: Tensors):
         return tensors.wte if self.cfg.tie_embeddings else tensors.lm_head
 
     def forward(self, inputs: np.ndarray, targets: np.ndarray | None = None, dloss: float | None = None) -> None:
-        """As GPT2.forward: losses with `targets`, and dlogits left in the logits buffer with `dloss`."""
+        """As GPT2.forward: losses with `targets`; with `dloss` too, the lm-head's backward runs here as well
+        (dlnf in acts['dbtc'], the head's gradient accumulated), for `backward` to continue from."""
         k, p, a, al, cfg = self.backend, self.params, self.acts, self.acts_layer, self.cfg
-        NH, NKV, eps = cfg.n_head, cfg.n_kv_head, cfg.norm_eps
+        NH, NKV = cfg.n_head, cfg.n_kv_head
         k.upload(a["inputs"], inputs)
         k.encoder_forward(a["encoded"], a["inputs"], p.wte, None)
-        for l in range(cfg.n_layer):
-            residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
-            # attention block: rmsnorm -> fused qkv -> rope -> GQA attention -> output projection -> residual
-            k.rmsnorm_forward(al["ln1"][l], al["ln1_rstd"][l], residual, p.layer("attn_norm", l), eps)
-            k.matmul_forward(al["qkv"][l], al["ln1"][l], p.layer("wqkv", l))
-            k.rope_forward(al["qkv"][l], self.freqs, NH, NKV)
-            k.attention_forward(al["atty"][l], al["att_lse"][l], al["qkv"][l], NH, NKV)
-            k.matmul_forward(a["btc"], al["atty"][l], p.layer("wo", l))
-            k.residual_forward(al["residual2"][l], residual, a["btc"])
-            # MLP block: rmsnorm -> fused gate/up -> swiglu -> down projection -> residual
-            k.rmsnorm_forward(al["ln2"][l], al["ln2_rstd"][l], al["residual2"][l], p.layer("ffn_norm", l), eps)
-            k.matmul_forward(al["h13"][l], al["ln2"][l], p.layer("w13", l))
-            k.swiglu_forward(al["hs"][l], al["h13"][l])
-            k.matmul_forward(a["btc"], al["hs"][l], p.layer("w2", l))
-            k.residual_forward(al["residual3"][l], al["residual2"][l], a["btc"])
-        k.rmsnorm_forward(a["lnf"], a["lnf_rstd"], al["residual3"][cfg.n_layer - 1], p.norm, eps)
+        self._layers(a["encoded"], lambda name, l: al[name][l], self.freqs,
+                     lambda l, atty, qkv: k.attention_forward(atty, al["att_lse"][l], qkv, NH, NKV))
         k.matmul_forward(a["logits"], a["lnf"], self.head(p))
         if targets is not None:
             k.upload(a["targets"], targets)
             k.classifier_forward_backward(a["logits"], a["losses"], a["targets"], cfg.vocab_size, dloss)
+            if dloss is not None:
+                k.matmul_backward(a["dbtc"], self.head(self.grads), None, a["logits"], a["lnf"], self.head(p))
+
+    def _layers(self, encoded, act, freqs, attend) -> None:
+        """The layer loop, written once for the forward pass and for decoding (see GPT2._layers); `freqs` is the
+        rotary table from the first new position on. Ends with the final rmsnorm in act("lnf", L - 1)."""
+        k, p, cfg = self.backend, self.params, self.cfg
+        NH, NKV, eps, L = cfg.n_head, cfg.n_kv_head, cfg.norm_eps, cfg.n_layer
+        for l in range(L):
+            residual = encoded if l == 0 else act("residual3", l - 1)
+            # attention block: rmsnorm -> fused qkv -> rope -> GQA attention -> output projection -> residual
+            k.rmsnorm_forward(act("ln1", l), act("ln1_rstd", l), residual, p.layer("attn_norm", l), eps)
+            k.matmul_forward(act("qkv", l), act("ln1", l), p.layer("wqkv", l))
+            k.rope_forward(act("qkv", l), freqs, NH, NKV)
+            attend(l, act("atty", l), act("qkv", l))
+            k.matmul_forward(act("btc", l), act("atty", l), p.layer("wo", l))
+            k.residual_forward(act("residual2", l), residual, act("btc", l))
+            # MLP block: rmsnorm -> fused gate/up -> swiglu -> down projection -> residual
+            k.rmsnorm_forward(act("ln2", l), act("ln2_rstd", l), act("residual2", l), p.layer("ffn_norm", l), eps)
+            k.matmul_forward(act("h13", l), act("ln2", l), p.layer("w13", l))
+            k.swiglu_forward(act("hs", l), act("h13", l))
+            k.matmul_forward(act("btc", l), act("hs", l), p.layer("w2", l))
+            k.residual_forward(act("residual3", l), act("residual2", l), act("btc", l))
+        k.rmsnorm_forward(act("lnf", L - 1), act("lnf_rstd", L - 1), act("residual3", L - 1), p.norm, eps)
+
+    # ---- decoding over a key/value cache (inference.decode.KVDecoder drives it) -----------------------------
+    _DECODE_SHARED = {"residual2": "r2", "residual3": "r3", "ln1": "ln", "ln2": "ln", "lnf": "ln",
+                      "ln1_rstd": "rstd", "ln2_rstd": "rstd", "lnf_rstd": "rstd"}
+
+    def decode_plan(self, B: int, S: int, dt: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        cfg = self.cfg
+        C, H, V = cfg.n_embd, cfg.hidden_dim, cfg.vocab_size
+        qkv = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+        return {
+            "inputs": ((B, S), INT32), "x": ((B, S, C), dt), "r2": ((B, S, C), dt), "r3": ((B, S, C), dt),
+            "ln": ((B, S, C), dt), "rstd": ((B, S), FLOAT32), "qkv": ((B, S, qkv), dt),
+            "atty": ((B, S, cfg.n_head * cfg.head_dim), dt), "btc": ((B, S, C), dt),
+            "h13": ((B, S, 2 * H), dt), "hs": ((B, S, H), dt), "logits": ((B, S, V), dt),
+        }
+
+    def decode_heads(self) -> tuple[int, int, int]:
+        return self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
+
+    def decode_max_len(self) -> int:
+        return self.T  # the rotary table holds the model's T positions, which bounds the cache as it bounds forward
+
+    def decode_forward(self, v: dict, pos: int, k_cache: list, v_cache: list) -> None:
+        """As GPT2.decode_forward; rope reads the (cos, sin) rows of positions pos.. from a view of the table."""
+        k, p, cfg = self.backend, self.params, self.cfg
+        NH, NKV, half = cfg.n_head, cfg.n_kv_head, cfg.head_dim // 2
+        freqs = k.view(self.freqs, pos * half * 2, (self.T - pos, half, 2))  # row t is position pos + t
+        k.encoder_forward(v["x"], v["inputs"], p.wte, None)
+        shared = self._DECODE_SHARED
+        self._layers(v["x"], lambda name, l: v[shared.get(name, name)], freqs,
+                     lambda l, atty, qkv: k.attention_decode(atty, qkv, k_cache[l], v_cache[l], pos, NH, NKV))
+        k.matmul_forward(v["logits"], v["ln"], self.head(p))
 
     def backward(self) -> None:
+        """Accumulates every parameter gradient; needs forward(..., dloss=...) first, which already ran the lm-head's
+        backward (as GPT2.backward)."""
         k, p, g, a, al, cfg = self.backend, self.params, self.grads, self.acts, self.acts_layer, self.cfg
         NH, NKV, L = cfg.n_head, cfg.n_kv_head, cfg.n_layer
         dres, dbtc = a["dresidual"], a["dbtc"]
-        k.matmul_backward(dbtc, self.head(g), None, a["logits"], a["lnf"], self.head(p))
         k.fill(dres, 0.0)
         k.rmsnorm_backward(dres, g.norm, dbtc, al["residual3"][L - 1], p.norm, a["lnf_rstd"])
         for l in reversed(range(L)):

@@ -23,7 +23,8 @@ import numpy as np
 
 from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend
 from llmc_cli.optim import AdamW, AdamWConfig
-from llmc_cli.parallel.comm import AVG, SUM, Communicator, SingleProcess
+from llmc_cli.kernels import AVG, SUM, Communicator
+from llmc_cli.parallel.comm import SingleProcess
 
 ZERO_STAGES = (0, 1)
 

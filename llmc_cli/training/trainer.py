@@ -9,19 +9,20 @@ from typing import Callable
 
 import numpy as np
 
-from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.data.loader import DataLoader, ValLoader
 from llmc_cli.evals.evaluate import evaluate_loss  # noqa: F401  (lives in evaluate.py; still importable from here)
-from llmc_cli.kernels import BFLOAT16, Backend, update_applies
-from llmc_cli.models.families import family_for, family_of_config
-from llmc_cli.optim import AdamW, AdamWConfig, lr_at
-from llmc_cli.parallel.comm import AVG, MAX, SingleProcess  # data parallel (issue 7)
-from llmc_cli.parallel.zero import make_optimizer, reshard_loader_state
-from llmc_cli.training.guard import OutlierDetector
-from llmc_cli.training.memory import out_of_memory_message
+from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.inference.sampling import generate
+from llmc_cli.kernels import BFLOAT16, Backend, update_applies
+from llmc_cli.models.families import family_for, family_of
+from llmc_cli.optim import AdamW, AdamWConfig, lr_at
+from llmc_cli.kernels import AVG, MAX
+from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
+from llmc_cli.parallel.zero import make_optimizer, reshard_loader_state
+from llmc_cli.training.guard import OutlierDetector
+from llmc_cli.training.memory import out_of_memory_message
 
 
 class TrainError(ValueError):
@@ -175,11 +176,11 @@ class Trainer:
                 raise TrainError(f"--init: {e}") from None
         else:
             cfg = model_config(a)
-            params = family_for(a.model).module.init_parameters(cfg, a.seed)
+            params = family_for(a.model).init_parameters(cfg, a.seed)
         if T > cfg.block_size:
             raise TrainError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg = cfg
-        self.family = family_of_config(cfg)
+        self.family = family_of(cfg)
         tokens_per_micro = B * T * self.comm.world_size  # one micro-step reads B*T tokens on every rank
         total = a.total_batch_size or tokens_per_micro
         if total % tokens_per_micro:
