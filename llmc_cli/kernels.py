@@ -320,9 +320,15 @@ def guard_values(loss: float, norm_squared: float, grad_clip: float, max_loss: f
     ns = np.float64(np.float32(norm_squared))
     with np.errstate(invalid="ignore", over="ignore"):
         norm = np.sqrt(ns)
-        scale = grad_clip / norm if (grad_clip > 0 and norm > grad_clip) else 1.0
+        scale = clip_scale(norm, grad_clip)
     ok = update_applies(loss, norm, max_loss, max_norm)
     return np.array([np.float32(loss), np.float32(norm), scale, 1.0 if ok else 0.0], np.float32)
+
+
+def clip_scale(norm: float, grad_clip: float) -> float:
+    """llm.c's global-norm clipping: gradients are multiplied by grad_clip / norm when the norm exceeds the clip
+    (grad_clip > 0), else by 1. The one statement of the rule: host optimizers and step_guard use it."""
+    return grad_clip / norm if (grad_clip > 0 and norm > grad_clip) else 1.0
 
 
 def update_applies(loss: float, norm: float, max_loss: float, max_norm: float) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend
+from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend, clip_scale
 
 
 @dataclass
@@ -83,7 +83,7 @@ class AdamW:
         """One update; gradients are scaled by clip/norm when the norm exceeds the clip (llm.c's rule)."""
         c = self.cfg
         self.step_count += 1
-        scale = c.grad_clip / grad_norm if (c.grad_clip > 0 and grad_norm > c.grad_clip) else 1.0
+        scale = clip_scale(grad_norm, c.grad_clip)
         self._updates(lr, self.step_count, scale, seed, None)
 
     def _updates(self, lr: float, step: int, scale: float, seed: int, guard) -> None:

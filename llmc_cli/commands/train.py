@@ -13,11 +13,16 @@ from llmc_cli.commands.console import (
     _RANK,
     DTYPES,
     console,
+    err_console,
     fail,
     make_backend,
     one_line,
 )
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
+from llmc_cli.optim import AdamWConfig
+from llmc_cli.training.trainer import TrainArgs
+
+_ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the library, stated once
 
 
 @click.command()
@@ -28,7 +33,7 @@ from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 @click.option("--data", default=None,
               help="Glob of training shards, e.g. 'datasets/shakespeare/*train*.bin' (required unless --dry-run).")
 @click.option("--val-data", default=None, help="Glob of validation shards.")
-@click.option("--model", default="d12", show_default=True,
+@click.option("--model", default=_ARGS.model, show_default=True,
               help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; Llama 3 llama3-tiny, llama3.2-1b, "
                    "llama3.2-3b, llama3.1-8b.")
 @click.option("--init", "init", default=None, type=click.Path(),
@@ -39,49 +44,49 @@ from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 @click.option("--n-embd", type=POSITIVE, default=None, help="Override the preset's channels.")
 @click.option("--n-kv-head", type=POSITIVE, default=None, help="Llama: key/value heads (grouped-query attention).")
 @click.option("--block-size", type=POSITIVE, default=None, help="Max sequence length in tokens (default: the preset's).")
-@click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default="none",
+@click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default=_ARGS.recompute,
               show_default=True, help="GPT-2: recompute these activations in backward instead of keeping them.")
 @click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component, then exit.")
-@click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True, help="Micro-batch size (sequences).")
-@click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True, help="Sequence length (tokens).")
+@click.option("-b", "--batch-size", type=POSITIVE, default=_ARGS.batch_size, show_default=True, help="Micro-batch size (sequences).")
+@click.option("-t", "--seq-len", type=POSITIVE, default=_ARGS.seq_len, show_default=True, help="Sequence length (tokens).")
 @click.option("--total-batch-size", type=POSITIVE, default=None,
               help="Tokens per optimizer step; a multiple of B*T (gradient accumulation). Default B*T.")
-@click.option("--steps", type=COUNT, default=20, show_default=True, help="Optimizer steps.")
-@click.option("--lr", type=Real(0), default=3e-4, show_default=True, help="Peak learning rate.")
-@click.option("--warmup", type=COUNT, default=0, show_default=True, help="Linear warmup (steps).")
-@click.option("--lr-decay-frac", type=Real(0, 1), default=1.0, show_default=True,
+@click.option("--steps", type=COUNT, default=_ARGS.steps, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=Real(0), default=_OPT.lr, show_default=True, help="Peak learning rate.")
+@click.option("--warmup", type=COUNT, default=_ARGS.warmup, show_default=True, help="Linear warmup (steps).")
+@click.option("--lr-decay-frac", type=Real(0, 1), default=_ARGS.lr_decay_frac, show_default=True,
               help="Final LR as a fraction of --lr, reached by cosine decay (1.0 = constant, llm.c -q).")
-@click.option("--weight-decay", type=Real(0), default=0.0, show_default=True, help="AdamW decay (matrices only).")
-@click.option("--grad-clip", type=Real(0), default=1.0, show_default=True, help="Global grad-norm clip (0 = off).")
-@click.option("--beta1", type=Real(0, 1, max_open=True), default=0.9, show_default=True)
-@click.option("--beta2", type=Real(0, 1, max_open=True), default=0.95, show_default=True)
-@click.option("--seed", type=SEED, default=1337, show_default=True, help="Seed for init, shuffling, sampling.")
+@click.option("--weight-decay", type=Real(0), default=_OPT.weight_decay, show_default=True, help="AdamW decay (matrices only).")
+@click.option("--grad-clip", type=Real(0), default=_OPT.grad_clip, show_default=True, help="Global grad-norm clip (0 = off).")
+@click.option("--beta1", type=Real(0, 1, max_open=True), default=_OPT.beta1, show_default=True)
+@click.option("--beta2", type=Real(0, 1, max_open=True), default=_OPT.beta2, show_default=True)
+@click.option("--seed", type=SEED, default=_ARGS.seed, show_default=True, help="Seed for init, shuffling, sampling.")
 @click.option("--overfit-batch", is_flag=True, help="Train on the first batch every step (llm.c -a 1).")
 @click.option("--shuffle", is_flag=True, help="Shuffle shards and sample positions per epoch (seeded).")
-@click.option("--val-every", type=COUNT, default=20, show_default=True, help="Validate every N steps (0 = off).")
-@click.option("--val-batches", type=COUNT, default=20, show_default=True, help="Batches per validation.")
-@click.option("--sample-every", type=COUNT, default=20, show_default=True, help="Sample every N steps (0 = off).")
-@click.option("--sample-tokens", type=COUNT, default=64, show_default=True, help="Tokens per sample.")
-@click.option("--checkpoint-every", type=COUNT, default=0, show_default=True,
+@click.option("--val-every", type=COUNT, default=_ARGS.val_every, show_default=True, help="Validate every N steps (0 = off).")
+@click.option("--val-batches", type=COUNT, default=_ARGS.val_batches, show_default=True, help="Batches per validation.")
+@click.option("--sample-every", type=COUNT, default=_ARGS.sample_every, show_default=True, help="Sample every N steps (0 = off).")
+@click.option("--sample-tokens", type=COUNT, default=_ARGS.sample_tokens, show_default=True, help="Tokens per sample.")
+@click.option("--checkpoint-every", type=COUNT, default=_ARGS.checkpoint_every, show_default=True,
               help="Write a checkpoint every N steps (0 = only at the end, when --out is given).")
-@click.option("--keep", type=COUNT, default=0, show_default=True, help="Keep the newest N checkpoints (0 = all).")
-@click.option("--skip-loss-z", type=Real(0), default=0.0, show_default=True,
+@click.option("--keep", type=COUNT, default=_ARGS.keep, show_default=True, help="Keep the newest N checkpoints (0 = all).")
+@click.option("--skip-loss-z", type=Real(0), default=_ARGS.skip_loss_z, show_default=True,
               help="Skip the update when the loss is this many std devs above the last 128 steps' (0 = off).")
-@click.option("--skip-grad-z", type=Real(0), default=0.0, show_default=True,
+@click.option("--skip-grad-z", type=Real(0), default=_ARGS.skip_grad_z, show_default=True,
               help="Same for the grad norm (0 = off). Non-finite steps are always skipped.")
-@click.option("--max-bad-steps", type=COUNT, default=5, show_default=True,
+@click.option("--max-bad-steps", type=COUNT, default=_ARGS.max_bad_steps, show_default=True,
               help="Stop (exit 3) after this many consecutive skipped / non-finite steps (0 = never).")
 @click.option("--out", default=None, type=click.Path(), help="Run directory for checkpoints, e.g. checkpoints/run1.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file  [default: OUT/log.jsonl with --out]")
 @click.option("--hellaswag", default=None, type=click.Path(), help="llm.c HellaSwag eval file to score during training.")
-@click.option("--hellaswag-every", type=COUNT, default=0, show_default=True,
+@click.option("--hellaswag-every", type=COUNT, default=_ARGS.hellaswag_every, show_default=True,
               help="Score --hellaswag every N steps and at the end (0 = off); acc_norm goes to the log.")
 @click.option("--gpus", type=COUNT, default=0, help="Data parallel on N GPUs of this machine: starts N processes "
               "(one per GPU, NCCL). Under mpirun/srun leave it out: the ranks come from the launcher.")
 @click.option("--procs", type=COUNT, default=0, help="Data parallel over N MPI processes (mpiexec -n N; for the "
               "cpu/OpenCL backends). Needs pip install 'llmc[mpi]'.")
-@click.option("--zero", type=click.Choice(["0", "1"]), default="0", show_default=True,
+@click.option("--zero", type=click.Choice(["0", "1"]), default=str(_ARGS.zero), show_default=True,
               help="1 = ZeRO-1: optimizer state sharded over the ranks (reduce-scatter + all-gather).")
 @click.option("--init-file", default=None, type=click.Path(),
               help="Multi-node NCCL without MPI: a path on a shared file system through which rank 0 hands out "
@@ -143,9 +148,13 @@ def train(**o) -> None:
     if gpus < 0 or procs < 0 or (gpus > 1 and procs > 1):
         fail("--gpus N (one process per GPU) and --procs N (MPI processes) are positive and exclusive")
     if gpus > 1 or procs > 1:
-        from llmc_cli.parallel.launch import child_args, launch_gpus, launch_mpi
+        from llmc_cli.parallel.launch import launch_gpus, launch_mpi
         args = child_args(click.get_current_context())
-        sys.exit(launch_gpus(args, gpus) if gpus > 1 else launch_mpi(args, procs))
+        from rich.markup import escape
+
+        def say(msg: str) -> None:  # the supervisor's own lines; rank 0's output owns stdout
+            err_console.print(f"llmc launcher: {escape(msg)}", soft_wrap=True)
+        sys.exit(launch_gpus(args, gpus, say=say) if gpus > 1 else launch_mpi(args, procs, say=say))
     try:
         rank_info = comm_mod.discover()
     except comm_mod.CommError as e:
@@ -295,9 +304,40 @@ def dry_run(o: dict) -> None:
 
 def resume_command(ctx) -> str:
     """The command line that was run (the options given explicitly, from click's context) plus --resume."""
-    from llmc_cli.parallel.launch import child_args
 
     parts = ["llmc"] + child_args(ctx, drop=())
     if "--resume" not in parts:
         parts.append("--resume")
     return shlex.join(parts)
+
+
+LAUNCH_OPTIONS = ("gpus", "procs")
+
+
+def child_args(ctx, drop=LAUNCH_OPTIONS) -> list[str]:
+    """The subcommand and the options given explicitly (from click's context), less `drop`."""
+    from click.core import ParameterSource
+
+    chain, c = [], ctx
+    while c is not None and c.parent is not None:
+        chain.append(c.info_name)
+        c = c.parent
+    parts = list(reversed(chain))
+    for p in ctx.command.params:
+        if not isinstance(p, click.Option) or p.name is None or p.name in drop:
+            continue
+        if ctx.get_parameter_source(p.name) not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue
+        val = ctx.params.get(p.name)
+        flag = max(p.opts, key=len)
+        if p.is_flag:
+            if val:
+                parts.append(flag)
+            elif p.secondary_opts:
+                parts.append(max(p.secondary_opts, key=len))
+        elif p.multiple:
+            for v in val or ():
+                parts += [flag, str(v)]
+        elif val is not None:
+            parts += [flag, str(val)]
+    return parts

@@ -21,42 +21,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-LAUNCH_OPTIONS = ("gpus", "procs")
-
-
-def child_args(ctx, drop=LAUNCH_OPTIONS) -> list[str]:
-    """The subcommand and the options given explicitly (from click's context), less `drop`."""
-    import click
-    from click.core import ParameterSource
-
-    chain, c = [], ctx
-    while c is not None and c.parent is not None:
-        chain.append(c.info_name)
-        c = c.parent
-    parts = list(reversed(chain))
-    for p in ctx.command.params:
-        if not isinstance(p, click.Option) or p.name is None or p.name in drop:
-            continue
-        if ctx.get_parameter_source(p.name) not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-            continue
-        val = ctx.params.get(p.name)
-        flag = max(p.opts, key=len)
-        if p.is_flag:
-            if val:
-                parts.append(flag)
-            elif p.secondary_opts:
-                parts.append(max(p.secondary_opts, key=len))
-        elif p.multiple:
-            for v in val or ():
-                parts += [flag, str(v)]
-        elif val is not None:
-            parts += [flag, str(val)]
-    return parts
+from typing import Callable
 
 
-def _say(msg: str) -> None:
+def stderr_say(msg: str) -> None:
+    """The launcher's own lines (a rank failed, where the logs are): the supervisor has no console of its own,
+    and rank 0's output owns stdout."""
     print(f"llmc launcher: {msg}", file=sys.stderr, flush=True)
+
+
+Say = Callable[[str], None]
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -77,7 +51,7 @@ def _status(rc: int) -> str:
 
 
 def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: float = 10.0,
-              describe=lambda r: f"rank {r}") -> int:
+              describe=lambda r: f"rank {r}", say: Say = stderr_say) -> int:
     """Run one process per rank; rank 0 streams to this terminal, rank r > 0 logs to logdir/rank{r}.log.
     Returns 0 when all succeed, else the failing rank's status (the others are stopped)."""
     procs: list[subprocess.Popen] = []
@@ -120,12 +94,11 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
                 return 0
             time.sleep(0.1)
         r, rc = failed
-        _say(f"{describe(r)} {_status(rc)}; stopping the other {len(procs) - 1} rank(s)")
+        say(f"{describe(r)} {_status(rc)}; stopping the other {len(procs) - 1} rank(s)")
         if r != 0:
             tail = _tail(logdir / f"rank{r}.log")
             if tail:
-                print(f"--- last lines of {describe(r)} ({logdir / f'rank{r}.log'}) ---\n{tail}\n---",
-                      file=sys.stderr, flush=True)
+                say(f"last lines of {describe(r)} ({logdir / f'rank{r}.log'}):\n{tail}\n---")
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -148,13 +121,13 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
             signal.signal(s, h)
 
 
-def launch_gpus(args: list[str], n: int, env: dict | None = None) -> int:
+def launch_gpus(args: list[str], n: int, env: dict | None = None, say: Say = stderr_say) -> int:
     """`llmc <args>` on N GPUs of this machine, one process each, the communicator's id through a temporary file."""
     env = dict(os.environ if env is None else env)
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if "CUDA_VISIBLE_DEVICES" in env:
         if len(visible) < n:
-            _say(f"--gpus {n}: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} lists {len(visible)} GPU(s)")
+            say(f"--gpus {n}: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} lists {len(visible)} GPU(s)")
             return 2
         devices = visible[:n]
     else:
@@ -167,8 +140,8 @@ def launch_gpus(args: list[str], n: int, env: dict | None = None) -> int:
         e.update(LLMC_RANK=str(r), LLMC_WORLD_SIZE=str(n), LLMC_LOCAL_RANK=str(r),
                  LLMC_INIT_FILE=str(logdir / "comm_id"), CUDA_VISIBLE_DEVICES=devices[r], PYTHONUNBUFFERED="1")
         envs.append(e)
-    _say(f"{n} ranks on GPUs {','.join(devices)}; rank 0's output follows, the others log to {logdir}")
-    rc = supervise([cmd] * n, envs, logdir, describe=lambda r: f"rank {r} (GPU {devices[r]})")
+    say(f"{n} ranks on GPUs {','.join(devices)}; rank 0's output follows, the others log to {logdir}")
+    rc = supervise([cmd] * n, envs, logdir, describe=lambda r: f"rank {r} (GPU {devices[r]})", say=say)
     if rc == 0:
         shutil.rmtree(logdir, ignore_errors=True)
     return rc
@@ -192,16 +165,16 @@ def note_failure(rank: int, world: int, msg: str) -> None:
             pass
 
 
-def launch_mpi(args: list[str], n: int) -> int:
+def launch_mpi(args: list[str], n: int, say: Say = stderr_say) -> int:
     """`llmc <args>` as N MPI ranks through mpiexec (the cpu / OpenCL backends reduce through MPI)."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
-        _say("--procs needs MPI: pip install mpich mpi4py (or pip install 'llmc[mpi]')")
+        say("--procs needs MPI: pip install mpich mpi4py (or pip install 'llmc[mpi]')")
         return 2
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        _say("--procs needs mpi4py: pip install mpich mpi4py (or pip install 'llmc[mpi]')")
+        say("--procs needs mpi4py: pip install mpich mpi4py (or pip install 'llmc[mpi]')")
         return 2
     faildir = Path(tempfile.mkdtemp(prefix="llmc-mpi-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", LLMC_FAILURE_DIR=str(faildir))
@@ -215,6 +188,6 @@ def launch_mpi(args: list[str], n: int) -> int:
     notes = sorted(faildir.glob("rank*.failed"))
     if rc != 0:
         who = "; ".join(p.read_text().strip() for p in notes) or "a rank failed (its own message above names it)"
-        _say(f"mpiexec {_status(rc)}: {who}; all {n} ranks stopped")
+        say(f"mpiexec {_status(rc)}: {who}; all {n} ranks stopped")
     shutil.rmtree(faildir, ignore_errors=True)
     return rc

@@ -21,9 +21,8 @@ import math
 
 import numpy as np
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend
+from llmc_cli.kernels import AVG, BFLOAT16, FLOAT32, SUM, Backend, Communicator, clip_scale
 from llmc_cli.optim import AdamW, AdamWConfig
-from llmc_cli.kernels import AVG, SUM, Communicator
 from llmc_cli.parallel.comm import SingleProcess
 
 ZERO_STAGES = (0, 1)
@@ -116,7 +115,7 @@ class ShardedAdamW:
     def step(self, lr: float, grad_norm: float, seed: int) -> None:
         c = self.cfg
         self.step_count += 1
-        scale = c.grad_clip / grad_norm if (c.grad_clip > 0 and grad_norm > c.grad_clip) else 1.0
+        scale = clip_scale(grad_norm, c.grad_clip)
         for i, decay, p, g, m, v, master in self._segments:
             self.backend.adamw_update(
                 p, g, m, v, master, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,

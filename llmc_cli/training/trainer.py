@@ -15,10 +15,9 @@ from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.inference.sampling import generate
-from llmc_cli.kernels import BFLOAT16, Backend, update_applies
+from llmc_cli.kernels import AVG, BFLOAT16, MAX, Backend, update_applies
 from llmc_cli.models.families import family_for, family_of
 from llmc_cli.optim import AdamW, AdamWConfig, lr_at
-from llmc_cli.kernels import AVG, MAX
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
 from llmc_cli.parallel.zero import make_optimizer, reshard_loader_state
 from llmc_cli.training.guard import OutlierDetector
