@@ -376,8 +376,9 @@ def test_a_device_whose_compiler_fails_is_unusable_with_the_compilers_line(broke
                                   "--json"])
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
     # and the test suite skips the backend's tests with that reason
-    monkeypatch.setattr(conftest, "_DISCOVERED", registry.discover())
-    monkeypatch.setattr(conftest, "_CREATED", {})
+    from llmc_cli.testing import backends as kit_backends
+    monkeypatch.setattr(kit_backends, "_DISCOVERED", registry.discover())
+    monkeypatch.setattr(kit_backends, "_CREATED", {})
     assert "unknown target CPU 'generic'" in conftest.unusable_reason("opencl")
     with pytest.raises(pytest.skip.Exception, match="unknown target CPU 'generic'"):
         conftest.make_backend("opencl")

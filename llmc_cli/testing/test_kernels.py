@@ -1,7 +1,8 @@
-"""Kernel conformance: every kernel of `llmc_cli.kernels.Backend` on every installed backend, checked against a
-float64 PyTorch reference (autograd for the backward passes).
+"""Kernel conformance: every kernel of `llmc_cli.kernels.Backend` on every chosen backend (see testing.backends),
+checked against a float64 PyTorch reference (autograd for the backward passes).
 
-Conventions of the suite:
+Run it against your own plugin:  pytest --pyargs llmc_cli.testing   (LLMC_TEST_BACKENDS=name, or
+LLMC_TEST_PLUGIN=module:attr for a plugin that is not installed). Conventions:
 * inputs are random (seeded per test), never zero, and the reference is computed from the values the backend
   actually holds after the upload (so bf16 rounding of inputs is not counted as kernel error);
 * buffers a kernel overwrites are poisoned with NaN first, so an element it forgets to write fails the test;
@@ -19,8 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (assert_close, bf16_neighbours, bf16_round, empty, from_device, poison, to_device, tol)
 from llmc_cli.kernels import BFLOAT16, FLOAT32, INT32, MemoryReport
+from llmc_cli.testing.helpers import (assert_close, bf16_neighbours, bf16_round, check_accumulated, empty,
+                                      from_device, poison, prefill, randn, to_device, tol)
 
 torch.set_num_threads(1)
 
@@ -31,24 +33,6 @@ def t64(x, grad: bool = False) -> torch.Tensor:
 
 def np64(x: torch.Tensor) -> np.ndarray:
     return x.detach().numpy().astype(np.float64)
-
-
-def randn(rng, *shape, scale=1.0, shift=0.0):
-    """Random normal values with no exact zeros."""
-    x = rng.standard_normal(shape) * scale + shift
-    x[x == 0] = 0.5
-    return x
-
-
-def prefill(backend, rng, shape, scale=1.0):
-    """An accumulated-into buffer pre-filled with random values: (buffer, values held)."""
-    return to_device(backend, randn(rng, *shape, scale=scale))
-
-
-def check_accumulated(backend, buf, before, delta_ref, rtol, what):
-    """buf must now hold before + delta_ref: compare the delta so errors in it are not masked."""
-    got = from_device(backend, buf)
-    assert_close(got - before, delta_ref, rtol, what + " (accumulated delta)")
 
 
 # =============================================================================================================
