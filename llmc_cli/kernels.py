@@ -433,6 +433,23 @@ class BackendUnavailable(RuntimeError):
     """Raised by a plugin's `create` (or `probe`) when it cannot run here; the message says why."""
 
 
+def option_flag(options: dict[str, str] | None, name: str, default: bool, env: str | None = None) -> bool:
+    """An on/off backend option: `options[name]` if given, else the environment variable `env` (the older way
+    to set it), else `default`. BackendUnavailable names the option on anything but on/off (1/0, true/false)."""
+    import os
+    raw = (options or {}).get(name)
+    if raw is None and env:
+        raw = os.environ.get(env)
+    if raw is None:
+        return default
+    v = str(raw).strip().lower()
+    if v in ("1", "on", "true", "yes"):
+        return True
+    if v in ("0", "off", "false", "no"):
+        return False
+    raise BackendUnavailable(f"--backend-opt {name}={raw}: expected on or off")
+
+
 class BackendPlugin(abc.ABC):
     """What an entry point in group ``llmc.backends`` resolves to (a class or instance of this)."""
 
@@ -440,6 +457,8 @@ class BackendPlugin(abc.ABC):
     priority: int = 0  # `--backend auto` picks the usable plugin with the highest priority
     default_dtype: str = FLOAT32  # what `create(dtype=None)` gives (also what `--dry-run` plans with)
     reference: bool = False  # create(dtype=FLOAT32) gives a CAP_REFERENCE backend (bench checks the others on it)
+    # settings a user may pass (`--backend-opt KEY=VALUE`), name -> one line: values, default, what it changes
+    options: dict[str, str] = {}
 
     @abc.abstractmethod
     def probe(self) -> tuple[bool, str]:
@@ -450,9 +469,11 @@ class BackendPlugin(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def create(self, device: str | None = None, dtype: str | None = None) -> Backend:
+    def create(self, device: str | None = None, dtype: str | None = None,
+               options: dict[str, str] | None = None) -> Backend:
         """A ready backend on `device` (plugin-specific selector, None = default) computing in `dtype`
-        (None = `default_dtype`). Raises BackendUnavailable with a one-line reason."""
+        (None = `default_dtype`), with `options` (names from `self.options`, values as the user typed them; only
+        passed when given). Raises BackendUnavailable with a one-line reason, a bad option value included."""
 
     def communicator(self, backend: Backend, info: RankInfo, rendezvous: Rendezvous) -> "Communicator | None":
         """Optional: a Communicator over the device's own fabric for `info.world_size` ranks (every rank calls

@@ -43,19 +43,33 @@ def discover() -> list[PluginInfo]:
     return found
 
 
-def create_backend(name: str = "auto", device: str | None = None, dtype: str | None = None) -> Backend:
-    """The backend called `name` (or the best usable one for "auto"); BackendUnavailable says why not."""
+def create_with(plugin: BackendPlugin, device: str | None, dtype: str | None, options: dict[str, str] | None) -> Backend:
+    if not options:  # plugins written before options existed keep working
+        return plugin.create(device=device, dtype=dtype)
+    known = getattr(plugin, "options", {}) or {}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        have = ", ".join(known) or "none"
+        raise BackendUnavailable(f"--backend-opt {unknown[0]}: backend '{plugin.name}' has no such option "
+                                 f"(options: {have}; see `llmc backends --options`)")
+    return plugin.create(device=device, dtype=dtype, options=dict(options))
+
+
+def create_backend(name: str = "auto", device: str | None = None, dtype: str | None = None,
+                   options: dict[str, str] | None = None) -> Backend:
+    """The backend called `name` (or the best usable one for "auto") with the plugin's `options`;
+    BackendUnavailable says why not."""
     plugins = discover()
     if name == "auto":
         usable = [p for p in plugins if p.usable and p.plugin is not None]
         if not usable:
             raise BackendUnavailable("no usable backend installed (see `llmc backends`)")
-        return usable[0].plugin.create(device=device, dtype=dtype)
+        return create_with(usable[0].plugin, device, dtype, options)
     for p in plugins:
         if p.name == name:
             if p.plugin is None or not p.usable:
                 raise BackendUnavailable(f"backend '{name}' is installed but cannot run here: {p.reason}")
-            return p.plugin.create(device=device, dtype=dtype)
+            return create_with(p.plugin, device, dtype, options)
     names = ", ".join(p.name for p in plugins) or "none"
     raise BackendUnavailable(f"unknown backend '{name}' (installed: {names})")
 

@@ -10,12 +10,10 @@ import pytest
 from conftest import TINY, losses, rewind_run, run
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.llmc_bin import read_model
-from llmc_cli.formats.llmc_bin import write_model
-from llmc_cli.formats.safetensors import bf16_bits_to_float32
-from llmc_cli.formats.safetensors import float32_to_bf16_bits
+from llmc_cli.formats.llmc_bin import read_model, write_model
+from llmc_cli.formats.safetensors import bf16_bits_to_float32, float32_to_bf16_bits
 from llmc_cli.formats.shards import write_shard
-from llmc_cli.models.gpt2 import GPT2Config, init_parameters, num_parameters
+from llmc_cli.models.gpt2 import GPT2Config, init_parameters, num_parameters, preset
 
 
 def test_train_resume_is_bit_exact(shards, tmp_path):
@@ -171,3 +169,30 @@ def test_train_without_data_is_one_line_error():
     r = run("train", "--backend", "cpu", "--model", "d2", ok=False)
     msg = r.output.strip()
     assert r.exit_code == 2 and msg.startswith("error:") and "--data" in msg and "\n" not in msg, msg
+
+
+def test_backend_options_reach_the_plugin_and_bad_ones_are_one_line(tmp_path):
+    """--backend-opt KEY=VALUE goes to the plugin that declares KEY; an unknown key, a bad value or a missing '='
+    is one line naming the option (train, eval, sample and bench alike)."""
+    from click.testing import CliRunner
+
+    from llmc_cli.commands import main
+    from llmc_cli.formats.llmc_bin import write_model
+    from llmc_cli.registry import create_backend
+    assert create_backend("cpu", options={"threads": "3"}).threads == 3
+    cfg = preset("d2", n_embd=64)
+    write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
+    for opt, expect in (("threads=zero", "threads=zero: expected a positive integer"),
+                        ("nope=1", "backend 'cpu' has no such option (options: threads"),
+                        ("nope", "--backend-opt 'nope': expected KEY=VALUE")):
+        for cmd in (["train", "--data", str(tmp_path / "x.bin")],
+                    ["eval", "--checkpoint", str(tmp_path / "m.bin"), "--data", str(tmp_path / "x.bin")],
+                    ["sample", "--checkpoint", str(tmp_path / "m.bin"), "--max-new-tokens", "1"]):
+            r = CliRunner().invoke(main, [*cmd, "--backend", "cpu", "--backend-opt", opt])
+            line = r.output.strip().splitlines()[-1] if r.output.strip() else ""
+            assert r.exit_code == 2 and line.startswith("error:") and expect in line, (cmd, opt, r.output)
+    r = CliRunner().invoke(main, ["bench", "kernels", "--backend", "cpu", "--model", "d2", "-b", "1", "-t", "8",
+                                  "--only", "gelu", "--backend-opt", "nope=1", "--json"])
+    assert r.exit_code == 2 and "none of the benchmarked backends has this option" in r.output, r.output
+    r = CliRunner().invoke(main, ["backends", "--options", "--json"])
+    assert r.exit_code == 0 and '"threads"' in r.output

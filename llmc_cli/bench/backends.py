@@ -27,11 +27,12 @@ class BenchError(ValueError):
 # choosing backends
 
 def resolve_backends(names: Sequence[str], dtype: str | None = None, plugins=None,
-                     ) -> tuple[list[tuple[str, Backend]], list[tuple[str, str]]]:
+                     options: dict[str, str] | None = None) -> tuple[list[tuple[str, Backend]], list[tuple[str, str]]]:
     """Create the named backends (all usable ones when `names` is empty) computing in `dtype` (None = each
     backend's default). Returns ([(label, backend)], [(name, why it was left out)]). A backend named explicitly
     that cannot run raises BenchError; with no names, unusable backends are only reported.
-    `plugins`: a list of `registry.PluginInfo` to choose from (default: `registry.discover()`)."""
+    `plugins`: a list of `registry.PluginInfo` to choose from (default: `registry.discover()`); `options`:
+    backend options (--backend-opt), given to each backend that declares them."""
     plugins = registry.discover() if plugins is None else list(plugins)
     by_name = {p.name: p for p in plugins}
     chosen, skipped = [], []
@@ -46,13 +47,18 @@ def resolve_backends(names: Sequence[str], dtype: str | None = None, plugins=Non
             skipped.append((name, p.reason))
             continue
         try:
-            chosen.append((name, p.plugin.create(dtype=dtype)))
+            mine = {k: v for k, v in (options or {}).items() if k in (getattr(p.plugin, "options", {}) or {})}
+            chosen.append((name, registry.create_with(p.plugin, None, dtype, mine)))
         except BackendUnavailable as e:
             if names:
                 raise BenchError(f"--backend {name}: {e}") from None
             skipped.append((name, str(e)))
     if not chosen:
         raise BenchError("no usable backend to benchmark (see `llmc backends`)")
+    declared = {k for name, _ in chosen for k in (getattr(by_name[name].plugin, "options", {}) or {})}
+    if unknown := sorted(set(options or {}) - declared):
+        raise BenchError(f"--backend-opt {unknown[0]}: none of the benchmarked backends has this option "
+                         "(see `llmc backends --options`)")
     return chosen, skipped
 
 

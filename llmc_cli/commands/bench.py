@@ -30,6 +30,7 @@ from llmc_cli.bench.machine import describe_machine, machine_lines
 from llmc_cli.bench.report import kernels_table, train_table
 from llmc_cli.bench.train_steps import TRAIN_FAMILIES, run_train
 from llmc_cli.charts import plot_kernels, plot_train, require_matplotlib
+from llmc_cli.commands.console import BACKEND_OPT_HELP
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 from llmc_cli.models.gpt2 import preset
 
@@ -56,6 +57,8 @@ def _model_options(f):
     opts = [
         click.option("--backend", "backend_names", multiple=True,
                      help="Backend to benchmark (repeatable; default: every usable one, see `llmc backends`)."),
+        click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE",
+                     help=BACKEND_OPT_HELP + " Each backend takes the ones it declares."),
         click.option("--dtype", type=click.Choice(["fp32", "bf16", "auto"]), default="auto", show_default=True,
                      help="Compute dtype for every backend; auto = each backend's default."),
         click.option("--model", default="d12", show_default=True,
@@ -82,7 +85,7 @@ def _model_options(f):
 
 def _setup(o: dict):
     """Shared option checks: the model config and the backends (fails with one line)."""
-    from llmc_cli.commands.console import DTYPES, fail
+    from llmc_cli.commands.console import DTYPES, backend_options, fail
     B, T = o["batch_size"], o["seq_len"]
     if B <= 0 or T <= 0:
         fail(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
@@ -111,7 +114,8 @@ def _setup(o: dict):
         except (BenchError, PlotError) as e:
             fail(str(e))
     try:
-        backends, skipped = resolve_backends(o["backend_names"], DTYPES[o["dtype"]])
+        backends, skipped = resolve_backends(o["backend_names"], DTYPES[o["dtype"]],
+                                             options=backend_options(o["backend_opt"]))
     except BenchError as e:
         fail(str(e))
     return cfg, B, T, backends, skipped

@@ -30,11 +30,27 @@ def fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def make_backend(name: str, device: str | None, dtype: str):
+def backend_options(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """--backend-opt KEY=VALUE (repeatable) as a dict; one line naming the bad one otherwise."""
+    out: dict[str, str] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            fail(f"--backend-opt {pair!r}: expected KEY=VALUE, e.g. --backend-opt tune=off (see `llmc backends "
+                 "--options`)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+BACKEND_OPT_HELP = ("A backend setting KEY=VALUE (repeatable); `llmc backends --options` lists each backend's, "
+                    "e.g. --backend-opt tune=off.")
+
+
+def make_backend(name: str, device: str | None, dtype: str, options: dict[str, str] | None = None):
     from llmc_cli.kernels import BackendUnavailable
     from llmc_cli.registry import create_backend
     try:
-        return create_backend(name, device=device, dtype=DTYPES[dtype])
+        return create_backend(name, device=device, dtype=DTYPES[dtype], options=options)
     except BackendUnavailable as e:
         msg = str(e)
         if "No module named" in msg and "pip install" not in msg:  # say what to install, once

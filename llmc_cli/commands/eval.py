@@ -6,7 +6,7 @@ import json
 
 import click
 
-from llmc_cli.commands.console import DTYPES, console, fail, make_backend
+from llmc_cli.commands.console import BACKEND_OPT_HELP, DTYPES, backend_options, console, fail, make_backend
 from llmc_cli.commands.options import COUNT, POSITIVE
 from llmc_cli.commands.sample import load_for_inference
 
@@ -24,11 +24,12 @@ from llmc_cli.commands.sample import load_for_inference
 @click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True)
 @click.option("--backend", default="auto", show_default=True)
 @click.option("--device", default=None)
+@click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE", help=BACKEND_OPT_HELP)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True,
               help='Print {"loss": ..., "hellaswag_acc": ..., "hellaswag_acc_norm": ...} as JSON.')
-def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, seq_len, backend, device, dtype,
-             as_json) -> None:
+def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, seq_len, backend, device, backend_opt,
+             dtype, as_json) -> None:
     """Mean loss of a model over the first batches of some shards, in order, and/or its HellaSwag accuracy
     (acc_norm: the ending with the lowest mean loss per token wins, as llm.c and lm-eval-harness score it).
 
@@ -48,7 +49,7 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
             hs = HellaSwag(hellaswag, hellaswag_limit)
         except DataError as e:
             fail(f"--hellaswag: {e}")
-    be = make_backend(backend, device, dtype)
+    be = make_backend(backend, device, dtype, backend_options(backend_opt))
     model = load_for_inference(checkpoint, be, batch_size if data else 1, seq_len if data else 1)
     result = {}
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from llmc_cli.commands.console import DTYPES, err_console, fail, make_backend
+from llmc_cli.commands.console import BACKEND_OPT_HELP, DTYPES, backend_options, err_console, fail, make_backend
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 
 
@@ -39,9 +39,10 @@ def load_for_inference(checkpoint: str, backend, B: int, T: int):
 @click.option("--no-kv-cache", is_flag=True, help="Recompute the whole window per token (for comparison).")
 @click.option("--backend", default="auto", show_default=True)
 @click.option("--device", default=None)
+@click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE", help=BACKEND_OPT_HELP)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
 def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, temperature, top_k, top_p, seed,
-           no_kv_cache, backend, device, dtype) -> None:
+           no_kv_cache, backend, device, backend_opt, dtype) -> None:
     """Generate text from a trained GPT-2 or Llama 3, streaming it as it comes; tokens/s goes to stderr at the end.
     The tokenizer is the checkpoint's: GPT-2's, or a Llama directory's tokenizer.model.
     Uses a key/value cache where the backend has one (each new token costs one position, not the window).
@@ -81,7 +82,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     ids = prefix + tok.encode(prompt) if prompt else (prefix or [tok.eot])
     if max(ids) >= cfg.vocab_size:
         fail(f"the prompt has token id {max(ids)}, outside the model's vocabulary ({cfg.vocab_size})")
-    be = make_backend(backend, device, dtype)
+    be = make_backend(backend, device, dtype, backend_options(backend_opt))
     window = min(cfg.block_size, max(64, -(-(len(ids) + max_new_tokens) // 64) * 64))
     model = load_for_inference(checkpoint, be, 1, window)
     kv = has_kv_cache(model) and not no_kv_cache

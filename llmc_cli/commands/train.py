@@ -11,7 +11,9 @@ from rich.table import Table
 
 from llmc_cli.commands.console import (
     _RANK,
+    BACKEND_OPT_HELP,
     DTYPES,
+    backend_options,
     console,
     err_console,
     fail,
@@ -28,6 +30,7 @@ _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the libr
 @click.command()
 @click.option("--backend", default="auto", show_default=True, help="Backend name (see `llmc backends`) or auto.")
 @click.option("--device", default=None, help="Backend-specific device selector (default: the backend's best).")
+@click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE", help=BACKEND_OPT_HELP)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
               help="Compute dtype; auto = the backend's default (fp32 on cpu/opencl, bf16 on cuda).")
 @click.option("--data", default=None,
@@ -164,7 +167,7 @@ def train(**o) -> None:
         console.quiet = rank_info.rank != 0  # rank 0 speaks for the run
         if o["device"] is None:
             comm_mod.pin_local_device(rank_info)  # one GPU per rank, by rank on the node
-    backend = make_backend(o.pop("backend"), o.pop("device"), o.pop("dtype"))
+    backend = make_backend(o.pop("backend"), o.pop("device"), o.pop("dtype"), backend_options(o.pop("backend_opt")))
     try:
         comm = comm_mod.create(backend, rank_info, init_file=init_file, init_addr=init_addr)
     except comm_mod.CommError as e:

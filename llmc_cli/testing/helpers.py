@@ -9,7 +9,6 @@ import numpy as np
 
 from llmc_cli.kernels import BFLOAT16, FLOAT32, INT32, Backend
 
-
 POISON = {FLOAT32: math.nan, BFLOAT16: math.nan, INT32: -2_000_000_011}
 
 

@@ -21,8 +21,19 @@ import torch
 import torch.nn.functional as F
 
 from llmc_cli.kernels import BFLOAT16, FLOAT32, INT32, MemoryReport
-from llmc_cli.testing.helpers import (assert_close, bf16_neighbours, bf16_round, check_accumulated, empty,
-                                      from_device, poison, prefill, randn, to_device, tol)
+from llmc_cli.testing.helpers import (
+    assert_close,
+    bf16_neighbours,
+    bf16_round,
+    check_accumulated,
+    empty,
+    from_device,
+    poison,
+    prefill,
+    randn,
+    to_device,
+    tol,
+)
 
 torch.set_num_threads(1)
 

@@ -521,10 +521,21 @@ class CpuPlugin(BackendPlugin):
     def devices(self):
         return ["host"]
 
-    def create(self, device=None, dtype=None):
+    options = {"threads": "threads of the AdamW update (BLAS keeps its own; OPENBLAS_NUM_THREADS sets those) "
+                          "(default: the cores, at most 8)"}
+
+    def create(self, device=None, dtype=None, options=None):
         if dtype not in (None, FLOAT32):
             raise BackendUnavailable(f"the cpu backend computes in float32 only (asked for {dtype}); "
                                      "use --dtype fp32")
+        threads = (options or {}).get("threads")
+        if threads is not None:
+            try:
+                threads = int(threads)
+                if threads < 1:
+                    raise ValueError
+            except ValueError:
+                raise BackendUnavailable(f"--backend-opt threads={threads}: expected a positive integer") from None
         if device not in (None, "host", "cpu"):
             raise BackendUnavailable(f"the cpu backend has one device, 'host' (asked for '{device}')")
-        return CpuBackend()
+        return CpuBackend(threads)

@@ -66,7 +66,15 @@ class CudaPlugin(BackendPlugin):
             out.append(f"cuda:{i} {name}")
         return out
 
-    def create(self, device=None, dtype=None):
+    options = {
+        "cudnn": "on|off: attention through cuDNN's fused SDPA where it serves the shape (default on; env LLMC_CUDNN)",
+        "epilogues": "on|off: bias and GELU fused into cuBLASLt's matmul epilogues (default on; env "
+                     "LLMC_CUBLASLT_EPILOGUES)",
+        "tune": "on|off: time cuBLASLt's candidate algorithms per shape and keep the fastest bit-identical one "
+                "(default on; env LLMC_CUBLASLT_TUNE)",
+    }
+
+    def create(self, device=None, dtype=None, options=None):
         ok, reason = self.probe()
         if not ok:
             raise BackendUnavailable(reason)
@@ -82,7 +90,7 @@ class CudaPlugin(BackendPlugin):
             except ValueError:
                 raise BackendUnavailable(f"cuda device must be an index or cuda:N (got '{device}')") from None
         from .backend import CudaBackend
-        return CudaBackend(device=index, dtype=dt)
+        return CudaBackend(device=index, dtype=dt, options=options)
 
     def communicator(self, backend, info, rendezvous):
         """NCCL on the backend's stream (see nccl.py)."""

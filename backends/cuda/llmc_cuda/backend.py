@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from llmc_cli.kernels import (BFLOAT16, CAP_BF16, CAP_DEVICE_EVENTS, FLOAT32, INT32, Backend, BackendUnavailable,
+from llmc_cli.kernels import (option_flag, BFLOAT16, CAP_BF16, CAP_DEVICE_EVENTS, FLOAT32, INT32, Backend, BackendUnavailable,
                               MemoryReport)
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
@@ -48,7 +47,7 @@ class EventTimer:
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, device: int = 0, dtype: str = BFLOAT16):
+    def __init__(self, device: int = 0, dtype: str = BFLOAT16, options: dict[str, str] | None = None):
         if dtype not in (FLOAT32, BFLOAT16):
             raise BackendUnavailable(f"the cuda backend computes in float32 or bfloat16 (asked for {dtype})")
         self.dtype = dtype
@@ -70,10 +69,10 @@ class CudaBackend(Backend):
         self._kernels: dict[tuple, object] = {}
         self._scratch: dict[tuple, cp.ndarray] = {}
         self._staging: dict[int, list] = {}  # nbytes -> [[pinned memory, event of its last copy], ...]
-        self.use_cudnn = os.environ.get("LLMC_CUDNN", "1") != "0"
-        self.use_epilogues = os.environ.get("LLMC_CUBLASLT_EPILOGUES", "1") != "0"
+        self.use_cudnn = option_flag(options, "cudnn", True, env="LLMC_CUDNN")
+        self.use_epilogues = option_flag(options, "epilogues", True, env="LLMC_CUBLASLT_EPILOGUES")
         from .cublaslt import CublasLt
-        self.lt = CublasLt(cp)
+        self.lt = CublasLt(cp, tune=option_flag(options, "tune", True, env="LLMC_CUBLASLT_TUNE"))
         self._cudnn = None
         self.cudnn_reason = "not tried yet"
         self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
@@ -472,7 +471,7 @@ class CudaBackend(Backend):
                 self.use_cudnn = False
                 self.cudnn_reason = f"cuDNN unavailable: {type(e).__name__}: {e}"
         elif not self.use_cudnn and self.cudnn_reason == "not tried yet":
-            self.cudnn_reason = "disabled (LLMC_CUDNN=0)"
+            self.cudnn_reason = "disabled (--backend-opt cudnn=off)"
         return self._cudnn is not None and self.use_cudnn
 
     def _attn_shape(self, qkv, n_head, n_kv_head):

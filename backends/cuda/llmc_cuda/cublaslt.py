@@ -17,12 +17,12 @@ timing noise. So at a plan's 13th call every candidate the heuristic offers runs
 only those whose outputs are bit-identical to the first candidate's stay in the race; the next calls of the plan
 (real calls, in the step, where the L2 state, the neighbours and the power cap are what training sees) go to
 those candidates in turn, timed with events, and the fastest is kept. A run computes exactly what it would
-with the heuristic's choice, whichever candidate wins (`LLMC_CUBLASLT_TUNE=0` keeps the heuristic's first).
+with the heuristic's choice, whichever candidate wins (`--backend-opt tune=off`, or `LLMC_CUBLASLT_TUNE=0`, keeps the
+heuristic's first).
 """
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -146,14 +146,14 @@ class Plan:
 class CublasLt:
     """The plan cache and the constants (alpha = 1, beta = 0 / 1 live in host memory)."""
 
-    def __init__(self, cupy):
+    def __init__(self, cupy, tune: bool = True):
         self.cp = cupy
         self.handle = lt.create()
         self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
         self.plans: dict[tuple, Plan | None] = {}
-        self.tune = os.environ.get("LLMC_CUBLASLT_TUNE", "1") != "0"
+        self.tune = tune
         self.candidates = 8 if self.tune else 1  # heuristic results asked for per plan
         self.tune_after = TUNE_AFTER
         self._streams: dict[int, object] = {}

@@ -172,25 +172,39 @@ def _bo(a):
     return a.base_data, a.offset // a.dtype.itemsize
 
 
+def _int_option(opts: dict, name: str, env: str, default: int) -> int:
+    """An integer backend option (>= 0): `--backend-opt NAME=N`, else the environment variable, else `default`."""
+    raw = opts.get(name, os.environ.get(env))
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+        if v < 0:
+            raise ValueError
+    except ValueError:
+        raise BackendUnavailable(f"--backend-opt {name}={raw}: expected an integer >= 0") from None
+    return v
+
+
 class OpenCLBackend(Backend):
     name = "opencl"
     dtype = FLOAT32
     capabilities = frozenset()
 
-    def __init__(self, platform, device, tune: bool | None = None):
+    def __init__(self, platform, device, tune: bool | None = None, options: dict[str, str] | None = None):
+        opts = options or {}
         self.platform, self.device = platform, device
         self.ctx = cl.Context([device])
         self.queue = cl.CommandQueue(self.ctx)
         ls = 1
         # reductions: 256 items per row on GPUs; one item per row on CPU devices, where PoCL would otherwise
-        # run every work-item to each barrier in turn and stride through memory (LLMC_OPENCL_RED_LS overrides)
-        cap = 1 if device.type & cl.device_type.CPU else 256
-        cap = int(os.environ.get("LLMC_OPENCL_RED_LS", cap))
+        # run every work-item to each barrier in turn and stride through memory (option red_ls overrides)
+        cap = _int_option(opts, "red_ls", "LLMC_OPENCL_RED_LS", 1 if device.type & cl.device_type.CPU else 256)
         while ls * 2 <= min(cap, device.max_work_group_size):
             ls *= 2
         self.red_ls = ls
-        # split-K chunk for long-K NN products on CPU devices (0 = off; LLMC_OPENCL_SPLITK overrides)
-        self._splitk = int(os.environ.get("LLMC_OPENCL_SPLITK", 512 if device.type & cl.device_type.CPU else 0))
+        # split-K chunk for long-K NN products on CPU devices (0 = off; option splitk overrides)
+        self._splitk = _int_option(opts, "splitk", "LLMC_OPENCL_SPLITK", 512 if device.type & cl.device_type.CPU else 0)
         _, self.k = build_program(self.ctx, "kernels.cl", f"-DRED_LS={ls}")
         self._allocated: dict[str, int] = defaultdict(int)
         self._scratch: dict[str, object] = {}
@@ -201,11 +215,11 @@ class OpenCLBackend(Backend):
         self._gemm_kernels: dict[tuple, tuple] = {}
         self._dummy = cla.zeros(self.queue, (4,), np.float32)
         self.gemm_config = dict(_tune.default_config(device), source="default")
-        self.gemm_config = _tune.get_config(self, tune)
+        self.gemm_config = _tune.get_config(self, tune, mode=opts.get("tune"))
         self.blas = None  # an optional external BLAS (CLBlast) when present and faster
         try:
             from . import clblast as _clb
-            self.blas = _clb.maybe_load(self)
+            self.blas = _clb.maybe_load(self, opts.get("blas"))
         except Exception:  # pragma: no cover - the fallback is always ours
             self.blas = None
 
@@ -716,7 +730,23 @@ class OpenCLPlugin(BackendPlugin):
         except Exception:
             return []
 
-    def create(self, device=None, dtype=None):
+    options = {
+        "tune": "on|off|force: autotune the SGEMM per device once and cache it; force re-runs it (default on; env "
+                "LLMC_OPENCL_TUNE; cache file LLMC_OPENCL_TUNE_CACHE)",
+        "blas": "llmc|clblast: the forward matmul's library; clblast needs libclblast (default llmc; env "
+                "LLMC_OPENCL_BLAS)",
+        "splitk": "K chunk of split-K matmuls on CPU devices, 0 = off (default 512 on CPUs, 0 on GPUs; env "
+                  "LLMC_OPENCL_SPLITK)",
+        "red_ls": "work-items per row of the reductions, a power of two (default 1 on CPUs, 256 on GPUs; env "
+                  "LLMC_OPENCL_RED_LS)",
+    }
+
+    def create(self, device=None, dtype=None, options=None):
+        opts = dict(options or {})
+        if opts.get("tune", "on").lower() not in ("on", "off", "force", "1", "0"):
+            raise BackendUnavailable(f"--backend-opt tune={opts['tune']}: expected on, off or force")
+        if opts.get("blas", "llmc").lower() not in ("llmc", "clblast"):
+            raise BackendUnavailable(f"--backend-opt blas={opts['blas']}: expected llmc or clblast")
         if cl is None:
             raise BackendUnavailable(f"pyopencl is not importable: {_IMPORT_ERROR}")
         if dtype not in (None, FLOAT32):
@@ -728,4 +758,4 @@ class OpenCLPlugin(BackendPlugin):
             raise
         except Exception as e:
             raise BackendUnavailable(f"OpenCL unavailable: {type(e).__name__}: {e}") from None
-        return OpenCLBackend(plat, dev)
+        return OpenCLBackend(plat, dev, options=opts)

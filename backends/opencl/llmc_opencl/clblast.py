@@ -37,8 +37,9 @@ class CLBlast:
         return st == 0
 
 
-def maybe_load(be):
-    if os.environ.get("LLMC_OPENCL_BLAS", "").lower() != "clblast":
+def maybe_load(be, choice: str | None = None):
+    """CLBlast when chosen (the backend option blas=clblast, else LLMC_OPENCL_BLAS) and its library loads."""
+    if (choice or os.environ.get("LLMC_OPENCL_BLAS", "")).lower() != "clblast":
         return None
     name = ctypes.util.find_library("clblast") or "libclblast.so.1"
     try:

@@ -184,9 +184,10 @@ def autotune(be) -> tuple[dict, dict]:
     return best_all, results
 
 
-def get_config(be, tune: bool | None = None) -> dict:
-    """{layout: SGEMM configuration} for `be`'s device: cached, freshly tuned, or the default; plus "source"."""
-    mode = os.environ.get("LLMC_OPENCL_TUNE", "1").lower()
+def get_config(be, tune: bool | None = None, mode: str | None = None) -> dict:
+    """{layout: SGEMM configuration} for `be`'s device: cached, freshly tuned, or the default; plus "source".
+    `mode` (the backend option tune: on, off or force) wins over LLMC_OPENCL_TUNE."""
+    mode = (mode or os.environ.get("LLMC_OPENCL_TUNE", "1")).lower()
     if tune is False or mode in ("0", "no", "off", "false"):
         return dict(default_config(be.device), source="default")
     key = device_key(be.platform, be.device)
