@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fuzz every binary-format reader for minutes (tests/test_fuzz.py is the bounded CI version).
+"""Fuzz every binary-format reader for minutes (tests/formats/test_fuzz.py is the bounded CI version).
 
     python bench/fuzz_readers.py                      # 60 s per format
     python bench/fuzz_readers.py --seconds 600 --only shard,model_bin

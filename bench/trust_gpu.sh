@@ -22,9 +22,9 @@ set -o pipefail
 llmc bench kernels --backend cpu --backend opencl --backend cuda --model d12 -b 4 -t 1024 --repeat 5 \
   2>&1 | tee "$OUT/bench_kernels.log" || rc=1
 llmc bench kernels --model d2 -b 2 -t 64 --repeat 2 --only global_norm 2>&1 | tee "$OUT/bench_default.log" || rc=1
-$PY -m pytest -q -rs -p no:cacheprovider tests/test_reductions.py tests/test_opencl.py tests/test_cuda.py \
+$PY -m pytest -q -rs -p no:cacheprovider tests/contract/test_reductions.py backends/opencl/tests/test_opencl.py backends/cuda/tests/test_cuda.py \
   2>&1 | tail -n 40 | tee "$OUT/tests_gpu.log" || rc=1
-$PY -m pytest -q -p no:cacheprovider -m "cuda or opencl" tests/test_kernels.py tests/test_gpt2.py tests/test_llama3.py \
+$PY -m pytest -q -p no:cacheprovider -m "cuda or opencl" llmc_cli/testing/test_kernels.py tests/models/test_gpt2.py tests/models/test_llama3.py \
   2>&1 | tail -n 15 | tee "$OUT/tests_kernels.log" || rc=1
 echo "trust_gpu: rc=$rc"
 exit $rc

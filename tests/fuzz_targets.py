@@ -1,4 +1,4 @@
-"""The binary formats' readers as fuzz targets, shared by tests/test_fuzz.py (bounded) and
+"""The binary formats' readers as fuzz targets, shared by tests/formats/test_fuzz.py (bounded) and
 bench/fuzz_readers.py (minutes). Each target: a valid seed file, the reader, and the clean error class the
 reader may raise; every other exception is a finding."""
 

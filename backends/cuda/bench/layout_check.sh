@@ -40,7 +40,7 @@ for r in $(seq "$ROUNDS"); do
 done
 # 3. the cuda plugin's communicator on every GPU here: collectives, then d12 data parallel with ZeRO-1
 if [ "$NG" -gt 1 ]; then
-  (cd /tmp/runs && PYTHONPATH=/tmp/after:/tmp/site timeout 180 $PY "$HERE/bench/nccl_check.py" "$NG") 2>&1 \
+  (cd /tmp/runs && PYTHONPATH=/tmp/after:/tmp/site timeout 180 $PY "$HERE/backends/cuda/bench/nccl_check.py" "$NG") 2>&1 \
     | tail -n 20 | tee "$OUT/nccl_check.log"
   (cd /tmp/runs && PYTHONPATH=/tmp/after:/tmp/site timeout 240 $PY -m llmc_cli $ARGS --zero 1 --gpus "$NG" \
     > "$OUT/d12_${NG}gpu.log" 2>&1) || rc=1

@@ -110,7 +110,7 @@ class Plan:
         self.count = int(count[0])
         self.ok = self.count > 0 and int(np.atleast_1d(self.heur.state)[0]) == 0
         self.choose(0)  # the heuristic's first choice unless the tuner picks another
-        self.last = None  # the pointers of the last call, for bench/cublaslt_algos.py to replay
+        self.last = None  # the pointers of the last call, for backends/cuda/bench/cublaslt_algos.py to replay
 
     def config(self, i: int) -> tuple[int, ...]:
         """Candidate i's algorithm as (id, tile, stages, split-k, reduction, swizzle, custom, cluster, inner)."""

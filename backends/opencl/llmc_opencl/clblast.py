@@ -3,7 +3,7 @@ forward matmul, opt-in with ``LLMC_OPENCL_BLAS=clblast``.
 
 Measured on PoCL (2-core Xeon, CLBlast 1.5.3 from Debian): 4-5 GFLOP/s against 35-41 GFLOP/s for llmc's own
 direct SGEMM, and a 36 s first-call compile, so it is off by default; on GPUs it is worth comparing
-(bench/opencl_gpu.sh). Called through ctypes on the raw cl_mem / cl_command_queue handles of PyOpenCL's objects.
+(backends/opencl/bench/opencl_gpu.sh). Called through ctypes on the raw cl_mem / cl_command_queue handles of PyOpenCL's objects.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ import json
 
 import numpy as np
 import pytest
-from conftest import losses, phrase_tokens, rewind_run, run
-from test_llama3_hf import CONFIG, hf_tensors, write_hf_dir
+from llmc_test_support import losses, phrase_tokens, rewind_run, run
+from llmc_test_support import LLAMA_HF_CONFIG as CONFIG
+from llmc_test_support import hf_tensors, write_hf_dir
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.safetensors import read_safetensors_header

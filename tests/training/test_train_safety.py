@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TINY, losses, run
+from llmc_test_support import TINY, losses, run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.shards import write_shard

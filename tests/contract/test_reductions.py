@@ -4,7 +4,7 @@ plainly in float32), the step's loss sum, and the classifier's log-sum-exp over 
 The bar is 1e-5 relative whatever the device (a plain float32 running sum of 100M squares is off by ~1e-3)."""
 
 import numpy as np
-from conftest import empty, from_device, to_device
+from llmc_test_support import empty, from_device, to_device
 
 RTOL = 1e-5
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import phrase_tokens
+from llmc_test_support import phrase_tokens
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.shards import write_shard

@@ -1,6 +1,6 @@
 """Per-kernel time table of one GPT-2 training step on the CUDA backend, plus end-to-end step timing.
 
-    python bench/cuda_profile.py --model d12 -b 64 -t 1024 [--recompute gelu] [--steps 10] [--json out.json]
+    python backends/cuda/bench/cuda_profile.py --model d12 -b 64 -t 1024 [--recompute gelu] [--steps 10] [--json out.json]
 
 End to end: `Trainer.train_step` (data loader, forward, backward, norm, AdamW) timed by the trainer itself
 (device events), median over --steps after --warmup steps (default 6: the CUDA backend's cuBLASLt tuner

@@ -1,6 +1,6 @@
 """OpenCL-specific tests: the plugin probe, device selection, the SGEMM autotune cache and the SGEMM itself on
 awkward sizes (every layout, both kernel families) against numpy. Kernel conformance against the CPU backend is
-tests/test_kernels.py, which runs over every installed backend."""
+llmc_cli/testing/test_kernels.py, which runs over every installed backend."""
 
 from __future__ import annotations
 
@@ -349,7 +349,7 @@ def broken_compiler(monkeypatch, tmp_path):
 
 
 def test_a_device_whose_compiler_fails_is_unusable_with_the_compilers_line(broken_compiler, monkeypatch):
-    import conftest
+    from llmc_cli.testing import plugin as kit_plugin
     from click.testing import CliRunner
 
     from llmc_cli import registry
@@ -379,12 +379,12 @@ def test_a_device_whose_compiler_fails_is_unusable_with_the_compilers_line(broke
     from llmc_cli.testing import backends as kit_backends
     monkeypatch.setattr(kit_backends, "_DISCOVERED", registry.discover())
     monkeypatch.setattr(kit_backends, "_CREATED", {})
-    assert "unknown target CPU 'generic'" in conftest.unusable_reason("opencl")
+    assert "unknown target CPU 'generic'" in kit_backends.unusable_reason("opencl")
     with pytest.raises(pytest.skip.Exception, match="unknown target CPU 'generic'"):
-        conftest.make_backend("opencl")
+        kit_backends.make_backend("opencl")
     marked = types.SimpleNamespace(get_closest_marker=lambda name: object() if name == "opencl" else None)
     with pytest.raises(pytest.skip.Exception, match="unknown target CPU 'generic'"):
-        conftest.pytest_runtest_setup(marked)
+        kit_plugin.pytest_runtest_setup(marked)
 
 
 def test_a_build_failure_after_the_probe_names_the_compilers_error(broken_compiler, monkeypatch):

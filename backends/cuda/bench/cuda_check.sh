@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install what it lacks, run the CUDA tests and a timed GPT-2 d12 training run.
-#   bash bench/cuda_check.sh [quick|tests|train|all]   (default all; logs and junit xml under $OUT or ./cuda_out)
+#   bash backends/cuda/bench/cuda_check.sh [quick|tests|train|all]   (default all; logs and junit xml under $OUT or ./cuda_out)
 # Expects the wheels of nvmath-python and nvidia-cudnn-frontend (cp312 manylinux) in .whl/ (carried).
 set -u
 OUT=${OUT:-$PWD/cuda_out}; mkdir -p "$OUT"
@@ -17,13 +17,13 @@ source bench/carried_wheels.sh
 
 rc=0
 if [ "$MODE" = quick ]; then
-  $PY -m pytest -x -q tests/test_cuda.py -s -k "probe or nvrtc or fp32_kernels or cudnn" 2>&1 | tee "$OUT/quick.log"
+  $PY -m pytest -x -q backends/cuda/tests/test_cuda.py -s -k "probe or nvrtc or fp32_kernels or cudnn" 2>&1 | tee "$OUT/quick.log"
   exit ${PIPESTATUS[0]}
 fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   set -o pipefail
-  $PY -m pytest -q -rs tests/test_cuda.py -s --junitxml="$OUT/test_cuda.xml" 2>&1 | tee "$OUT/test_cuda.log" || rc=1
-  $PY -m pytest -q -k "cuda" tests/test_kernels.py tests/test_gpt2.py tests/test_llama3.py --junitxml="$OUT/test_kernels.xml" 2>&1 \
+  $PY -m pytest -q -rs backends/cuda/tests/test_cuda.py -s --junitxml="$OUT/test_cuda.xml" 2>&1 | tee "$OUT/test_cuda.log" || rc=1
+  $PY -m pytest -q -k "cuda" llmc_cli/testing/test_kernels.py tests/models/test_gpt2.py tests/models/test_llama3.py --junitxml="$OUT/test_kernels.xml" 2>&1 \
     | tail -n 60 | tee "$OUT/test_kernels.log" || rc=1
   set +o pipefail
 fi

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import losses, phrase_tokens, rewind_run
+from llmc_test_support import losses, phrase_tokens, rewind_run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.parallel import comm as comm_mod

@@ -1,6 +1,6 @@
 """CPU training step time: llmc's numpy backend against PyTorch eager on the same GPT-2, shapes and optimizer.
 
-    python bench/cpu_train.py --model d12 -b 4 -t 64 --steps 10        # needs: pip install torch==2.13.0
+    python backends/cpu/bench/cpu_train.py --model d12 -b 4 -t 64 --steps 10        # needs: pip install torch==2.13.0
 
 Both sides: fp32, random init, AdamW (0.9, 0.95, eps 1e-8, weight decay 0.1 on matrices), grad clip 1.0, the
 same token batches, the same number of threads. Prints the median step time of each after warm-up steps.

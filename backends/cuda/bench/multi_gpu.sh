@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU check on the GPU machine (issue 7): NCCL collectives through llmc_cli.parallel.comm, then GPT-2 d12
 # (B=64 per GPU, T=1024, bf16, ZeRO-1) on 1 GPU and on N GPUs with `llmc train --gpus N`.
-#   bash bench/multi_gpu.sh [N=2] [STEPS=30]     (logs under $OUT or ./multi_gpu_out)
+#   bash backends/cuda/bench/multi_gpu.sh [N=2] [STEPS=30]     (logs under $OUT or ./multi_gpu_out)
 set -u
 N=${1:-2}; STEPS=${2:-30}
 OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
@@ -15,7 +15,7 @@ fi
 $PY -m pip install -q --no-deps --no-build-isolation --no-compile -e . -e backends/cpu -e backends/cuda 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.log"
 nvidia-smi topo -m 2>&1 | head -5 | tee -a "$OUT/env.log"
-$PY bench/nccl_check.py "$N" 2>&1 | tee "$OUT/nccl_check.log"
+$PY backends/cuda/bench/nccl_check.py "$N" 2>&1 | tee "$OUT/nccl_check.log"
 mkdir -p /tmp/llmc_data
 $PY - <<'PYEOF'
 import numpy as np

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch_gpt2
-from conftest import run
+from llmc_test_support import run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.llmc_bin import write_model

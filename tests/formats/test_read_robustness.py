@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import TINY, run
+from llmc_test_support import TINY, run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.llama_file import write_llama_model

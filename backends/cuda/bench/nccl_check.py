@@ -1,5 +1,5 @@
 """NCCL through llmc_cli.parallel.comm on N GPUs: correctness of every collective (fp32 and bf16) and all-reduce bandwidth.
-    python bench/nccl_check.py N        (starts N ranks itself, one per GPU, like `llmc train --gpus N`)"""
+    python backends/cuda/bench/nccl_check.py N        (starts N ranks itself, one per GPU, like `llmc train --gpus N`)"""
 import os
 import sys
 import tempfile

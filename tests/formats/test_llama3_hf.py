@@ -13,56 +13,8 @@ from llmc_cli.formats import checkpoint as ckpt  # noqa: E402
 from llmc_cli.models.llama3 import Llama3  # noqa: E402
 from llmc_cli.formats.hf_llama3 import export_hf, import_hf
 from llmc_cli.formats.hf import read_hf_tensors  # noqa: E402
-
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 64,
-          "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 32},
-          "tie_word_embeddings": False, "torch_dtype": "float32"}
-
-
-def hf_tensors(c, rng):
-    C, H, V, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["hidden_size"] // c["num_attention_heads"]
-    NH, NKV = c["num_attention_heads"], c["num_key_value_heads"]
-    t = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,), "lm_head.weight": (V, C)}
-    for l in range(c["num_hidden_layers"]):
-        p = f"model.layers.{l}."
-        t.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
-                  p + "self_attn.q_proj.weight": (NH * hd, C), p + "self_attn.k_proj.weight": (NKV * hd, C),
-                  p + "self_attn.v_proj.weight": (NKV * hd, C), p + "self_attn.o_proj.weight": (C, NH * hd),
-                  p + "mlp.gate_proj.weight": (H, C), p + "mlp.up_proj.weight": (H, C),
-                  p + "mlp.down_proj.weight": (C, H)})
-    return {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith("norm.weight") else 0.05 * rng.standard_normal(s))
-            .astype(np.float32) for n, s in t.items()}
-
-
-def write_st(path, tensors):
-    """safetensors by hand: u64 header length, JSON header, raw little-endian F32 data."""
-    header, blobs, off = {}, [], 0
-    for n, a in tensors.items():
-        raw = a.astype("<f4").tobytes()
-        header[n] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    path.write_bytes(np.uint64(len(h)).tobytes() + h + b"".join(blobs))
-
-
-def write_hf_dir(d, tensors):
-    """Two shards and an index, as transformers' save_pretrained writes them."""
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(CONFIG))
-    names = list(tensors)
-    parts = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
-    for f, ns in parts.items():
-        write_st(d / f, {n: tensors[n] for n in ns})
-    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
-             "weight_map": {n: f for f, ns in parts.items() for n in ns}}
-    (d / "model.safetensors.index.json").write_text(json.dumps(index))
-
+from llmc_test_support import LLAMA_HF_CONFIG as CONFIG  # noqa: E402
+from llmc_test_support import hf_tensors, write_hf_dir, write_st  # noqa: E402,F401
 
 def hf_reference_logits(t, c, idx, cfg):
     """transformers' LlamaForCausalLM formulation: rotate_half on permuted q/k, repeat_kv, float64."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On an NVIDIA GPU machine: llmc's OpenCL SGEMM against cuBLAS fp32 (CuPy, TF32 off).
-#   bash bench/opencl_gpu.sh            (results under $OUT or ./opencl_gpu_out)
+#   bash backends/opencl/bench/opencl_gpu.sh            (results under $OUT or ./opencl_gpu_out)
 # Expects: python3.12 at /opt/torch/.venv (CuPy installed), the pyopencl wheel (cp312 manylinux) in .whl/
 # (carried), NVIDIA's driver with libnvidia-opencl.so.1 (registered here through OCL_ICD_VENDORS).
 # Shapes are M x K x N of C (M,N) = A (M,K) @ W (N,K)^T, the forward matmul layout (NT):
@@ -135,7 +135,7 @@ fi
 # the OpenCL tests on the GPU device (conformance against the cpu backend, engine, OpenCL-specific)
 if [ "${TESTS:-1}" = 1 ]; then
   export LLMC_OPENCL_TUNE=1
-  $PY -m pytest -q -x -k "opencl" tests/test_kernels.py tests/test_opencl.py \
+  $PY -m pytest -q -x -k "opencl" llmc_cli/testing/test_kernels.py backends/opencl/tests/test_opencl.py \
     --junitxml="$OUT/test_opencl.xml" 2>&1 | tail -n 20 | tee "$OUT/test_opencl.log"
 fi
 exit $rc

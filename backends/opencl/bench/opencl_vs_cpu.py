@@ -1,7 +1,7 @@
 """OpenCL backend (PoCL on this machine) against the CPU backend (llmc_cpu), side by side, one process.
 
-    python bench/opencl_vs_cpu.py --model d12 -b 4 -t 64 --rounds 5        # prints medians + load average
-    python bench/opencl_vs_cpu.py --profile                                  # + per-kernel time on each backend
+    python backends/opencl/bench/opencl_vs_cpu.py --model d12 -b 4 -t 64 --rounds 5        # prints medians + load average
+    python backends/opencl/bench/opencl_vs_cpu.py --profile                                  # + per-kernel time on each backend
 
 Both backends train the same GPT-2 (fp32, same init, same token batches, AdamW + grad clip as `llmc train`).
 Steps alternate between the two backends (round r: one CPU step, one OpenCL step) so that load from other

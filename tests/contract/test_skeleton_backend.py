@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-SKELETON = Path(__file__).resolve().parents[1] / "docs" / "skeleton"
+SKELETON = Path(__file__).resolve().parents[2] / "docs" / "skeleton"
 
 
 def test_the_skeleton_passes_the_conformance_kit(tmp_path):

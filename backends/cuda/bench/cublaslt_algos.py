@@ -1,6 +1,6 @@
 """cuBLASLt's algorithm candidates for every matmul of one GPT-2 training step, each timed on the real buffers.
 
-    python bench/cublaslt_algos.py --model d12 -b 64 -t 1024 [--candidates 16] [--reps 20] [--json out.json]
+    python backends/cuda/bench/cublaslt_algos.py --model d12 -b 64 -t 1024 [--candidates 16] [--reps 20] [--json out.json]
 
 Six training steps run with the backend asking cuBLASLt's heuristic for up to --candidates algorithms per
 product (the backend's tuner keeps the fastest of those bit-identical to the first, timed in the steps); then every product is

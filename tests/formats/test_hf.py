@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run
+from llmc_test_support import run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.llmc_bin import write_model

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import make_backend
+from llmc_test_support import make_backend
 
 from llmc_cli.bench import backends as bench_backends
 from llmc_cli.bench import kernel_cases as kc

@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import TINY, rewind_run, run
+from llmc_test_support import TINY, rewind_run, run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.llmc_bin import write_model
@@ -151,7 +151,7 @@ def test_keep_rotates_checkpoints(shards, tmp_path):
 
 
 # ---- resume exactness on every usable backend ----------------------------------------------------------------
-USABLE = [p.name for p in discover() if p.usable and p.name != "cpu"]  # cpu: tests/test_cli.py
+USABLE = [p.name for p in discover() if p.usable and p.name != "cpu"]  # cpu: tests/commands/test_cli.py
 
 
 @pytest.mark.parametrize("backend", USABLE)
@@ -185,7 +185,7 @@ def _header(path, idx, value):
 CASES = ["shard_version", "model_version", "model_truncated", "init_magic", "state_version", "state_garbage",
          "optimizer_garbage", "optimizer_truncated", "latest_garbage", "resume_n_embd", "cpu_device", "oom",
          "missing_backend_package", "missing_package", "llama_shard_vocab", "eval_magic", "eval_version",
-         "eval_truncated", "out_holds_run", "out_is_file", "skip_z_negative"]  # shard magic / truncation / ids >= vocab: tests/test_cli.py
+         "eval_truncated", "out_holds_run", "out_is_file", "skip_z_negative"]  # shard magic / truncation / ids >= vocab: tests/commands/test_cli.py
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,7 +1,7 @@
 """On a machine with OpenCL devices: does each device build and run a tiny kernel, and with which build
 options? Prints one line per (device, options). Used to check PoCL on CPUs that LLVM does not know
 (`unknown target CPU 'generic'`) and NVIDIA's OpenCL driver; see docs/reliability.md.
-  python3 bench/opencl_probe_check.py [extra build options ...]"""
+  python3 backends/opencl/bench/opencl_probe_check.py [extra build options ...]"""
 import sys
 
 import numpy as np

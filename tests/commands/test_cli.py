@@ -7,9 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TINY, losses, rewind_run, run
+from llmc_test_support import TINY, losses, rewind_run, run
 
-from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.llmc_bin import read_model, write_model
 from llmc_cli.formats.safetensors import bf16_bits_to_float32, float32_to_bf16_bits
 from llmc_cli.formats.shards import write_shard

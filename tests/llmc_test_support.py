@@ -1,0 +1,122 @@
+"""Helpers shared by llmc's own tests (import them with ``from llmc_test_support import ...``): the kit's device and
+tolerance helpers (llmc_cli.testing.helpers), and the command line on a tiny GPT-2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from llmc_cli.testing.backends import make_backend, unusable_reason  # noqa: F401
+from llmc_cli.testing.helpers import (  # noqa: F401
+    POISON,
+    TOLERANCES,
+    assert_close,
+    bf16_neighbours,
+    bf16_round,
+    check_accumulated,
+    empty,
+    from_device,
+    poison,
+    prefill,
+    randn,
+    rel_err,
+    to_device,
+    tol,
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command line on a tiny GPT-2 (tests of train / eval / sample / convert / faults)
+
+TINY = ["train", "--backend", "cpu", "--model", "d2", "--n-embd", "64", "-b", "2", "-t", "32", "--val-every", "0",
+        "--sample-every", "0"]
+
+
+def phrase_tokens(repeats: int, seed: int = 0, vocab: int = 50257) -> np.ndarray:
+    """A 40-token random phrase rolled `repeats` times: a little structure, so a tiny model's loss can fall."""
+    phrase = np.random.default_rng(seed).integers(0, vocab, 40)
+    return np.concatenate([np.roll(phrase, k) for k in range(repeats)])
+
+
+def run(*args, ok: bool = True):
+    """`llmc ARGS` in-process through click's runner; raises with the output unless it exits 0 (or ok=False)."""
+    from click.testing import CliRunner
+
+    from llmc_cli.commands import main
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    if ok and r.exit_code != 0:
+        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
+    return r
+
+
+def losses(log) -> list[float]:
+    """The training losses of a --log JSONL file, in order."""
+    import json
+    return [json.loads(line)["loss"] for line in open(log) if "loss" in json.loads(line)]
+
+
+def rewind_run(run_dir, died_after: int, dropped: int, log=None) -> None:
+    """Make a run directory look as if the run died after its step `died_after` checkpoint: the later checkpoint
+    step_`dropped` is gone and `latest` points back; with `log`, that JSONL log ends at step `died_after` too."""
+    import shutil
+    from pathlib import Path
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir / f"step_{dropped:08d}")
+    (run_dir / "latest").write_text(f"step_{died_after:08d}\n")
+    if log is not None:
+        lines = Path(log).read_text().splitlines()[:died_after]
+        Path(log).write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a tiny Llama 3 in a Hugging Face directory (sharded safetensors written by hand)
+
+LLAMA_HF_CONFIG = {  # a tiny Llama 3 as transformers' config.json describes it
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 64,
+          "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "vocab_size": 300, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 32},
+          "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def hf_tensors(c, rng):
+    C, H, V, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["hidden_size"] // c["num_attention_heads"]
+    NH, NKV = c["num_attention_heads"], c["num_key_value_heads"]
+    t = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,), "lm_head.weight": (V, C)}
+    for l in range(c["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        t.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                  p + "self_attn.q_proj.weight": (NH * hd, C), p + "self_attn.k_proj.weight": (NKV * hd, C),
+                  p + "self_attn.v_proj.weight": (NKV * hd, C), p + "self_attn.o_proj.weight": (C, NH * hd),
+                  p + "mlp.gate_proj.weight": (H, C), p + "mlp.up_proj.weight": (H, C),
+                  p + "mlp.down_proj.weight": (C, H)})
+    return {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith("norm.weight") else 0.05 * rng.standard_normal(s))
+            .astype(np.float32) for n, s in t.items()}
+
+
+def write_st(path, tensors):
+    """safetensors by hand: u64 header length, JSON header, raw little-endian F32 data."""
+    header, blobs, off = {}, [], 0
+    for n, a in tensors.items():
+        raw = a.astype("<f4").tobytes()
+        header[n] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(np.uint64(len(h)).tobytes() + h + b"".join(blobs))
+
+
+def write_hf_dir(d, tensors):
+    """Two shards and an index, as transformers' save_pretrained writes them."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA_HF_CONFIG))
+    names = list(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for f, ns in parts.items():
+        write_st(d / f, {n: tensors[n] for n in ns})
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+             "weight_map": {n: f for f, ns in parts.items() for n in ns}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
