@@ -5,7 +5,7 @@ same GPT-2 / Llama 3 code runs on numpy, CUDA and OpenCL. The conventions follow
 
 * Every kernel writes into buffers the caller passed in; nothing in the hot path allocates. Buffers come from
   `alloc` (planned once by the engine) or are `view`s into such an allocation.
-* A buffer is the backend's own array type (numpy.ndarray, cupy.ndarray, pyopencl.array.Array); the engine only
+* A buffer is the backend's own array type (numpy.ndarray on the host, a device library's array elsewhere); the engine only
   reads `.shape`, `.size` and `.dtype` from it and moves data with `upload` / `download`.
 * Forward and backward of a layer stand next to each other. Gradients of *parameters* always accumulate
   (``+=``) so that gradient accumulation over micro-steps is free; the engine zeroes them once per step.
@@ -99,7 +99,7 @@ class Backend(abc.ABC):
 
     def view(self, buf: Buffer, offset: int, shape: Sequence[int] | int) -> Buffer:
         """A buffer sharing memory with `buf`: `prod(shape)` elements starting at element `offset`. This default
-        serves buffers that slice and reshape like numpy arrays (numpy, CuPy, pyopencl.array)."""
+        serves buffers that slice and reshape like numpy arrays (as numpy's and the common GPU array types do)."""
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         n = int(np.prod(shape))
         flat = buf.reshape(-1)
@@ -368,7 +368,7 @@ class HostTimer:
 
 # ---- collectives: how data-parallel ranks move gradients -------------------------------------------------------
 # The engine falls back on MPI through host memory for any backend; a plugin whose device has its own fabric
-# (NCCL for CUDA) returns a Communicator from `BackendPlugin.communicator`, and the engine uses that instead.
+# (the cuda plugin's, for one) returns a Communicator from `BackendPlugin.communicator`, and the engine uses that.
 
 SUM, AVG, MAX = "sum", "avg", "max"
 REDUCE_OPS = (SUM, AVG, MAX)

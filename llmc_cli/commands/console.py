@@ -19,7 +19,7 @@ def fail(msg: str, code: int = 2) -> None:
     """One clear line on stderr and a non-zero exit; nothing on disk is touched after this."""
     who = f" (rank {_RANK['rank']} of {_RANK['world']})" if _RANK else ""
     from rich.markup import (
-        escape,  # messages hold paths and pip specs like 'pyopencl[pocl]': not markup
+        escape,  # messages hold paths and pip specs like 'pkg[extra]': not markup
     )
     err_console.print(f"[bold red]error{who}:[/] {escape(msg)}", soft_wrap=True)
     if _RANK.get("comm") is not None:  # the other ranks wait in a collective: take the whole job down

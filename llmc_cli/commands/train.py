@@ -86,16 +86,17 @@ _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the libr
 @click.option("--hellaswag-every", type=COUNT, default=_ARGS.hellaswag_every, show_default=True,
               help="Score --hellaswag every N steps and at the end (0 = off); acc_norm goes to the log.")
 @click.option("--gpus", type=COUNT, default=0, help="Data parallel on N GPUs of this machine: starts N processes "
-              "(one per GPU, NCCL). Under mpirun/srun leave it out: the ranks come from the launcher.")
+              "(one per GPU, reducing through the backend's own communicator). Under mpirun/srun leave it out: the ranks "
+              "come from the launcher.")
 @click.option("--procs", type=COUNT, default=0, help="Data parallel over N MPI processes (mpiexec -n N; for the "
               "cpu/OpenCL backends). Needs pip install 'llmc[mpi]'.")
 @click.option("--zero", type=click.Choice(["0", "1"]), default=str(_ARGS.zero), show_default=True,
               help="1 = ZeRO-1: optimizer state sharded over the ranks (reduce-scatter + all-gather).")
 @click.option("--init-file", default=None, type=click.Path(),
-              help="Multi-node NCCL without MPI: a path on a shared file system through which rank 0 hands out "
-              "NCCL's id (fresh per run).")
-@click.option("--init-addr", default=None, help="Multi-node NCCL without MPI: HOST:PORT where rank 0 listens "
-              "and hands out NCCL's id.")
+              help="Multi-node without MPI: a path on a shared file system through which rank 0 hands out the device "
+              "communicator's id (fresh per run; cuda).")
+@click.option("--init-addr", default=None, help="Multi-node without MPI: HOST:PORT where rank 0 listens and "
+              "hands out the device communicator's id (cuda).")
 def train(**o) -> None:
     """Train a GPT-2 or a Llama 3, from scratch (--model) or from weights (--init).
 
