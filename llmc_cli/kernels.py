@@ -378,6 +378,20 @@ class CommError(RuntimeError):
     """Ranks cannot be set up or cannot talk; the message says what to change."""
 
 
+def check_reduce_op(op: str) -> None:
+    """ValueError unless `op` is one of REDUCE_OPS (every communicator checks before it moves data)."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction {op!r} (one of {', '.join(REDUCE_OPS)})")
+
+
+def chunk_elements(buf: Buffer, world: int) -> int:
+    """Elements per rank of a buffer that reduce_scatter / all_gather split into `world` equal chunks."""
+    n = int(buf.size)
+    if n % world:
+        raise ValueError(f"a buffer of {n} elements does not split into {world} equal chunks")
+    return n // world
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """This process's place among the ranks, read from the launcher's environment."""

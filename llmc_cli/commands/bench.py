@@ -53,6 +53,15 @@ def print_wide(console, renderable) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # the commands
 
+def _write_plot(draw, res: dict, path: str) -> None:
+    from llmc_cli.commands.console import err_console, fail
+    try:
+        draw(res, path)
+    except BenchError as e:
+        fail(str(e))
+    err_console.print(f"plot: {path}")
+
+
 def _model_options(f):
     opts = [
         click.option("--backend", "backend_names", multiple=True,
@@ -188,7 +197,7 @@ def kernels(**o) -> None:
       llmc bench kernels --backend opencl --only matmul --repeat 20 --json > kernels.json
       llmc bench kernels --model d12 -b 4 -t 64 --plot kernels.png
     """
-    from llmc_cli.commands.console import console, err_console, fail
+    from llmc_cli.commands.console import console, fail
     cfg, B, T, backends, skipped = _setup(o | {"kernels_only": True})
     status = _progress(o["as_json"])
     try:
@@ -208,11 +217,7 @@ def kernels(**o) -> None:
             console.print("[yellow]no cpu reference backend: errors are not checked[/]")
         print_wide(console, kernels_table(res))
     if o["plot"]:
-        try:
-            plot_kernels(res, o["plot"])
-        except BenchError as e:
-            fail(str(e))
-        err_console.print(f"plot: {o['plot']}")
+        _write_plot(plot_kernels, res, o["plot"])
     if res["mismatches"]:
         bad = ", ".join(f"{m['kernel']} on {m['backend']} ({m['max_rel_err']:.1e} > {m['tol']:.0e})"
                         for m in res["mismatches"])
@@ -242,7 +247,7 @@ def train(**o) -> None:
       llmc bench train --model d2 -b 4 -t 64 --steps 20
       llmc bench train --backend cpu --model d12 -b 4 -t 64 --compare torch --plot train.png
     """
-    from llmc_cli.commands.console import DTYPES, console, err_console, fail
+    from llmc_cli.commands.console import DTYPES, console, fail
     from llmc_cli.formats.files import DataError
     cfg, B, T, backends, skipped = _setup(o)
     compare = []
@@ -266,8 +271,4 @@ def train(**o) -> None:
         for n in res["notes"]:
             console.print(f"[yellow]{n}[/]")
     if o["plot"]:
-        try:
-            plot_train(res, o["plot"])
-        except BenchError as e:
-            fail(str(e))
-        err_console.print(f"plot: {o['plot']}")
+        _write_plot(plot_train, res, o["plot"])

@@ -23,21 +23,18 @@ import numpy as np
 from llmc_cli.kernels import (
     AVG,
     MAX,
-    REDUCE_OPS,
     SUM,
     BackendPlugin,
     CommError,
     Communicator,
     RankInfo,
+    check_reduce_op,
+    chunk_elements,
 )
 from llmc_cli.parallel.rendezvous import EngineRendezvous, mpi_world
 
-_OPS = REDUCE_OPS
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # who am I
-
 
 
 _SOURCES = (
@@ -86,18 +83,6 @@ def pin_local_device(info: RankInfo, env: dict | None = None) -> str | None:
     return pick
 
 
-def _check_op(op: str) -> None:
-    if op not in _OPS:
-        raise ValueError(f"unknown reduction {op!r} (one of {', '.join(_OPS)})")
-
-
-def _chunk(buf, world: int) -> int:
-    n = int(buf.size)
-    if n % world:
-        raise ValueError(f"a buffer of {n} elements does not split into {world} equal chunks")
-    return n // world
-
-
 class SingleProcess:
     """One rank: every collective is the identity."""
 
@@ -107,10 +92,10 @@ class SingleProcess:
         self.rank, self.world_size, self.local_rank = 0, 1, 0
 
     def all_reduce(self, buf, op=AVG):
-        _check_op(op)
+        check_reduce_op(op)
 
     def reduce_scatter(self, buf, op=AVG):
-        _check_op(op)
+        check_reduce_op(op)
 
     def all_gather(self, buf):
         pass
@@ -119,7 +104,7 @@ class SingleProcess:
         pass
 
     def all_reduce_value(self, x, op=AVG):
-        _check_op(op)
+        check_reduce_op(op)
         return float(x)
 
     def barrier(self):
@@ -168,7 +153,7 @@ class MPICommunicator:
             self.backend.upload(buf, host.reshape(buf.shape))
 
     def all_reduce(self, buf, op=AVG):
-        _check_op(op)
+        check_reduce_op(op)
         h, staged = self._host(buf)
         self.comm.Allreduce(self.MPI.IN_PLACE, h, op=self._ops[op])
         if op == AVG:
@@ -176,8 +161,8 @@ class MPICommunicator:
         self._back(buf, h, staged)
 
     def reduce_scatter(self, buf, op=AVG):
-        _check_op(op)
-        c = _chunk(buf, self.world_size)
+        check_reduce_op(op)
+        c = chunk_elements(buf, self.world_size)
         h, staged = self._host(buf)
         out = np.empty(c, dtype=h.dtype)
         self.comm.Reduce_scatter_block(h, out, op=self._ops[op])
@@ -187,7 +172,7 @@ class MPICommunicator:
         self._back(buf, h, staged)
 
     def all_gather(self, buf):
-        _chunk(buf, self.world_size)
+        chunk_elements(buf, self.world_size)
         h, staged = self._host(buf)
         self.comm.Allgather(self.MPI.IN_PLACE, h)
         self._back(buf, h, staged)
@@ -198,7 +183,7 @@ class MPICommunicator:
         self._back(buf, h, staged)
 
     def all_reduce_value(self, x, op=AVG):
-        _check_op(op)
+        check_reduce_op(op)
         v = self.comm.allreduce(float(x), op=self._ops[op])
         return v / self.world_size if op == AVG else float(v)
 

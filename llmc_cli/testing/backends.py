@@ -85,9 +85,6 @@ def make_backend(name: str, dtype: str | None = None) -> Backend:
     return b
 
 
-BACKEND_MARKERS = ("cpu", "opencl", "cuda")  # pytest markers (pyproject.toml): a test that needs that backend
-
-
 def unusable_reason(name: str) -> str | None:
     """Why the backend `name` cannot run here (not installed, or its plugin's own probe line), else None."""
     info = next((p for p in _discovered() if p.name == name), None)
@@ -96,21 +93,6 @@ def unusable_reason(name: str) -> str | None:
     if info.plugin is None or not info.usable:
         return f"backend '{name}' ({info.distribution}) is installed but not usable here: {info.reason}"
     return None
-
-
-def pytest_collection_modifyitems(config, items):
-    """Tests run over the `backend` fixture carry their backend's marker, so `-m opencl` selects them too."""
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if params.get("backend_name") in BACKEND_MARKERS:
-            item.add_marker(getattr(pytest.mark, params["backend_name"]))
-
-
-def pytest_runtest_setup(item):
-    """A test marked with a backend that cannot run here skips with that backend's reason, never fails."""
-    for name in BACKEND_MARKERS:
-        if item.get_closest_marker(name) is not None and (why := unusable_reason(name)):
-            pytest.skip(why)
 
 
 def backend_names() -> list:

@@ -48,6 +48,7 @@ def main():
     o = ap.parse_args()
 
     import cupy as cp
+
     from llmc_cli import registry
     from llmc_cli.formats.shards import write_shard
     from llmc_cli.optim import AdamWConfig

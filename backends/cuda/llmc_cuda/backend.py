@@ -10,8 +10,17 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from llmc_cli.kernels import (option_flag, BFLOAT16, CAP_BF16, CAP_DEVICE_EVENTS, FLOAT32, INT32, Backend, BackendUnavailable,
-                              MemoryReport)
+from llmc_cli.kernels import (
+    BFLOAT16,
+    CAP_BF16,
+    CAP_DEVICE_EVENTS,
+    FLOAT32,
+    INT32,
+    Backend,
+    BackendUnavailable,
+    MemoryReport,
+    option_flag,
+)
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256

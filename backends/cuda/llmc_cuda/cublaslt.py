@@ -23,9 +23,7 @@ heuristic's first).
 
 from __future__ import annotations
 
-
 import numpy as np
-
 from nvmath.bindings import cublasLt as lt
 
 CUDA_R_32F = 0

@@ -9,22 +9,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from llmc_cli.kernels import AVG, MAX, SUM, CommError, RankInfo, Rendezvous
-
-_OPS = (SUM, AVG, MAX)
-
-
-def _check_op(op: str) -> None:
-    if op not in _OPS:
-        raise ValueError(f"unknown reduction {op!r} (one of {', '.join(_OPS)})")
-
-
-def _chunk(buf, world: int) -> int:
-    n = int(buf.size)
-    if n % world:
-        raise ValueError(f"a buffer of {n} elements does not split into {world} equal chunks")
-    return n // world
-
+from llmc_cli.kernels import AVG, MAX, SUM, CommError, RankInfo, Rendezvous, check_reduce_op, chunk_elements
 
 _NCCL_DTYPES = {"float32": 7, "bfloat16": 9, "float64": 8, "float16": 6, "int32": 2,
                 "uint16": 9}  # a CuPy without bfloat16 stores it as raw 16-bit words
@@ -146,19 +131,19 @@ class NCCLCommunicator:
                            fn)
 
     def all_reduce(self, buf, op=AVG):
-        _check_op(op)
+        check_reduce_op(op)
         p = buf.data.ptr
         self._call("ncclAllReduce", p, p, int(buf.size), self._dtype(buf), _NCCL_OPS[op], self.stream_ptr)
 
     def reduce_scatter(self, buf, op=AVG):
-        _check_op(op)
-        c = _chunk(buf, self.world_size)
+        check_reduce_op(op)
+        c = chunk_elements(buf, self.world_size)
         p = buf.data.ptr
         self._call("ncclReduceScatter", p, p + self.rank * c * buf.itemsize, c, self._dtype(buf), _NCCL_OPS[op],
                    self.stream_ptr)
 
     def all_gather(self, buf):
-        c = _chunk(buf, self.world_size)
+        c = chunk_elements(buf, self.world_size)
         p = buf.data.ptr
         if self._cupy is not None:
             self._cupy.allGather(p + self.rank * c * buf.itemsize, p, c, self._dtype(buf), self.stream_ptr)
@@ -179,7 +164,7 @@ class NCCLCommunicator:
                                            ct.c_void_p(self.stream_ptr)), "ncclBroadcast")
 
     def all_reduce_value(self, x, op=AVG):
-        _check_op(op)
+        check_reduce_op(op)
         cp = self.cp
         if self._scalar is None:
             self._scalar = cp.empty(1, dtype=cp.float64)  # no kernel: it is filled on our stream
