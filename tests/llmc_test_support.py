@@ -38,6 +38,11 @@ def phrase_tokens(repeats: int, seed: int = 0, vocab: int = 50257) -> np.ndarray
     return np.concatenate([np.roll(phrase, k) for k in range(repeats)])
 
 
+def dtype_tol(backend, fp32: float, bf16: float) -> float:
+    """The bound a model-level test allows at the backend's compute dtype."""
+    return bf16 if backend.dtype == "bfloat16" else fp32
+
+
 def run(*args, ok: bool = True):
     """`llmc ARGS` in-process through click's runner; raises with the output unless it exits 0 (or ok=False)."""
     from click.testing import CliRunner

@@ -7,19 +7,14 @@ import sys
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from llmc_cli import charts
-from llmc_cli.commands import main
+
+from llmc_test_support import run
 
 pytest.importorskip("matplotlib")
 
 
-def run(*args, ok=True):
-    r = CliRunner().invoke(main, [str(a) for a in args])
-    if ok and r.exit_code != 0:
-        raise AssertionError(f"exit {r.exit_code}: {r.output}\n{r.exception!r}")
-    return r
 
 
 def write_log(path, steps=30, seed=0, hellaswag=True):

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from llmc_test_support import TINY, run
 
-from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.llama_file import write_llama_model
 from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats.safetensors import read_safetensors

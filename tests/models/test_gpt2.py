@@ -10,12 +10,10 @@ from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters, num_paramete
 from llmc_cli.optim import AdamW, AdamWConfig, lr_at  # noqa: E402
 from torch_gpt2 import forward as torch_forward  # noqa: E402
 from torch_gpt2 import train_losses  # noqa: E402
+from llmc_test_support import dtype_tol as tol  # noqa: E402
+from llmc_test_support import rel_err as rel  # noqa: E402
 
 TINY = GPT2Config(block_size=16, vocab_size=100, n_layer=2, n_head=4, n_embd=32)
-
-
-def tol(backend, fp32: float, bf16: float) -> float:
-    return bf16 if backend.dtype == "bfloat16" else fp32
 
 
 def perturbed_init(cfg, seed):
@@ -29,10 +27,6 @@ def batch(cfg, B, T, seed):
     rng = np.random.default_rng(seed)
     return (rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
             rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
-
-
-def rel(a, b):
-    return np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def test_presets_match_gpt2_sizes():

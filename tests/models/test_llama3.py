@@ -11,18 +11,12 @@ from llmc_cli.models import llama3  # noqa: E402
 from llmc_cli.models.llama3 import Llama3, Llama3Config, init_parameters, num_parameters, parameter_shapes  # noqa: E402
 from llmc_cli.optim import AdamW, AdamWConfig  # noqa: E402
 from torch_llama3 import forward as torch_forward  # noqa: E402
+from llmc_test_support import dtype_tol as tol  # noqa: E402
+from llmc_test_support import rel_err as rel  # noqa: E402
 
 # GQA (4 query heads on 2 kv heads), rope scaling on, a hidden size from the multiple_of rule
 TINY = Llama3Config(block_size=32, vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, multiple_of=16,
                     ffn_dim_multiplier=1.3, rope_theta=500000.0, rope_scaling=8.0, rope_original_context=16)
-
-
-def tol(backend, fp32, bf16):
-    return bf16 if backend.dtype == "bfloat16" else fp32
-
-
-def rel(a, b):
-    return np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def perturbed(cfg, seed):

@@ -15,6 +15,7 @@ import pytest
 
 from llmc_cli import registry
 from llmc_cli.kernels import BFLOAT16, FLOAT32
+from llmc_cli.testing.helpers import rel_err as rel
 
 pytestmark = pytest.mark.cuda
 
@@ -44,11 +45,6 @@ def cuda(dtype):
 def cpu():
     from llmc_cpu import CpuBackend
     return CpuBackend()
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30))
 
 
 def up(b, x, dtype=None):
