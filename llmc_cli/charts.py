@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
 from llmc_cli.bench.backends import BenchError
+from llmc_cli.formats.files import atomic_file
 
 
 def require_matplotlib() -> None:
@@ -181,16 +181,10 @@ def save_png(fig, path: str | Path, dpi: int, option: str = "--out") -> Path:
     """`fig` as a PNG at `path`, written under a temporary name and renamed (see check_png_target)."""
     check_png_target(path, option)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
     except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
         raise PlotError(f"{option} {path}: cannot write it ({e.strerror or e})") from None
     return path
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -15,17 +16,17 @@ import numpy as np
 # writing
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, os.replace."""
+@contextmanager
+def atomic_file(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yields a temporary sibling of `path` to write; when the block ends without an error the file is fsynced and
+    renamed over `path` (and the directory fsynced), so `path` is never seen half-written. On an error the
+    temporary file goes, and an OSError names `path`, never the temporary name. Every llmc write goes here."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{suffix}")
     try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
@@ -37,6 +38,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     fsync_dir(path.parent)  # make the rename itself durable
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
+    """Write ``data`` to ``path`` atomically (see atomic_file)."""
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
 
 
 def replace_dir(tmp: str | os.PathLike, dst: str | os.PathLike) -> None:

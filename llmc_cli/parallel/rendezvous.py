@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+from llmc_cli.formats.files import atomic_write_bytes
 from llmc_cli.kernels import CommError, RankInfo
 
 ID_BYTES = 128  # the usual size of a communicator's unique id
@@ -70,10 +71,7 @@ def share_mpi(uid: bytes | None, rank: int, comm) -> bytes:
 def share_file(uid: bytes | None, rank: int, path: str, timeout: float, nbytes: int = ID_BYTES) -> bytes:
     p = Path(path)
     if rank == 0:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(uid)
-        os.replace(tmp, p)  # the others never see a half-written id
+        atomic_write_bytes(p, uid)  # the others never see a half-written id
         return uid
     t0 = time.monotonic()
     while True:

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from llmc_cli.formats.files import DataError
+from llmc_cli.formats.files import DataError, atomic_file
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 
 URLS = {
@@ -53,21 +53,15 @@ def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
     if dest.is_file():
         return dest
     _probe(url)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
-        with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
+        with atomic_file(dest, ".part") as tmp, urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
             total = int(r.headers.get("Content-Length") or 0) or None
             with progress(True) as prog:
                 task = prog.add_task(f"download {dest.name}", total=total)
                 while chunk := r.read(1 << 20):
                     f.write(chunk)
                     prog.advance(task, len(chunk))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
     except (urllib.error.URLError, OSError, TimeoutError) as e:
-        tmp.unlink(missing_ok=True)
         raise DataError(f"download of {url} failed ({getattr(e, 'reason', e)}); download it elsewhere "
                         "and pass it with --local PATH") from None
     return dest
