@@ -21,7 +21,7 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.log"
 rc=0
 # 1. the CUDA tests of this tree (every test carrying the cuda marker)
-PYTHONPATH=/tmp/after:/tmp/site timeout 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 \
+PYTHONPATH=/tmp/after:/tmp/site timeout 420 $PY -m pytest -q -m cuda -p no:cacheprovider tests backends/cuda/tests 2>&1 \
   | tail -n 25 | tee "$OUT/tests_cuda.log"
 # 2. a synthetic GPT-2 shard, then d12 runs alternated: before, after, before, after, ...
 mkdir -p /tmp/llmc_data /tmp/runs
