@@ -86,4 +86,12 @@ def usage_error_line(e: click.UsageError) -> str:
         msg = f"{name} {msg}" if msg.startswith("must") else f"{name}: {msg}"
     ctx = getattr(e, "ctx", None)
     where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    if msg.startswith("Got unexpected extra argument") and any(("/" in a or "." in a) for a in _extra_args(msg)):
+        # the shell expanded an unquoted glob (--data datasets/x/*train*.bin) into several paths
+        where = " (a glob the shell expanded? quote it: --data 'datasets/NAME/*train*.bin')" + where
     return " ".join(msg.split()) + where
+
+
+def _extra_args(msg: str) -> list[str]:
+    inner = msg[msg.find("(") + 1:msg.rfind(")")] if "(" in msg else ""
+    return inner.split()

@@ -34,8 +34,11 @@ _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the libr
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
               help="Compute dtype; auto = the backend's default (fp32 on cpu/opencl, bf16 on cuda).")
 @click.option("--data", default=None,
-              help="Glob of training shards, e.g. 'datasets/shakespeare/*train*.bin' (required unless --dry-run).")
-@click.option("--val-data", default=None, help="Glob of validation shards.")
+              help="Training shards: a directory (its NAME_train_* shards, and its NAME_val_* shards validate "
+                   "unless --val-data is given) or a quoted glob, e.g. 'datasets/shakespeare/*train*.bin' "
+                   "(required unless --dry-run).")
+@click.option("--val-data", default=None, help="Validation shards: a directory (its NAME_val_* shards) or a quoted "
+              "glob  [default: --data's directory's val shards, if it is a directory]")
 @click.option("--model", default=_ARGS.model, show_default=True,
               help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; Llama 3 llama3-tiny, llama3.2-1b, "
                    "llama3.2-3b, llama3.1-8b.")
@@ -210,6 +213,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
                   f"(padded {cfg.padded_vocab_size}) maxT={cfg.block_size}, {trainer.model.num_params:,} params")
     console.print(f"batch: B={args.batch_size} T={args.seq_len}, {trainer.tokens_per_step} tokens/step, "
                   f"grad accumulation {trainer.grad_accum}")
+    console.print(trainer.data_line())
     console.print(trainer.memory_line())
     if trainer.start_step:
         console.print(f"resumed from {args.out} at step {trainer.start_step}")

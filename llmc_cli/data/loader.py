@@ -32,6 +32,8 @@ class DataLoader:
 
     STATE_VERSION = 1
 
+    SPLIT = "train"  # what a directory given as `pattern` contributes (llm.c's NAME_train_* shards)
+
     def __init__(self, pattern, B: int, T: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = False, seed: int = 42, vocab_size: int | None = None):
         if B < 1 or T < 1:
@@ -43,7 +45,7 @@ class DataLoader:
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.vocab_size = vocab_size
         self.pattern = pattern
-        self.files = resolve_shards(pattern)
+        self.files = resolve_shards(pattern, split=self.SPLIT)
         self.infos = [read_shard_header(f) for f in self.files]
         need = self.world_size * self.B * self.T + 1
         for info in self.infos:
@@ -197,6 +199,8 @@ class DataLoader:
 
 class ValLoader(DataLoader):
     """Validation / eval batches: in order from the start of the first shard, one pass, no shuffling."""
+
+    SPLIT = "val"
 
     def __init__(self, pattern, B: int, T: int, rank: int = 0, world_size: int = 1,
                  vocab_size: int | None = None):

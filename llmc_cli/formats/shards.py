@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob as _glob
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -148,8 +149,19 @@ def read_shard(path: str | os.PathLike, mmap: bool = True) -> np.ndarray:
 _GLOB_CHARS = set("*?[")
 
 
-def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    """Glob pattern (or list of patterns / paths) -> sorted, de-duplicated shard paths."""
+SPLITS = ("train", "val")
+
+
+def split_of(path: str | os.PathLike) -> str | None:
+    """"train" or "val" by llm.c's shard naming (NAME_train_000001.bin, NAME_val_000000.bin), else None."""
+    words = re.split(r"[_.\-]", Path(path).stem.lower())
+    found = [s for s in SPLITS if s in words]
+    return found[0] if len(found) == 1 else None
+
+
+def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike], split: str | None = None) -> list[str]:
+    """Glob pattern (or list of patterns / paths) -> sorted, de-duplicated shard paths. A directory gives its
+    `split` shards ("train" or "val", by llm.c's naming; None: every .bin in it), never the other split's."""
     pats = [pattern] if isinstance(pattern, (str, os.PathLike)) else list(pattern)
     if not pats:
         raise DataError("no data shards given")
@@ -165,6 +177,13 @@ def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike]) -> 
             hits = sorted(_glob.glob(os.path.join(p, "*.bin")))
             if not hits:
                 raise DataError(f"no .bin shards in directory {p}")
+            if split is not None:
+                mine = [h for h in hits if split_of(h) == split]
+                if not mine:
+                    names = ", ".join(Path(h).name for h in hits[:4]) + (", ..." if len(hits) > 4 else "")
+                    raise DataError(f"{p}: no {split} shards (llm.c names them NAME_{split}_NNNNNN.bin; the "
+                                    f"directory holds {names}); give a glob such as '{p}/*.bin' to use them all")
+                hits = mine
             files += hits
         elif os.path.isfile(p):
             files.append(p)
@@ -172,3 +191,9 @@ def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike]) -> 
             raise DataError(f"data shard {p} not found")
     seen: set[str] = set()
     return [f for f in files if not (f in seen or seen.add(f))]
+
+
+def has_split(directory: str | os.PathLike, split: str) -> bool:
+    """Whether `directory` holds shards of `split` by llm.c's naming."""
+    return os.path.isdir(directory) and any(split_of(h) == split
+                                            for h in _glob.glob(os.path.join(os.fspath(directory), "*.bin")))

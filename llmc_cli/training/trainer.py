@@ -14,6 +14,7 @@ from llmc_cli.evals.evaluate import evaluate_loss  # noqa: F401  (lives in evalu
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
+from llmc_cli.formats.shards import has_split
 from llmc_cli.inference.sampling import generate
 from llmc_cli.kernels import AVG, BFLOAT16, MAX, Backend, update_applies
 from llmc_cli.models.families import family_for, family_of
@@ -206,7 +207,9 @@ class Trainer:
         # token ids are checked against the model's vocabulary as each shard is first opened
         self.train_loader = DataLoader(a.data, B, T, rank=self.comm.rank, world_size=self.comm.world_size,
                                        shuffle=a.shuffle, seed=a.seed, vocab_size=cfg.vocab_size)
-        self.val_loader = ValLoader(a.val_data, B, T, vocab_size=cfg.vocab_size) if a.val_data else None
+        # a directory given as --data serves its train shards; its val shards validate unless --val-data says else
+        val_data = a.val_data or (a.data if isinstance(a.data, str) and has_split(a.data, "val") else None)
+        self.val_loader = ValLoader(val_data, B, T, vocab_size=cfg.vocab_size) if val_data else None
         for opt, loader in (("--data", self.train_loader), ("--val-data", self.val_loader)):
             need = SHARD_VOCAB.get(loader.tokenizer) if loader is not None else None
             if need and cfg.vocab_size < need:
@@ -253,6 +256,15 @@ class Trainer:
         self.saved = self.start_step          # the newest step whose checkpoint is on disk (start_step: none yet)
         self.rescued: Path | None = None      # the checkpoint written after an error stopped the run
         self.rescue_error: str | None = None  # why that checkpoint could not be written
+
+    def data_line(self) -> str:
+        """Which shards the run reads: what a directory or a glob resolved to."""
+        def part(what: str, loader) -> str:
+            f = loader.files
+            where = f[0] if len(f) == 1 else f"{f[0]} .. {Path(f[-1]).name}"
+            return f"{what} {len(f)} shard(s), {loader.num_tokens:,} tokens ({where})"
+        val = part("val", self.val_loader) if self.val_loader is not None else "val: none"
+        return f"data: {part('train', self.train_loader)}; {val}"
 
     def memory_line(self) -> str:
         r = self.backend.memory_report()
