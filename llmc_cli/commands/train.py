@@ -137,6 +137,9 @@ def train(**o) -> None:
             fail(f"--hellaswag: {e}")
     if o.pop("dry_run"):
         return dry_run(o)
+    taken = _options_from_run(o) if (o["resume"] and o["out"]) else []
+    if taken:
+        console.print(f"options from {o['out']}: {' '.join(taken)}")
     if not o["data"]:
         fail("--data: give a glob of training shards, e.g. --data 'datasets/shakespeare/*train*.bin'")
     if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
@@ -349,3 +352,35 @@ def child_args(ctx, drop=LAUNCH_OPTIONS) -> list[str]:
         elif val is not None:
             parts += [flag, str(val)]
     return parts
+
+
+_OPTIM_KEYS = ("lr", "beta1", "beta2", "weight_decay", "grad_clip")
+
+
+def _options_from_run(o: dict) -> list[str]:
+    """`--resume` continues the run as it was: every option not given on this command line takes the value the
+    run recorded in its newest complete checkpoint's state.json (options given must agree where they fix the
+    model or the step, which the trainer checks). Returns the options taken, as flags, for the log."""
+    from click.core import ParameterSource
+
+    from llmc_cli.formats import checkpoint as ckpt
+    try:
+        step = ckpt.resolve_checkpoint(o["out"]).parent
+        recorded = ckpt.read_run_state(step / "state.json").get("args") or {}
+    except (ckpt.CheckpointError, OSError):
+        return []  # the trainer says what is wrong with the run directory
+    ctx = click.get_current_context()
+    values = dict(recorded) | {k: v for k, v in (recorded.get("optim") or {}).items() if k in _OPTIM_KEYS}
+    taken = []
+    for key, value in values.items():
+        if key in ("optim", "resume", "out") or key not in o or value is None:
+            continue
+        if ctx.get_parameter_source(key) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue
+        if key == "zero":
+            value = str(value)
+        if o[key] != value:
+            o[key] = value
+            flag = "--" + key.replace("_", "-")
+            taken.append(flag if value is True else f"{flag} {value}")
+    return taken
