@@ -137,9 +137,7 @@ def train(**o) -> None:
             fail(f"--hellaswag: {e}")
     if o.pop("dry_run"):
         return dry_run(o)
-    taken = _options_from_run(o) if (o["resume"] and o["out"]) else []
-    if taken:
-        console.print(f"options from {o['out']}: {' '.join(taken)}")
+    taken = _options_from_run(o) if (o["resume"] and o["out"]) else []  # said once the run has started
     if not o["data"]:
         fail("--data: give a glob of training shards, e.g. --data 'datasets/shakespeare/*train*.bin'")
     if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
@@ -194,6 +192,8 @@ def train(**o) -> None:
         trainer = Trainer(args, backend, say=console.print, decode=decode, eot=eot, comm=comm)
     except (TrainError, DataError, ValueError, OSError) as e:
         fail(one_line(e))
+    if taken:
+        console.print(f"options from {args.out}: {' '.join(taken)}")
     try:
         _train_run(trainer, args, backend, comm, rank_info, load_tokenizer)
     finally:
@@ -375,6 +375,8 @@ def _options_from_run(o: dict) -> list[str]:
     for key, value in values.items():
         if key in ("optim", "resume", "out") or key not in o or value is None:
             continue
+        if key == "log" and Path(value) == Path(o["out"]) / "log.jsonl":
+            continue  # the run directory's own log: what a run with --out uses anyway
         if ctx.get_parameter_source(key) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
             continue
         if key == "zero":
