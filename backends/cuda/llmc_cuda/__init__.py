@@ -11,12 +11,27 @@ from llmc_cli.kernels import BFLOAT16, FLOAT32, BackendPlugin, BackendUnavailabl
 _DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32}
 
 
+def _driver_error() -> str | None:
+    """Why there is no NVIDIA driver here (libcuda cannot be loaded), or None when there is one. Asked first:
+    on a machine without a GPU, a missing CuPy is not the problem worth naming."""
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return str(e).split(":")[-1].strip() or "libcuda.so.1 not found"
+    return None
+
+
 def _check() -> tuple[bool, str]:
-    """(usable, reason): CuPy importable, a CUDA device present, cuBLASLt bindings importable."""
+    """(usable, reason): an NVIDIA driver, CuPy importable, a CUDA device present, cuBLASLt bindings importable."""
+    why = _driver_error()
+    if why is not None:
+        return False, f"no NVIDIA GPU/driver found (libcuda.so.1: {why})"
     try:
         import cupy
     except ImportError as e:
-        return False, f"cupy is not installed (pip install cupy-cuda13x): {e}"
+        return False, (f"cupy is not installed (pip install 'llmc-cuda[gpu]', or cupy-cuda12x for a CUDA 12 driver): "
+                       f"{e}")
     except Exception as e:  # a broken CuPy install
         return False, f"cupy failed to import: {type(e).__name__}: {e}"
     try:
