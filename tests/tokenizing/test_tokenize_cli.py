@@ -27,8 +27,9 @@ EOT = 50256
 @pytest.fixture(scope="module")
 def enc():
     """tiktoken's gpt2 encoding, built here straight from the ranks file (no llmc code involved)."""
+    from llmc_cli.data.home import packages_dir  # where install.sh puts openai-whisper (not site-packages)
     spec = importlib.util.find_spec("whisper")
-    ranks = Path(spec.submodule_search_locations[0]) / "assets" / "gpt2.tiktoken"
+    ranks = (Path(spec.submodule_search_locations[0]) if spec else packages_dir() / "whisper") / "assets" / "gpt2.tiktoken"
     from tiktoken_ext.openai_public import r50k_pat_str
 
     return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(ranks)),
