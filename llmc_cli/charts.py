@@ -77,13 +77,33 @@ def plot_train(res: dict, path: str) -> None:
     _save(fig, path)
 
 
-PANELS = [  # (title, [(record key, label suffix, line style)], log-scale y)
-    ("loss", [("loss", "train", "-"), ("val_loss", "val", "--")], False),
-    ("learning rate", [("lr", "", "-")], False),
-    ("grad norm", [("norm", "", "-")], True),
-    ("tokens/s", [("tok_per_s", "", "-")], False),
-    ("HellaSwag acc_norm", [("hellaswag_acc_norm", "", "-o")], False),
+PANELS = [  # (title, y-axis label, [(record key, label suffix, line style)], log-scale y)
+    ("loss", "cross-entropy (nats/token)", [("loss", "train", "-"), ("val_loss", "val", "--")], False),
+    ("learning rate", "learning rate", [("lr", "", "-")], False),
+    ("grad norm", "global L2 norm (before clipping)", [("norm", "", "-")], True),
+    ("throughput", "tokens / s", [("tok_per_s", "", "-")], False),
+    ("HellaSwag", "acc_norm (fraction)", [("hellaswag_acc_norm", "", "-o")], False),
 ]
+
+
+def default_png(runs: list[str]) -> Path:
+    """Where `llmc plot` writes without --out: into the run (beside its log) for one run, else plot.png here."""
+    if len(runs) == 1:
+        p = Path(runs[0])
+        return (p if p.is_dir() else p.parent) / "plot.png"
+    return Path("plot.png")
+
+
+def run_labels(runs: list[str]) -> list[str]:
+    """Short legend names: each run directory's name (a log file's own name when it is not log.jsonl), the
+    path only where two names would be the same."""
+    def short(r: str) -> str:
+        p = Path(r)
+        if p.is_dir():
+            return p.resolve().name
+        return p.parent.resolve().name if p.name == "log.jsonl" else p.stem
+    names = [short(r) for r in runs]
+    return [n if names.count(n) == 1 else str(r) for n, r in zip(names, runs)]
 
 
 class PlotError(ValueError):
@@ -197,13 +217,13 @@ def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float =
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotError("matplotlib is not installed (pip install 'llmc[plot]' or pip install matplotlib)") from None
-    logs = [(str(r), read_log(r)) for r in runs]
-    panels = [p for p in PANELS if any(k in rec for _, recs in logs for rec in recs for k, _, _ in p[1])]
+    logs = [(label, read_log(r)) for label, r in zip(run_labels([str(r) for r in runs]), runs)]
+    panels = [p for p in PANELS if any(k in rec for _, recs in logs for rec in recs for k, _, _ in p[2])]
     ncol = 2 if len(panels) > 1 else 1
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.6 * nrow), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, keys, logy) in zip(axes.flat, panels):
+    for ax, (title, ylabel, keys, logy) in zip(axes.flat, panels):
         for i, (name, recs) in enumerate(logs):
             tps = tokens_per_step(recs)
             if x == "tokens" and tps is None:
@@ -217,7 +237,8 @@ def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float =
                 label = name + (f" {suffix}" if suffix else "")
                 ax.plot(xs, ys, style, color=colors[i % len(colors)], label=label, lw=1.2, ms=3)
         ax.set_title(title)
-        ax.set_xlabel("tokens" if x == "tokens" else "step")
+        ax.set_xlabel("tokens seen" if x == "tokens" else "optimizer step")
+        ax.set_ylabel(ylabel)
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)

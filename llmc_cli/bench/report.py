@@ -35,8 +35,9 @@ def kernels_table(res: dict):
     table = Table(title=f"llmc bench kernels: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
                         f"Vp={c['padded_vocab_size']}, B={c['B']} T={c['T']}",
                   caption=f"ms: median of {c['repeat']} calls \\[min-max] after {c['warmup']} warm-up; "
-                          "rate: GB/s or TFLOP/s at the median; err: max|got-ref| / max|ref| against the cpu "
-                          "backend on the same inputs", show_lines=True)
+                          "rate: GB/s, or GF/s / TF/s (10^9 / 10^12 FLOP/s) for matmuls and attention, at the "
+                          "median; err: max|got-ref| / max|ref| against the reference backend on the same inputs",
+                  show_lines=True)
     table.add_column("kernel", no_wrap=True)
     for l in labels:
         table.add_column(l, justify="right", no_wrap=True)

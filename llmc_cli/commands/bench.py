@@ -214,7 +214,7 @@ def kernels(**o) -> None:
             status.stop()
     if _report_header(console, res, backends, skipped, o["as_json"]):
         if ref is None:
-            console.print("[yellow]no cpu reference backend: errors are not checked[/]")
+            console.print("[yellow]no reference backend (CAP_REFERENCE, the cpu one) usable: errors are not checked[/]")
         print_wide(console, kernels_table(res))
     if o["plot"]:
         _write_plot(plot_kernels, res, o["plot"])

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import click
 
-from llmc_cli.charts import PlotError, plot_runs
+from llmc_cli.charts import PlotError, default_png, plot_runs
 from llmc_cli.commands.options import Real
 
 
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
-@click.option("--out", default="plot.png", show_default=True, type=click.Path(), help="PNG file to write.")
+@click.option("--out", default=None, type=click.Path(),
+              help="PNG file to write  [default: RUN/plot.png for one run, ./plot.png for several]")
 @click.option("--x", "x", type=click.Choice(["step", "tokens"]), default="step", show_default=True,
               help="Horizontal axis.")
 @click.option("--smooth", type=Real(0, 1, max_open=True), default=0.0, show_default=True,
@@ -29,7 +30,7 @@ def plot(runs, out, x, smooth) -> None:
     """
     from llmc_cli.commands.console import console, fail
     try:
-        path = plot_runs(list(runs), out, x, smooth)
+        path = plot_runs(list(runs), out if out is not None else default_png(list(runs)), x, smooth)
     except PlotError as e:
         fail(str(e))
     console.print(f"wrote {path}")

@@ -142,9 +142,15 @@ def _common(fn):
 
 def _val_opts(default_tokens=None, fraction=True):
     def deco(fn):
-        fn = click.option("--val-tokens", type=TOKENS, default=default_tokens, show_default=True,
-                          help="Tokens in the val split (shard 0)  [default: one shard; corpora of at most "
-                               "two shards' worth split off --val-fraction]")(fn)
+        if default_tokens is not None:  # a corpus with its own convention (tinyshakespeare: llm.c's 32,768)
+            help_ = "Tokens in the val split (shard 0)."
+        elif fraction:
+            help_ = ("Tokens in the val split (shard 0)  [default: one shard; a corpus of at most two shards' "
+                     "worth splits off --val-fraction]")
+        else:
+            help_ = "Tokens in the val split (shard 0)  [default: one shard]"
+        fn = click.option("--val-tokens", type=TOKENS, default=default_tokens, show_default=default_tokens is not None,
+                          help=help_)(fn)
         if fraction:
             fn = click.option("--val-fraction", type=Real(0, 1, min_open=True, max_open=True),
                               default=0.1, show_default=True,

@@ -73,7 +73,7 @@ def hf_check(repo: str):
     try:
         from datasets import load_dataset
     except ImportError:
-        raise DataError(f"streaming {repo} needs Hugging Face datasets: pip install datasets "
+        raise DataError(f"streaming {repo} needs Hugging Face datasets: pip install 'llmc[hf]' "
                         "(or download its parquet files and pass --local PATH)") from None
     _probe(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     return load_dataset

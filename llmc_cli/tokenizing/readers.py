@@ -75,13 +75,15 @@ def _field(obj, text_field: str, where: str) -> str:
 
 
 def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
-    """The documents of one input file: a .txt file is one document; .jsonl one per line; .json a list
-    (of strings or objects); .parquet one per row of the ``text_field`` column."""
+    """The documents of one input file: a .txt file is one document (none when it is empty or blank); .jsonl
+    one per line; .json a list (of strings or objects); .parquet one per row of the ``text_field`` column."""
     kind = _kind(path)
     try:
         if kind == "text":
             with _open_text(path) as f:
-                yield f.read()
+                text = f.read()
+            if text.strip():  # an empty (or blank) file is no document: it would be a lone end-of-text token
+                yield text
         elif kind == "jsonl":
             with _open_text(path) as f:
                 for n, line in enumerate(f, 1):

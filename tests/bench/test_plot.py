@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,3 +77,18 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     r = run("plot", tmp_path / "x.jsonl", "--out", tmp_path / "p.png", ok=False)
     assert r.exit_code == 2 and "matplotlib" in r.output and "\n" not in r.output.strip()
+
+
+def test_default_output_goes_into_the_run_and_legends_are_short(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from llmc_cli.charts import default_png, run_labels
+    a, b = tmp_path / "runs" / "a", tmp_path / "other" / "a"
+    for d in (a, b):
+        d.mkdir(parents=True)
+        write_log(d / "log.jsonl")
+    monkeypatch.chdir(tmp_path)
+    r = run("plot", a)
+    assert (a / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists(), r.output
+    assert default_png([str(a), str(b)]) == Path("plot.png")
+    assert run_labels([str(a), str(tmp_path / "x.jsonl")]) == ["a", "x"]
+    assert run_labels([str(a), str(b / "log.jsonl")]) == [str(a), str(b / "log.jsonl")]  # same name: the paths

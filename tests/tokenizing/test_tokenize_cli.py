@@ -306,7 +306,7 @@ def test_offline_downloads_fail_fast_with_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     r = run(["fineweb", "--out-dir", tmp_path / "fw", "--workers", "1"], ok=False)
     line = r.output.strip()
-    assert r.exit_code == 2 and "\n" not in line and "pip install datasets" in line and "--local" in line, line
+    assert r.exit_code == 2 and "\n" not in line and "pip install 'llmc[hf]'" in line and "--local" in line, line
     # installed but the hub is unreachable -> the same, naming the host, before anything is written
     fake = types.ModuleType("datasets")
     fake.load_dataset = lambda *a, **kw: pytest.fail("load_dataset must not be reached offline")
@@ -429,3 +429,25 @@ def test_disk_full_is_one_line(tmp_path, monkeypatch):
     line = r.output.strip().splitlines()[-1]
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert line.startswith("error: ") and "No space left on device" in line and str(tmp_path / "o") in line, line
+
+
+def test_empty_or_blank_text_is_no_document(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n\n\t\n")
+    r = run(["text", tmp_path / "empty.txt", tmp_path / "blank.txt", "--name", "e", "--out-dir", tmp_path / "o"],
+            ok=False)
+    line = r.output.strip().splitlines()[-1]
+    assert r.exit_code == 2 and "holds no documents" in line and not (tmp_path / "o").exists(), r.output
+
+
+def test_val_tokens_help_states_one_default():
+    from click.testing import CliRunner
+
+    from llmc_cli.commands import main
+    for corpus, want, unwanted in (("tinyshakespeare", "[default: 32768]", "--val-fraction"),
+                                   ("text", "--val-fraction", "[default: None]")):
+        out = " ".join(CliRunner().invoke(main, ["tokenize", corpus, "--help"]).output.split())
+        part = out[out.index("--val-tokens TOKENS"):]
+        ends = [i for i in (part.find(" --val-fraction FLOAT"), part.find(" -h, --help")) if i > 0]
+        part = part[:min(ends)]
+        assert want in part and unwanted not in part and part.count("[default") <= 1, part
