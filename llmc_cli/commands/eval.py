@@ -11,11 +11,33 @@ from llmc_cli.commands.options import COUNT, POSITIVE
 from llmc_cli.commands.sample import load_for_inference
 
 
+def _progress(as_json: bool):
+    """A progress bar on stderr when it is a terminal (and the output is not JSON for a machine)."""
+    from contextlib import nullcontext
+
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    from llmc_cli.commands.console import err_console
+    if as_json or not err_console.is_terminal:
+        class _Quiet:
+            def add_task(self, *a, **k):
+                return 0
+
+            def update(self, *a, **k):
+                pass
+        return nullcontext(_Quiet())
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=True)
+
+
 @click.command(name="eval")
 @click.option("--checkpoint", required=True,
               help="Run directory, step directory, llm.c .bin, or Hugging Face directory.")
-@click.option("--data", default=None, help="Glob of shards to evaluate on, e.g. 'datasets/shakespeare/*val*.bin'.")
-@click.option("--batches", type=COUNT, default=0, show_default=True, help="Batches to average (0 = all, once).")
+@click.option("--data", default=None, help="Shards to evaluate on: a directory (its NAME_val_* shards) or a quoted "
+              "glob, e.g. 'datasets/shakespeare/*val*.bin'.")
+@click.option("--batches", type=COUNT, default=0, show_default=True,
+              help="Batches to average, from the start (0 = all, once; training validates on --val-batches, 20).")
 @click.option("--hellaswag", default=None, type=click.Path(),
               help="llm.c HellaSwag eval file (`llmc tokenize hellaswag`): report acc and acc_norm.")
 @click.option("--hellaswag-limit", type=COUNT, default=0, show_default=True,
@@ -39,7 +61,7 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
       llmc eval --checkpoint checkpoints/gpt2 --hellaswag datasets/hellaswag/hellaswag_val.bin
     """
     from llmc_cli.data.loader import ValLoader
-    from llmc_cli.evals.evaluate import HellaSwag, evaluate_loss
+    from llmc_cli.evals.evaluate import HellaSwag, eval_batches, evaluate_loss
     from llmc_cli.formats.files import DataError
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
@@ -53,18 +75,25 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
     model = load_for_inference(checkpoint, be, batch_size if data else 1, seq_len if data else 1)
     result = {}
     try:
-        if data is not None:
-            loader = ValLoader(data, batch_size, seq_len, vocab_size=model.cfg.vocab_size)
-            result["loss"] = evaluate_loss(model, loader, batches)
-        if hs is not None:
-            result |= hs.evaluate(model).as_dict()
+        with _progress(as_json) as bar:
+            if data is not None:
+                loader = ValLoader(data, batch_size, seq_len, vocab_size=model.cfg.vocab_size)
+                n = eval_batches(loader, batches)
+                task = bar.add_task("loss", total=n)
+                result["loss"] = evaluate_loss(model, loader, batches,
+                                               on_batch=lambda done, total: bar.update(task, completed=done))
+                used = n
+            if hs is not None:
+                task = bar.add_task("hellaswag", total=len(hs.examples))
+                result |= hs.evaluate(model, on_example=lambda done, total: bar.update(task, completed=done)).as_dict()
     except (DataError, ValueError) as e:
         fail(str(e))
     if as_json:
         click.echo(json.dumps(result))
         return
     if "loss" in result:
-        console.print(f"loss {result['loss']:.6f}")
+        console.print(f"loss {result['loss']:.6f} over {used} batches of B={batch_size} T={seq_len} "
+                      f"({used * batch_size * seq_len:,} tokens)")
     if hs is not None:
         console.print(f"hellaswag acc_norm {result['hellaswag_acc_norm']:.4f} acc {result['hellaswag_acc']:.4f} "
                       f"({result['hellaswag_examples']} examples)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import numpy as np
 
 from llmc_cli.data.loader import ValLoader
@@ -21,13 +23,23 @@ from llmc_cli.models.base import Model
 NUM_ENDINGS = 4
 
 
-def evaluate_loss(model: Model, loader: ValLoader, batches: int) -> float:
-    """Mean loss over the first `batches` batches of the loader, in order (0 = all of them, once)."""
+def eval_batches(loader: ValLoader, batches: int) -> int:
+    """How many batches `evaluate_loss(loader, batches)` runs: `batches`, at most the loader's (0 = all)."""
+    return loader.num_batches if batches <= 0 else min(int(batches), loader.num_batches)
+
+
+def evaluate_loss(model: Model, loader: ValLoader, batches: int,
+                  on_batch: Callable[[int, int], None] | None = None) -> float:
+    """Mean loss over the first `batches` batches of the loader, in order (0 = all of them, once);
+    `on_batch(done, total)` after each (progress)."""
     total, n = 0.0, 0
+    todo = eval_batches(loader, batches)
     for x, y in loader.batches(batches):
         model.forward(x, y)
         total += model.mean_loss()
         n += 1
+        if on_batch is not None:
+            on_batch(n, todo)
     return total / max(n, 1)
 
 
@@ -104,10 +116,14 @@ class HellaSwag:
         sums = (losses * mask).sum(axis=1)
         return sums, sums / np.maximum(mask.sum(axis=1), 1)
 
-    def evaluate(self, model: Model) -> HellaSwagResult:
+    def evaluate(self, model: Model, on_example: Callable[[int, int], None] | None = None) -> HellaSwagResult:
         correct = correct_norm = 0
-        for ex in self.examples:
+        for i, ex in enumerate(self.examples, 1):
+            if on_example is not None:
+                on_example(i - 1, len(self.examples))
             sums, means = self.score(model, ex)
             correct += int(np.argmin(sums)) == ex["label"]
             correct_norm += int(np.argmin(means)) == ex["label"]
+        if on_example is not None:
+            on_example(len(self.examples), len(self.examples))
         return HellaSwagResult(len(self.examples), correct, correct_norm)

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from llmc_cli.data.loader import DataLoader, ValLoader
-from llmc_cli.evals.evaluate import evaluate_loss  # noqa: F401  (lives in evaluate.py; still importable from here)
+from llmc_cli.evals.evaluate import eval_batches, evaluate_loss
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
@@ -412,7 +412,9 @@ class Trainer:
                 rec = None
                 if lead and self.val_loader is not None and a.val_every > 0 and (step % a.val_every == 0 or last):
                     rec = {"step": step, "val_loss": self.validate()}
-                    self.say(f"step {step}: val loss {rec['val_loss']:.6f}")
+                    n = eval_batches(self.val_loader, a.val_batches)
+                    self.say(f"step {step}: val loss {rec['val_loss']:.6f} ({n} batches of B={a.batch_size} "
+                             f"T={a.seq_len})")
                 if lead and a.hellaswag and a.hellaswag_every > 0 and (step % a.hellaswag_every == 0 or last):
                     rec = (rec or {"step": step}) | self.hellaswag_eval()
                     self.say(f"step {step}: HellaSwag acc_norm {rec['hellaswag_acc_norm']:.4f} "

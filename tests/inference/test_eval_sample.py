@@ -313,3 +313,15 @@ def test_sample_command_streams_token_by_token(tmp_path, monkeypatch):
         "--max-new-tokens", 10, "--seed", 1)
     gen = events[events.index("token"):events.index("done")]
     assert gen.count("token") == 10 and gen.count("echo") >= 5, events
+
+
+def test_eval_and_validation_say_how_many_batches_they_averaged(tmp_path, shards):
+    from llmc_test_support import TINY
+    from llmc_cli.models.gpt2 import preset
+    cfg = preset("d2", n_embd=64)
+    write_model(tmp_path / "m.bin", cfg, init_parameters(cfg, 0))
+    r = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--data", shards, "-b", 2, "-t", 16,
+            "--batches", 3)
+    assert "over 3 batches of B=2 T=16 (96 tokens)" in r.output, r.output
+    r = run(*TINY, "--data", shards, "--steps", 1, "--val-every", 1, "--val-batches", 2)
+    assert "val loss" in r.output and "(2 batches of B=2 T=32)" in r.output, r.output
