@@ -11,18 +11,14 @@ from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
     """The model of any --checkpoint (GPT-2 or Llama, llmc file, run directory or Hugging Face directory),
     planned for inference at (B, T)."""
-    from llmc_cli.formats import checkpoint as ckpt
-    from llmc_cli.formats.sources import load_model_any
-    from llmc_cli.models.families import family_of
+    from llmc_cli.formats.files import CheckpointError
+    from llmc_cli.inference.loading import load_model
     try:
-        cfg, params, _ = load_model_any(checkpoint)
-    except ckpt.CheckpointError as e:
+        return load_model(checkpoint, backend, B, T)
+    except CheckpointError as e:
         fail(f"--checkpoint: {e}")
-    if T > cfg.block_size:
-        fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
-    model = family_of(cfg).model_class(cfg, backend, B, T, training=False)
-    model.load_parameters(params)
-    return model
+    except ValueError as e:
+        fail(str(e))
 
 
 @click.command()
