@@ -74,8 +74,12 @@ _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the libr
 @click.option("--sample-every", type=COUNT, default=_ARGS.sample_every, show_default=True, help="Sample every N steps (0 = off).")
 @click.option("--sample-tokens", type=COUNT, default=_ARGS.sample_tokens, show_default=True, help="Tokens per sample.")
 @click.option("--checkpoint-every", type=COUNT, default=_ARGS.checkpoint_every, show_default=True,
-              help="Write a checkpoint every N steps (0 = only at the end, when --out is given).")
-@click.option("--keep", type=COUNT, default=_ARGS.keep, show_default=True, help="Keep the newest N checkpoints (0 = all).")
+              help="Write a checkpoint every N steps (0 = by time only), with --out; always one at the end.")
+@click.option("--checkpoint-minutes", type=Real(0), default=_ARGS.checkpoint_minutes, show_default=True,
+              help="Also write one whenever this many minutes have passed since the last (0 = off), so a crash "
+                   "loses at most that much.")
+@click.option("--keep", type=COUNT, default=_ARGS.keep, show_default=True,
+              help="Keep the newest N complete checkpoints (0 = all); the newest is never deleted.")
 @click.option("--skip-loss-z", type=Real(0), default=_ARGS.skip_loss_z, show_default=True,
               help="Skip the update when the loss is this many std devs above the last 128 steps' (0 = off).")
 @click.option("--skip-grad-z", type=Real(0), default=_ARGS.skip_grad_z, show_default=True,

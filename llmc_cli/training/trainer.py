@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -67,8 +68,9 @@ class TrainArgs:
     val_batches: int = 20
     sample_every: int = 20
     sample_tokens: int = 64
-    checkpoint_every: int = 0
-    keep: int = 0
+    checkpoint_every: int = 0             # steps between checkpoints (0 = by time only)
+    checkpoint_minutes: float = 30.0      # also one whenever this long has passed since the last (0 = off)
+    keep: int = 3                         # newest complete checkpoints kept (0 = all); the newest always stays
     skip_loss_z: float = 0.0              # skip the update when the loss z-score exceeds this (0 = off)
     skip_grad_z: float = 0.0              # same for the grad norm (llm.c's -sl / -sg)
     max_bad_steps: int = 5                # stop after this many consecutive non-finite / skipped steps (0 = never)
@@ -107,7 +109,7 @@ def check_args(a: TrainArgs) -> None:
                  "keep", "max_bad_steps", "hellaswag_every"):
         if not getattr(a, name) >= 0:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(a, name)})")
-    for name in ("skip_loss_z", "skip_grad_z"):
+    for name in ("skip_loss_z", "skip_grad_z", "checkpoint_minutes"):
         if not (math.isfinite(getattr(a, name)) and getattr(a, name) >= 0):
             raise TrainError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {getattr(a, name)}; 0 = off)")
     if not (math.isfinite(a.lr_decay_frac) and 0 <= a.lr_decay_frac <= 1):
@@ -395,6 +397,19 @@ class Trainer:
             return ""
         return f"; the last good checkpoint is {Path(self.a.out) / ckpt.step_dir_name(self.saved)}"
 
+    def _checkpoint_due(self, step: int) -> bool:
+        """Every --checkpoint-every steps, and whenever --checkpoint-minutes have passed since the last one (or
+        the start). Rank 0's clock decides for all ranks: a checkpoint is a collective under ZeRO."""
+        a = self.a
+        if a.checkpoint_every > 0 and step % a.checkpoint_every == 0:
+            return True
+        if not a.checkpoint_minutes > 0:
+            return False
+        due = float(time.monotonic() - self._last_checkpoint >= a.checkpoint_minutes * 60)
+        if self.comm.world_size > 1:
+            due = self.comm.all_reduce_value(due if self.comm.rank == 0 else 0.0, MAX)
+        return due > 0
+
     def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         """Trains from `start_step` to `a.steps`. When an error stops it between two updates (a bad shard, a
         full disk), the step before is checkpointed first (`rescued`), so nothing trained is lost."""
@@ -403,6 +418,7 @@ class Trainer:
         lead = self.comm.rank == 0  # only rank 0 logs, validates, samples and writes checkpoints
         records = []
         done, before = self.start_step, None  # steps completed; the data position when a step began
+        self._last_checkpoint = time.monotonic()
         try:
             if a.log and lead:  # (checked in __init__) on resume, drop what the dead run logged past its checkpoint
                 log = open_log(a.log, self.start_step if a.resume else None)
@@ -423,9 +439,9 @@ class Trainer:
                     text = self.sample_text()
                     if text:
                         self.say(f"sample at step {step}:\n{text}\n---")
-                if a.out and step > self.start_step and (last or (a.checkpoint_every > 0 and
-                                                                  step % a.checkpoint_every == 0)):
+                if a.out and step > self.start_step and (last or self._checkpoint_due(step)):
                     self.say(f"checkpoint: {self.save(step)}")
+                    self._last_checkpoint = time.monotonic()
                 if rec is not None:
                     records.append(rec)
                     if log:
