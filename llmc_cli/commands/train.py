@@ -27,7 +27,40 @@ from llmc_cli.training.trainer import TrainArgs
 _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the library, stated once
 
 
+def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--config FILE.toml: its keys (option names, - or _) become this command's defaults, so flags given on the
+    command line still win; a key that is not an option, or a value of the wrong kind, is one line naming it."""
+    if value is None:
+        return None
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(value, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise click.BadParameter(f"{value}: {e.strerror or e}", ctx, param) from None
+    except tomllib.TOMLDecodeError as e:
+        raise click.BadParameter(f"{value}: not valid TOML ({e})", ctx, param) from None
+    names = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
+    defaults = {}
+    for key, v in data.items():
+        name = key.replace("-", "_")
+        if name not in names or name == "config":
+            raise click.BadParameter(f"{value}: {key!r} is not an option of `llmc train` (see --help)", ctx, param)
+        if isinstance(v, (dict, list)) and not names[name].multiple:
+            raise click.BadParameter(f"{value}: {key} must be a single value, not a {type(v).__name__}", ctx, param)
+        defaults[name] = v
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
 @click.command()
+@click.option("--config", type=click.Path(dir_okay=False), default=None, is_eager=True, expose_value=False,
+              callback=_load_config,
+              help="A TOML file of options (keys are option names, e.g. model = \"d12\", batch-size = 64); flags "
+                   "given here override it; the options a run used are written to OUT/config.toml.")
 @click.option("--backend", default="auto", show_default=True, help="Backend name (see `llmc backends`) or auto.")
 @click.option("--device", default=None, help="Backend-specific device selector (default: the backend's best).")
 @click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE", help=BACKEND_OPT_HELP)
@@ -198,6 +231,8 @@ def train(**o) -> None:
         fail(one_line(e))
     if taken:
         console.print(f"options from {args.out}: {' '.join(taken)}")
+    if args.out and rank_info.rank == 0:
+        _write_config(Path(args.out) / "config.toml", click.get_current_context())
     try:
         _train_run(trainer, args, backend, comm, rank_info, load_tokenizer)
     finally:
@@ -390,3 +425,29 @@ def _options_from_run(o: dict) -> list[str]:
             flag = "--" + key.replace("_", "-")
             taken.append(flag if value is True else f"{flag} {value}")
     return taken
+
+
+def _write_config(path: Path, ctx: click.Context) -> None:
+    """The options this run resolved (defaults, --config, flags), as TOML that --config reads back."""
+    import json
+
+    from llmc_cli.formats.files import atomic_write_bytes
+    skip = {"dry_run", "resume", "gpus", "procs", "init_file", "init_addr"}
+    lines = ["# the options of this run, as `llmc train --config` reads them\n"]
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name) if p.name else None
+        if not isinstance(p, click.Option) or p.name in skip or v is None or v == ():
+            continue
+        if isinstance(v, bool):
+            text = "true" if v else "false"
+        elif isinstance(v, (int, float)):
+            text = repr(v)
+        elif isinstance(v, (list, tuple)):
+            text = "[" + ", ".join(json.dumps(str(x)) for x in v) + "]"
+        else:
+            text = json.dumps(str(v))
+        lines.append(f"{p.name.replace('_', '-')} = {text}\n")
+    try:
+        atomic_write_bytes(path, "".join(lines).encode())
+    except OSError as e:
+        fail(one_line(e))

@@ -169,7 +169,7 @@ def test_disk_full_during_a_checkpoint(shards, tmp_path, monkeypatch):
     r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--out", rd, "--resume", ok=False)
     msg = one_line_error(r, mid_run=True)
     assert "cannot write the checkpoint" in msg and "No space left on device" in msg and "step_00000002" in msg
-    assert sorted(p.name for p in rd.iterdir()) == ["latest", "log.jsonl", "step_00000001"]  # no temp dir left
+    assert sorted(p.name for p in rd.iterdir()) == ["config.toml", "latest", "log.jsonl", "step_00000001"]  # no temp dir
     assert tree(rd / "step_00000001") == kept and (rd / "latest").read_text().strip() == "step_00000001"
 
 
