@@ -21,7 +21,8 @@ from llmc_cli.kernels import (
     FLOAT32,
     Backend,
 )
-from llmc_cli.models.gpt2 import GPT2Config, num_parameters
+from llmc_cli.models.families import flops_per_token
+from llmc_cli.models.gpt2 import GPT2Config
 
 # ---------------------------------------------------------------------------------------------------------------
 # end-to-end training
@@ -31,8 +32,8 @@ TRAIN_FAMILIES = ("gpt2",)
 
 
 def flops_per_step(cfg: GPT2Config, B: int, T: int) -> int:
-    """llm.c's estimate: 6 FLOPs per parameter per token plus attention's 6*L*C*T per token (causal)."""
-    return (6 * num_parameters(cfg) + 6 * cfg.n_layer * cfg.n_embd * T) * B * T
+    """llm.c's estimate (models.families.flops_per_token) for a step of B sequences of T tokens."""
+    return flops_per_token(cfg, T) * B * T
 
 
 def _rss_peak_bytes() -> int:

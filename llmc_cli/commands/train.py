@@ -263,16 +263,33 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         console.print(f"data parallel: {comm.world_size} ranks ({rank_info.source}), {comm.name} "
                       f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank")
 
+    import time
+
+    from llmc_cli.models.families import flops_per_token
+    t_start, first = time.monotonic(), trainer.start_step
+    peak = backend.peak_flops()
+    per_token = flops_per_token(cfg, args.seq_len)
+    bar, task = _live_progress(args.steps, first)
+
     def show(r: dict) -> None:
         num = lambda v, f: "nan" if v is None else format(v, f)  # noqa: E731  (non-finite values log as null)
+        elapsed = time.monotonic() - t_start
+        done = r["step"] - first
+        eta = elapsed / done * (args.steps - r["step"]) if done > 0 else 0.0
+        seen = r["step"] * trainer.tokens_per_step
+        mfu = r["tok_per_s"] / comm.world_size * per_token / peak if peak else None  # per device
         console.print(f"step {r['step']:5d}/{args.steps} | loss {num(r['loss'], '.6f')} | norm {num(r['norm'], '.4f')} | "
-                      f"lr {num(r['lr'], '.2e')} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s"
-                      + (" | skipped" if r.get("skipped") else ""))
+                      f"lr {num(r['lr'], '.2e')} | {r['ms']:.1f} ms | {r['tok_per_s']:.0f} tok/s | "
+                      f"{_count(seen)} tokens | {_clock(elapsed)} elapsed, ETA {_clock(eta)}"
+                      + (f" | MFU {mfu:.1%}" if mfu is not None else "") + (" | skipped" if r.get("skipped") else ""))
+        if bar is not None:
+            bar.update(task, completed=done, loss=num(r["loss"], ".4f"), rate=f"{r['tok_per_s']:,.0f}",
+                       seen=_count(seen), mfu=f" MFU {mfu:.1%}" if mfu is not None else "")
     from llmc_cli.training.signals import StopSignals, TrainAborted
     from llmc_cli.training.trainer import TrainDiverged
     how = resume_command(click.get_current_context())
     try:
-        with StopSignals() as stop:
+        with StopSignals() as stop, (bar if bar is not None else _nothing()):
             trainer.stop_requested = lambda: stop.requested
             trainer.run(on_step=_fault_hook(comm, show))
     except TrainAborted as e:
@@ -451,3 +468,34 @@ def _write_config(path: Path, ctx: click.Context) -> None:
         atomic_write_bytes(path, "".join(lines).encode())
     except OSError as e:
         fail(one_line(e))
+
+
+def _count(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _nothing():
+    from contextlib import nullcontext
+    return nullcontext()
+
+
+def _live_progress(steps: int, first: int):
+    """(a rich progress display on a terminal, its task) or (None, None) when the output is a file or a pipe:
+    the step lines alone then say everything (elapsed, ETA, tokens seen, MFU)."""
+    if not console.is_terminal or console.quiet or steps <= first:
+        return None, None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]} | {task.fields[rate]} tok/s | {task.fields[seen]} tokens"
+                              "{task.fields[mfu]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                   console=console, transient=True)
+    task = bar.add_task("train", total=steps - first, loss="-", rate="-", seen="-", mfu="")
+    return bar, task

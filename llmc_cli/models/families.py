@@ -79,3 +79,8 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
             n * 4 * (3 if dtype == BFLOAT16 else 2)
     plan["activations"] = fam.activation_bytes(cfg, B, T, training, act_bytes, recompute)
     return plan
+
+
+def flops_per_token(cfg, T: int) -> int:
+    """llm.c's estimate of a training step's FLOPs per token: 6 per parameter plus attention's 6*L*C*T (causal)."""
+    return 6 * family_of(cfg).num_parameters(cfg) + 6 * cfg.n_layer * cfg.n_embd * T

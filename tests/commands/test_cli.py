@@ -212,3 +212,14 @@ def test_cuda_without_a_driver_says_so_in_one_hint(monkeypatch):
     r = run("train", "--backend", "cuda", "--data", "x.bin", ok=False)
     line = r.output.strip().splitlines()[-1]
     assert r.exit_code == 2 and "no NVIDIA GPU/driver found" in line and "pip install" not in line, r.output
+
+
+def test_step_lines_say_elapsed_eta_and_tokens_seen(tmp_path):
+    """Not a terminal: plain step lines, each with tokens seen, elapsed time and the ETA (MFU where the device's
+    peak is known: not for the cpu backend)."""
+    from llmc_test_support import phrase_tokens
+    write_shard(tmp_path / "t_train_000001.bin", phrase_tokens(60))
+    r = run(*TINY, "--data", tmp_path, "--steps", 2)
+    steps = [l for l in r.output.splitlines() if l.startswith("step ")]
+    assert len(steps) == 2 and all(" tokens | " in l and " elapsed, ETA " in l for l in steps), r.output
+    assert "| 64 tokens |" in steps[0] and "| 128 tokens |" in steps[1] and "MFU" not in r.output, r.output
