@@ -14,7 +14,8 @@ from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
 from llmc_cli.models.families import FAMILIES, family_of
 
 _HF_FILES = re.compile(r"config\.json|generation_config\.json|model\.safetensors|model\.safetensors\.index\.json|"
-                       r"model-\d{5}-of-\d{5}\.safetensors|tokenizer\.model")
+                       r"model-\d{5}-of-\d{5}\.safetensors|tokenizer\.model|vocab\.json|merges\.txt|"
+                       r"tokenizer_config\.json|special_tokens_map\.json|tokenizer\.json")
 
 
 def _is_llmc_output(path: Path) -> bool:

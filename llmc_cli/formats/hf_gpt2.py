@@ -68,7 +68,22 @@ def export_hf(out_dir: str | Path, cfg: GPT2Config, params: np.ndarray, bf16: bo
     write_hf_weights(out, to_hf_tensors(cfg, params), bf16)
     conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32"), indent=2) + "\n"
     atomic_write_bytes(out / "config.json", [conf.encode()])
+    _write_tokenizer(out, cfg)
     return out
+
+
+def _write_tokenizer(out: Path, cfg: GPT2Config) -> None:
+    """GPT-2's tokenizer beside the weights (vocab.json, merges.txt, ...), so transformers' AutoTokenizer and
+    pipeline work offline on the directory; a model with another vocabulary gets none (it has no GPT-2 ids)."""
+    from llmc_cli.data.tokenizer import GPT2_EOT, TokenizerError, gpt2_ranks
+    from llmc_cli.formats.hf_tokenizer import write_gpt2_tokenizer
+    if cfg.vocab_size != 50257:
+        return
+    try:
+        ranks = gpt2_ranks()
+    except TokenizerError as e:
+        raise CheckpointError(f"{out}: cannot write GPT-2's tokenizer files ({e})") from None
+    write_gpt2_tokenizer(out, ranks, GPT2_EOT, len(ranks), cfg.block_size)
 
 
 
