@@ -123,6 +123,9 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file  [default: OUT/log.jsonl with --out]")
 @click.option("--hellaswag", default=None, type=click.Path(), help="llm.c HellaSwag eval file to score during training.")
+@click.option("--tensorboard", default=None, type=click.Path(file_okay=False),
+              help="Also write TensorBoard event files (train/val/eval scalars) into this directory (view them with "
+                   "`tensorboard --logdir DIR`: pip install tensorboard).")
 @click.option("--hellaswag-every", type=COUNT, default=_ARGS.hellaswag_every, show_default=True,
               help="Score --hellaswag every N steps and at the end (0 = off); acc_norm goes to the log.")
 @click.option("--gpus", type=COUNT, default=0, help="Data parallel on N GPUs of this machine: starts N processes "

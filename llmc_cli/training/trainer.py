@@ -16,6 +16,7 @@ from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.formats.shards import has_split
+from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.inference.sampling import generate
 from llmc_cli.kernels import AVG, BFLOAT16, MAX, Backend, update_applies
 from llmc_cli.models.families import family_for, family_of
@@ -80,6 +81,7 @@ class TrainArgs:
     log: str | None = None
     hellaswag: str | None = None          # llm.c HellaSwag eval file, scored every hellaswag_every steps
     hellaswag_every: int = 0
+    tensorboard: str | None = None        # also write TensorBoard event files (train/val/eval scalars) into this dir
     zero: int = 0                         # data parallel: 1 = ZeRO-1 (optimizer state sharded over the ranks)
 
 
@@ -417,11 +419,14 @@ class Trainer:
         log = None
         lead = self.comm.rank == 0  # only rank 0 logs, validates, samples and writes checkpoints
         records = []
+        tb = None
         done, before = self.start_step, None  # steps completed; the data position when a step began
         self._last_checkpoint = time.monotonic()
         try:
             if a.log and lead:  # (checked in __init__) on resume, drop what the dead run logged past its checkpoint
                 log = open_log(a.log, self.start_step if a.resume else None)
+            if a.tensorboard and lead:  # a new event file per run (or resumed run), as TensorBoard expects
+                tb = EventWriter(a.tensorboard)
             for step in range(self.start_step, a.steps + 1):
                 done = step
                 last = step == a.steps
@@ -446,6 +451,8 @@ class Trainer:
                     records.append(rec)
                     if log:
                         log.write(record_line(rec))
+                    if tb:
+                        tb.write_record(rec)
                 if last:
                     break
                 before = self.train_loader.state()  # the data position a checkpoint of `step` records
@@ -455,6 +462,8 @@ class Trainer:
                 if log:
                     log.write(record_line(rec))
                     log.flush()
+                if tb:
+                    tb.write_record(rec)
                 if on_step:
                     on_step(rec)
                 if rec.get("skipped"):
@@ -488,11 +497,12 @@ class Trainer:
                 self._rescue(done, before)
             raise
         finally:
-            if log:
-                try:
-                    log.close()
-                except OSError:  # a full disk: the error that stopped the run is the one to report
-                    pass
+            for f in (log, tb):
+                if f:
+                    try:
+                        f.close()
+                    except OSError:  # a full disk: the error that stopped the run is the one to report
+                        pass
         return records
 
     def _rescue(self, done: int, before: dict | None) -> None:
