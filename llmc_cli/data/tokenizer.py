@@ -221,6 +221,11 @@ def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -
     return ranks
 
 
+def llama3_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Llama 3's BPE ranks from Meta's tiktoken-format tokenizer.model (token bytes -> rank = id)."""
+    return _load_ranks(path, "Llama 3")
+
+
 def gpt2_ranks(path: str | os.PathLike | None = None) -> dict[bytes, int]:
     """GPT-2's BPE ranks (token bytes -> rank = id), checked against their known sha256."""
     return _load_ranks(Path(path) if path else gpt2_ranks_path(), "GPT-2", GPT2_RANKS_SHA256)

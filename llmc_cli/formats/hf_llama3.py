@@ -133,7 +133,26 @@ def export_hf(out_dir: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: 
         atomic_write_bytes(out / TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
     conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32", tokenizer), indent=2) + "\n"
     atomic_write_bytes(out / "config.json", [conf.encode()])
+    _write_tokenizer(out, cfg, tokenizer, out / TOKENIZER_FILE)
     return out
+
+
+def _write_tokenizer(out: Path, cfg: Llama3Config, tokenizer: str, ranks_file: Path) -> None:
+    """The files transformers' tokenizers read, beside the weights: Llama 3's as tokenizer.json (from its
+    tokenizer.model, when it is there), GPT-2's as vocab.json / merges.txt for a Llama llmc trained on GPT-2
+    shards. Nothing when the tokenizer is not at hand (the directory still loads as a model)."""
+    from llmc_cli.data.tokenizer import GPT2_EOT, LLAMA3_PAT_STR, LLAMA3_SPECIALS, TokenizerError, gpt2_ranks, llama3_ranks
+    from llmc_cli.formats.hf_tokenizer import write_gpt2_tokenizer, write_tiktoken_tokenizer
+    try:
+        if tokenizer == "gpt2" and cfg.vocab_size == 50257:
+            write_gpt2_tokenizer(out, gpt2_ranks(), GPT2_EOT, 50256, cfg.block_size)
+        elif tokenizer == "llama3" and ranks_file.is_file():
+            ranks = llama3_ranks(ranks_file)
+            specials = {t: len(ranks) + i for i, t in enumerate(LLAMA3_SPECIALS)}
+            write_tiktoken_tokenizer(out, ranks, LLAMA3_PAT_STR, specials, "<|begin_of_text|>", "<|end_of_text|>",
+                                     cfg.block_size)
+    except TokenizerError as e:
+        raise CheckpointError(f"{out}: cannot write the tokenizer files ({e})") from None
 
 
 def import_hf(path: str | Path) -> tuple[Llama3Config, np.ndarray]:

@@ -75,3 +75,41 @@ def write_gpt2_tokenizer(out: Path, ranks: dict[bytes, int], eot: str, eot_id: i
     }
     for name, text in files.items():
         atomic_write_bytes(out / name, [text.encode()])
+
+
+def write_tiktoken_tokenizer(out: Path, ranks: dict[bytes, int], pat_str: str, specials: dict[str, int],
+                             bos: str, eos: str, max_length: int) -> None:
+    """A tiktoken-style byte-level BPE (Llama 3's: its split pattern, its special tokens) as the `tokenizer.json`
+    transformers' fast tokenizer reads, with tokenizer_config.json, special_tokens_map.json and
+    generation_config.json. `ignore_merges` keeps tiktoken's rule that a piece found whole in the vocabulary is
+    one token."""
+    vocab, merges = vocab_and_merges(ranks)
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for t, i in sorted(specials.items(), key=lambda kv: kv[1])]
+    bos_id, eos_id = specials[bos], specials[eos]
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pat_str}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                                    {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": vocab, "merges": merges},
+    }
+    files = {
+        "tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),
+        "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+                                             "eos_token": eos, "model_max_length": max_length,
+                                             "clean_up_tokenization_spaces": False}, indent=2),
+        "special_tokens_map.json": json.dumps({"bos_token": bos, "eos_token": eos}, indent=2),
+        "generation_config.json": json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id,
+                                              "pad_token_id": eos_id}, indent=2),
+    }
+    for name, text in files.items():
+        atomic_write_bytes(out / name, [text.encode()])

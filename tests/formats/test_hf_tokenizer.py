@@ -40,3 +40,27 @@ def test_exported_gpt2_works_in_transformers_offline(tmp_path, monkeypatch):
     r = run("sample", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--prompt", "ROMEO:",
             "--max-new-tokens", 8, "--temperature", 0)
     assert r.stdout.strip() == out.strip(), (r.stdout, out)  # greedy: the same continuation
+
+
+def test_exported_llama_tokenizer_json_encodes_like_llmc(tmp_path, monkeypatch):
+    """A Llama 3 exported with its tokenizer.model gets tokenizer.json: transformers' fast tokenizer (offline)
+    encodes as llmc's tiktoken does, with <|begin_of_text|> in front when asked for special tokens. A toy
+    tokenizer stands in for Meta's: GPT-2's first 3,000 ranks in tiktoken's file format, under Llama 3's pattern."""
+    import base64
+
+    from llmc_cli.data.tokenizer import gpt2_ranks, load_tokenizer
+    from llmc_cli.formats.hf_llama3 import export_hf
+    from llmc_cli.models.llama3 import init_parameters, preset
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ranks = {t: r for t, r in gpt2_ranks().items() if r < 3000}
+    toy = tmp_path / "tokenizer.model"
+    toy.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])))
+    ours = load_tokenizer("llama3", toy)
+    cfg = preset("llama3-tiny", vocab_size=ours.vocab_size)
+    export_hf(tmp_path / "hf", cfg, init_parameters(cfg, 0), tokenizer="llama3", tokenizer_file=toy)
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and (tmp_path / "hf" / "tokenizer.model").is_file()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in ("ROMEO: Wherefore art thou?", "naïve café — 日本語 😀 123456", "  spaces\n\n\tand don't WE'LL"):
+        assert hf_tok.encode(text, add_special_tokens=False) == ours.encode(text), text
+        assert hf_tok.encode(text) == ours.doc_prefix + ours.encode(text)
+        assert hf_tok.decode(ours.encode(text)) == text
