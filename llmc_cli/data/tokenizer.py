@@ -196,6 +196,8 @@ def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -
         raise TokenizerError(f"{what} ranks file {p} not found") from None
     except OSError as e:
         raise TokenizerError(f"{p}: cannot read the {what} ranks file ({e.strerror or e})") from None
+    if p.suffix == ".json":  # a Hugging Face tokenizer.json: the byte-level BPE vocabulary, ids as ranks
+        return _ranks_from_tokenizer_json(p, raw, what)
     if sha256 is not None and (found := hashlib.sha256(raw).hexdigest()) != sha256:
         raise TokenizerError(f"{p}: not the {what} ranks file (sha256 {found}, expected {sha256}); reinstall it "
                              "(pip install --no-deps --force-reinstall openai-whisper)")
@@ -218,6 +220,26 @@ def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -
         raise TokenizerError(f"{p}: the ranks are not 0..{len(ranks) - 1} each once (not a tiktoken ranks file)")
     if any(bytes([b]) not in ranks for b in range(256)):
         raise TokenizerError(f"{p}: {len(ranks)} ranks without all 256 single bytes (not a byte-level BPE ranks file)")
+    return ranks
+
+
+def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, int]:
+    """The ranks a byte-level BPE tokenizer.json holds (Hugging Face's Llama 3 directories): its model's vocabulary,
+    each token's printable characters mapped back to bytes, the id as the rank (tiktoken's convention); the added
+    special tokens are not ranks."""
+    import json
+
+    from llmc_cli.formats.hf_tokenizer import bytes_to_unicode
+    try:
+        model = json.loads(raw)["model"]
+        if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+            raise ValueError("not a BPE model")
+        decode = {c: b for b, c in bytes_to_unicode().items()}
+        ranks = {bytes(decode[c] for c in tok): int(i) for tok, i in model["vocab"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TokenizerError(f"{p}: not a byte-level BPE tokenizer.json ({type(e).__name__}: {e})") from None
+    if sorted(ranks.values()) != list(range(len(ranks))) or any(bytes([b]) not in ranks for b in range(256)):
+        raise TokenizerError(f"{p}: the {what} vocabulary is not byte-level BPE ranks 0..{len(ranks) - 1}")
     return ranks
 
 

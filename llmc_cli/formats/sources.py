@@ -56,8 +56,8 @@ def _hf_readers(path: Path):
 def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
     """(tokenizer name, its ranks file or None) that a model source was trained with: GPT-2's for llm.c files
     and GPT-2 directories; for Llama, what its run recorded (a from-scratch run on GPT-2 shards says "gpt2"),
-    or a Hugging Face directory's tokenizer.model (Meta's tiktoken format). A Llama 3 tokenizer whose file is
-    not there is an error naming the file expected."""
+    or a Hugging Face directory's tokenizer.model (Meta's tiktoken format) or tokenizer.json. A Llama 3 tokenizer
+    whose file is not there is an error naming the files expected."""
     path = Path(path)
     if is_hf_dir(path):
         if hf_model_type(path) == "gpt2" or read_config_json(path).get(LLMC_TOKENIZER_KEY) == "gpt2":
@@ -69,11 +69,12 @@ def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
         if name != "llama3":
             return name, None
         where = [model_file.parent, model_file.parent.parent]  # the step directory, then its run directory
-    for d in where:
-        if (d / ckpt.TOKENIZER_FILE).is_file():
-            return "llama3", d / ckpt.TOKENIZER_FILE
+    for d in where:  # Meta's tokenizer.model first, else Hugging Face's tokenizer.json (the same ranks)
+        for name in (ckpt.TOKENIZER_FILE, "tokenizer.json"):
+            if (d / name).is_file():
+                return "llama3", d / name
     raise ckpt.CheckpointError(f"{path}: a Llama 3 model needs its tokenizer, {ckpt.TOKENIZER_FILE} (Meta's "
-                               f"tiktoken-format ranks; tokenizer.json is not read), expected in "
+                               f"tiktoken-format ranks) or tokenizer.json (Hugging Face's), expected in "
                                f"{' or '.join(str(d) for d in where)}")
 
 

@@ -64,3 +64,28 @@ def test_exported_llama_tokenizer_json_encodes_like_llmc(tmp_path, monkeypatch):
         assert hf_tok.encode(text, add_special_tokens=False) == ours.encode(text), text
         assert hf_tok.encode(text) == ours.doc_prefix + ours.encode(text)
         assert hf_tok.decode(ours.encode(text)) == text
+
+
+def test_llama_tokenizer_json_is_read_back(tmp_path):
+    """A Hugging Face Llama directory with tokenizer.json and no tokenizer.model (as the hub ships them): llmc reads
+    its ranks from tokenizer.json and tokenizes as with Meta's file."""
+    import base64
+
+    from llmc_cli.data.tokenizer import gpt2_ranks, load_tokenizer
+    from llmc_cli.formats.hf_llama3 import export_hf
+    from llmc_cli.formats.sources import tokenizer_for
+    from llmc_cli.models.llama3 import init_parameters, preset
+    ranks = {t: r for t, r in gpt2_ranks().items() if r < 1000}
+    toy = tmp_path / "toy.model"
+    toy.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    ours = load_tokenizer("llama3", toy)
+    cfg = preset("llama3-tiny", vocab_size=ours.vocab_size)
+    export_hf(tmp_path / "hf", cfg, init_parameters(cfg, 0), tokenizer="llama3", tokenizer_file=toy)
+    (tmp_path / "hf" / "tokenizer.model").unlink()
+    name, path = tokenizer_for(tmp_path / "hf")
+    assert (name, path.name) == ("llama3", "tokenizer.json")
+    back = load_tokenizer(name, path)
+    text = "ROMEO: naïve café — 日本語 😀 don't 12345\n\n"
+    assert back.encode(text) == ours.encode(text) and back.vocab_size == ours.vocab_size
+    r = run("sample", "--backend", "cpu", "--checkpoint", tmp_path / "hf", "--prompt", "ROMEO:", "--max-new-tokens", 3)
+    assert r.exit_code == 0 and r.stdout.startswith("ROMEO:"), r.output
