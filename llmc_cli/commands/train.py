@@ -51,6 +51,13 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
             raise click.BadParameter(f"{value}: {key!r} is not an option of `llmc train` (see --help)", ctx, param)
         if isinstance(v, (dict, list)) and not names[name].multiple:
             raise click.BadParameter(f"{value}: {key} must be a single value, not a {type(v).__name__}", ctx, param)
+        opt = names[name]
+        if not opt.is_flag and not opt.multiple:  # checked here, so the error names the file as well as the key
+            try:
+                opt.type.convert(v, opt, ctx)
+            except click.BadParameter as e:
+                raise click.BadParameter(f"{value}: {key} {e.message}" if e.message.startswith("must")
+                                         else f"{value}: {key}: {e.message}", ctx, param) from None
         defaults[name] = v
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value

@@ -20,7 +20,8 @@ def test_config_file_flags_override_and_the_run_records_its_options(shards, tmp_
 
 def test_bad_config_is_one_line(tmp_path):
     for text, expect in (("bogus = 1\n", "'bogus' is not an option"), ("lr = [\n", "not valid TOML"),
-                         ("lr = -1.0\n", "--lr"), ("model = [1, 2]\n", "must be a single value")):
+                         ("lr = -1.0\n", "c.toml: lr must be"), ('lr = "nan"\n', "c.toml: lr must be a finite number"),
+                         ("model = [1, 2]\n", "must be a single value")):
         f = tmp_path / "c.toml"
         f.write_text(text)
         r = run("train", "--config", f, "--data", tmp_path / "x.bin", ok=False)
