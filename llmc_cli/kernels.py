@@ -249,10 +249,13 @@ class Backend(abc.ABC):
     def attention_decode(self, out: Buffer, qkv: Buffer, k_cache: Buffer, v_cache: Buffer, pos: int,
                          n_head: int, n_kv_head: int) -> None:
         """Optional (CAP_KV_CACHE): attention for Tn new tokens at positions pos..pos+Tn-1 over a key/value cache.
-        qkv (B,Tn,(NH+2*NKV)*hd) as in attention_forward; k_cache, v_cache (B,NKV,maxT,hd) act. First the new
-        tokens' k and v are written into the caches at [:, :, pos:pos+Tn], then query i attends to cache
-        positions 0..pos+i (causal, scale 1/sqrt(hd), head h uses kv head h // (NH/NKV)); out (B,Tn,NH*hd)
-        overwritten. Positions >= pos+Tn in the caches are neither read nor written. No lse is kept (inference)."""
+        qkv (B,Tn,(NH+2*NKV)*hd) as in attention_forward; k_cache, v_cache (B,NKV,S,hd) act are rings of S slots:
+        position p lives in slot p % S, so a cache slides over a sequence longer than S without moving anything.
+        First the new tokens' k and v are written to their slots, then query i (position pos+i) attends to the
+        positions max(0, pos+i-S+1) .. pos+i (causal, scale 1/sqrt(hd), head h uses kv head h // (NH/NKV)); out
+        (B,Tn,NH*hd) overwritten. Other slots are neither read nor written; no lse is kept (inference). A chunk that
+        wraps around the ring would overwrite slots its own earlier queries still read, so Tn > 1 needs
+        pos + Tn <= S (check_decode_chunk)."""
         raise NotImplementedError(f"backend '{self.name}' has no attention_decode (capability {CAP_KV_CACHE!r})")
 
     # ---- fused classifier: softmax + cross-entropy + dlogits -----------------------------------------------
@@ -323,6 +326,15 @@ def guard_values(loss: float, norm_squared: float, grad_clip: float, max_loss: f
         scale = clip_scale(norm, grad_clip)
     ok = update_applies(loss, norm, max_loss, max_norm)
     return np.array([np.float32(loss), np.float32(norm), scale, 1.0 if ok else 0.0], np.float32)
+
+
+def check_decode_chunk(pos: int, Tn: int, slots: int) -> None:
+    """attention_decode's precondition (see there): raises ValueError naming what is wrong."""
+    if pos < 0 or Tn < 1 or Tn > slots:
+        raise ValueError(f"attention_decode: {Tn} new tokens at position {pos} do not fit a cache of {slots} slots")
+    if Tn > 1 and pos + Tn > slots:
+        raise ValueError(f"attention_decode: a chunk of {Tn} tokens at position {pos} wraps around a cache of {slots} "
+                         "slots; feed tokens past the end of the ring one at a time")
 
 
 def clip_scale(norm: float, grad_clip: float) -> float:

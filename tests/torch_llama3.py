@@ -27,7 +27,10 @@ def apply_rotary(x, freqs_cis):
     return out.flatten(3)
 
 
-def forward(flat: torch.Tensor, cfg: Llama3Config, idx: torch.Tensor, targets: torch.Tensor | None = None):
+def forward(flat: torch.Tensor, cfg: Llama3Config, idx: torch.Tensor, targets: torch.Tensor | None = None,
+            window: int | None = None):
+    """Logits (and the mean loss with targets); `window` limits each query to the last `window` positions (sliding
+    window attention: what decoding over a sliding key/value cache of that many slots computes)."""
     p = split_params(flat, cfg)
     B, T = idx.shape
     NH, NKV, hd, H = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim
@@ -48,6 +51,8 @@ def forward(flat: torch.Tensor, cfg: Llama3Config, idx: torch.Tensor, targets: t
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        if window is not None:
+            mask |= torch.tril(torch.ones(T, T, dtype=torch.bool), diagonal=-window)
         att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, NH * hd)
         x = x + y @ p["wo"][l].T

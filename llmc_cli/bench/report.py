@@ -80,3 +80,25 @@ def train_table(res: dict):
                       _mib(r.get("allocated_bytes")), _mib(r.get("device_used_bytes")),
                       _mib(r.get("host_rss_peak_bytes")))
     return table
+
+
+def decode_table(res: dict):
+    """Backends as rows: prefill, tokens/s inside the window and past it, and their ratio."""
+    from rich.table import Table
+    c = res["config"]
+    table = Table(title=f"llmc bench decode: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} V={c['vocab_size']}, "
+                        f"B={c['B']}, window {c['window']}, prompt {c['prompt_len']}",
+                  caption="tok/s: new tokens per second over all B sequences, greedy, host round trip included; "
+                          "past: the next tokens after the window is full (cache slides, or refills from its "
+                          "newest half for learned absolute positions)")
+    for col in ("backend", "dtype", "prefill ms", "in window tok/s", "past window tok/s", "past / in", "refills"):
+        table.add_column(col, justify="left" if col in ("backend", "dtype") else "right")
+    for r in res["results"]:
+        if "skipped" in r:
+            table.add_row(r["backend"], "-", "-", "-", "-", "-", f"[dim]{r['skipped']}[/]")
+            continue
+        ratio = r["past_over_window"]
+        table.add_row(r["backend"], r["dtype"], f"{r['prefill_s'] * 1e3:.1f}",
+                      "-" if r["window_tok_s"] is None else f"{r['window_tok_s']:.1f}", f"{r['past_tok_s']:.1f}",
+                      "-" if ratio is None else f"{ratio:.2f}", str(r["refills"]))
+    return table

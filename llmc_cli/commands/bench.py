@@ -62,7 +62,10 @@ def _write_plot(draw, res: dict, path: str) -> None:
     err_console.print(f"plot: {path}")
 
 
-def _model_options(f):
+def _model_options(f=None, *, batch: int = 4, seq: int = 64, seq_help: str = "Sequence length (tokens)."):
+    """The model, backend and output options every bench command takes (`batch`, `seq`: -b and -t defaults)."""
+    if f is None:
+        return lambda g: _model_options(g, batch=batch, seq=seq, seq_help=seq_help)
     opts = [
         click.option("--backend", "backend_names", multiple=True,
                      help="Backend to benchmark (repeatable; default: every usable one, see `llmc backends`)."),
@@ -80,8 +83,9 @@ def _model_options(f):
                      "or the Llama preset's]."),
         click.option("--block-size", type=POSITIVE, default=None, help="Max sequence length (tokens) [default: 1024 for "
                      "GPT-2, or the Llama preset's]."),
-        click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True, help="Batch size (sequences)."),
-        click.option("-t", "--seq-len", type=POSITIVE, default=64, show_default=True, help="Sequence length (tokens)."),
+        click.option("-b", "--batch-size", type=POSITIVE, default=batch, show_default=True,
+                     help="Batch size (sequences)."),
+        click.option("-t", "--seq-len", type=POSITIVE, default=seq, show_default=True, help=seq_help),
         click.option("--seed", type=SEED, default=1337, show_default=True, help="Seed for inputs, weights, data."),
         click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout (no table)."),
         click.option("--plot", default=None, type=click.Path(dir_okay=False),
@@ -167,12 +171,13 @@ def _emit_json(obj: dict) -> None:
 
 @click.group(name="bench")
 def bench() -> None:
-    """Benchmark backends against each other: every kernel, or whole training steps.
+    """Benchmark backends against each other: every kernel, whole training steps, or decoding.
 
     \b
     Example:
       llmc bench kernels --model d2 -b 2 -t 32
       llmc bench train --model d6 -b 4 -t 64 --steps 10 --compare torch
+      llmc bench decode --model d12 -t 1024
     """
 
 
@@ -272,3 +277,43 @@ def train(**o) -> None:
             console.print(f"[yellow]{n}[/]")
     if o["plot"]:
         _write_plot(plot_train, res, o["plot"])
+
+
+@bench.command()
+@_model_options(batch=1, seq=1024, seq_help="The window: key/value cache positions per sequence (tokens).")
+@click.option("--prompt-len", type=POSITIVE, default=16, show_default=True, help="Prompt tokens (one prefill).")
+@click.option("--tokens", type=POSITIVE, default=None,
+              help="New tokens timed inside the window and again past it [default: fill the window, then as many "
+                   "as it holds].")
+@click.option("--warmup", type=COUNT, default=3, show_default=True, help="Untimed tokens first.")
+def decode(**o) -> None:
+    """Time decoding over a key/value cache: tokens/s inside the window and past it, on each backend.
+
+    The model (the preset's shape, seeded random weights) decodes greedily from a random prompt, one token at a time,
+    with its host round trip (logits download, argmax) as `llmc sample` pays it. Past the window a rotary model's
+    cache slides; GPT-2's (learned absolute positions) refills from its newest half every window/2 tokens.
+
+    \b
+    Example:
+      llmc bench decode --model d12 -t 1024
+      llmc bench decode --backend cuda --dtype bf16 --model llama3.2-1b -t 2048 --tokens 256 --json
+    """
+    from llmc_cli.bench.decode import run_decode
+    from llmc_cli.bench.report import decode_table
+    from llmc_cli.commands.console import console, fail
+    cfg, B, S, backends, skipped = _setup(o | {"kernels_only": True})
+    status = _progress(o["as_json"])
+    try:
+        if status:
+            status.start()
+        res = run_decode(backends, cfg, B, S, prompt_len=o["prompt_len"], tokens=o["tokens"], warmup=o["warmup"],
+                         seed=o["seed"], progress=(lambda s: status.update(f"bench: {s}")) if status else None)
+    except ValueError as e:
+        fail(str(e))
+    finally:
+        if status:
+            status.stop()
+    if _report_header(console, res, backends, skipped, o["as_json"]):
+        print_wide(console, decode_table(res))
+    if o["plot"]:
+        fail("--plot: `llmc bench decode` draws no plot; use --json")

@@ -90,17 +90,17 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         if prompt:
             click.echo(prompt, nl=False)
         out: list[int] = []
-        shown = ""
+        shown = 0  # out[:shown] is printed; decoding only the rest keeps a long sample linear in its length
         t0 = time.perf_counter()
         for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
                           kv_cache=kv, vocab_limit=tok.vocab_size):
             out.append(t)
-            text = tok.decode(out)
+            text = tok.decode(out[shown:])
             if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing
-                click.echo(text[len(shown):], nl=False)
-                shown = text
+                click.echo(text, nl=False)
+                shown = len(out)
         seconds += time.perf_counter() - t0
         total += len(out)
-        click.echo(tok.decode(out)[len(shown):])
+        click.echo(tok.decode(out[shown:]))
     err_console.print(f"{total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tok/s "
                       f"({'KV cache' if kv else 'full recomputation'}, {be.name})")

@@ -3,10 +3,17 @@ model offers the decode methods (GPT-2, Llama 3).
 
 A decoder shares a model's parameters and runs the model's own layer loop (`_layers`, the one its forward runs),
 but only for the new tokens and on scratch buffers planned once for (B, chunk): their q, k, v come from the usual
-matmul, `attention_decode` appends k and v to per-layer caches (one per key/value head: grouped-query attention
-caches NKV heads, not NH) and attends over everything cached so far. Positions enter at the current offset through
-a view (GPT-2's `wpe` rows, Llama's rotary table). A prompt goes in as chunks of up to `chunk` tokens, each
-following token as a chunk of one.
+matmul, `attention_decode` writes k and v into per-layer caches (one per key/value head: grouped-query attention
+caches NKV heads, not NH) and attends over what is cached. A prompt goes in as chunks of up to `chunk` tokens,
+each following token as a chunk of one.
+
+The caches are rings of S slots (position p in slot p % S), and what happens once a sequence outgrows them
+depends on how the model encodes positions (`model.decode_slides()`):
+* relative positions (Llama's rotary embeddings): the window slides. Each new token overwrites the oldest slot
+  and attends to the last S positions; nothing is recomputed, so a token costs the same past the window as in it.
+* learned absolute positions (GPT-2's wpe has rows 0..block_size-1 only): keys computed at positions S.. cannot
+  exist, so when the cache is full its newest S/2 tokens are fed again from position 0 (one chunked prefill per
+  S/2 new tokens) and decoding goes on: the context holds between S/2 and S tokens.
 """
 
 from __future__ import annotations
@@ -24,31 +31,39 @@ def has_kv_cache(model: Model) -> bool:
 
 
 class KVDecoder:
-    """Decoding for batch B up to `max_len` positions (default: the model's T; at most what the model's position
-    tables hold, `model.decode_max_len()`)."""
+    """Decoding for batch B over a cache of `max_len` slots (default: the model's T), at most the model's maximum
+    length (`model.decode_max_len()`, its block size)."""
 
     def __init__(self, model: Model, B: int = 1, max_len: int | None = None, chunk: int = 64):
         if not has_kv_cache(model):
             raise ValueError(f"backend '{model.backend.name}' does not announce {CAP_KV_CACHE!r}")
         cfg, k = model.cfg, model.backend
+        limit = model.decode_max_len()
+        S = model.T if max_len is None else max_len
+        if not 1 <= S <= limit:
+            raise ValueError(f"a key/value cache of {S} positions: the model takes 1..{limit} (its block size)")
+        if B < 1 or chunk < 1:
+            raise ValueError(f"KVDecoder needs B >= 1 and chunk >= 1, got B={B}, chunk={chunk}")
         self.model, self.backend, self.cfg, self.B = model, k, cfg, B
-        self.max_len = min(max_len or model.T, model.decode_max_len())
-        self.chunk = max(1, min(chunk, self.max_len))
+        self.max_len, self.slides = S, model.decode_slides()
+        self.chunk = min(chunk, S)
         self.plan = model.decode_plan(B, self.chunk, k.dtype)  # name -> (shape, dtype); (B, chunk, ...)
         self.bufs = {n: k.alloc(shape, d, tag="kv_decode") for n, (shape, d) in self.plan.items()}
         _, nkv, hd = model.decode_heads()
         L, dt = cfg.n_layer, k.dtype
-        cache_shape = (B, nkv, self.max_len, hd)
+        cache_shape = (B, nkv, S, hd)
         step = int(np.prod(cache_shape))
         self.k_all = k.alloc((L,) + cache_shape, dt, tag="kv_cache")
         self.v_all = k.alloc((L,) + cache_shape, dt, tag="kv_cache")
         self.k_cache = [k.view(self.k_all, l * step, cache_shape) for l in range(L)]
         self.v_cache = [k.view(self.v_all, l * step, cache_shape) for l in range(L)]
-        self.pos = 0
+        self.reset()
 
     def reset(self) -> None:
-        """Forget the cached positions (the caches themselves need no clearing: unread past `pos`)."""
-        self.pos = 0
+        """Forget the cached positions (the caches themselves need no clearing: no slot is read before written)."""
+        self.pos = 0  # the position of the next token
+        self.history = np.zeros((self.B, 0), dtype=np.int32)  # the cached tokens, oldest first (at most S)
+        self.refills = 0  # times a full cache of an absolute-position model was refilled from its newest half
 
     def _v(self, name: str, Tn: int):
         """A (B, Tn, ...) view of the front of a planned buffer."""
@@ -57,16 +72,30 @@ class KVDecoder:
         return self.backend.view(self.bufs[name], 0, new)
 
     def feed(self, tokens: np.ndarray) -> np.ndarray:
-        """Appends tokens (B, n) (any n >= 1, fed in chunks) and returns float32 logits (B, V) after the last."""
+        """Appends tokens (B, n) (any n >= 1) and returns float32 logits (B, V) after the last. A first feed longer
+        than the cache keeps its newest S tokens."""
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim == 1:
             tokens = tokens[None, :]
-        if tokens.shape[0] != self.B or tokens.shape[1] < 1:
+        if tokens.ndim != 2 or tokens.shape[0] != self.B or tokens.shape[1] < 1:
             raise ValueError(f"feed expects tokens (B={self.B}, n>=1), got {tokens.shape}")
-        if self.pos + tokens.shape[1] > self.max_len:
-            raise ValueError(f"{self.pos + tokens.shape[1]} positions overrun the cache ({self.max_len})")
-        for i in range(0, tokens.shape[1], self.chunk):
-            Tn = self._forward(tokens[:, i:i + self.chunk])
+        S = self.max_len
+        if self.pos == 0 and tokens.shape[1] > S:
+            tokens = tokens[:, -S:]
+        pending = tokens
+        while pending.shape[1]:
+            if self.slides:  # chunks up to the end of the ring, one token at a time after it (the ring wraps)
+                take = min(self.chunk, S - self.pos) if self.pos < S else 1
+            else:
+                if self.pos == S:  # full: start again from the newest half
+                    keep = self.history[:, -(S // 2):] if S > 1 else self.history[:, :0]
+                    self.pos, self.history = 0, self.history[:, :0]
+                    self.refills += 1
+                    pending = np.concatenate([keep, pending], axis=1)
+                take = min(self.chunk, S - self.pos)
+            Tn = self._forward(pending[:, :take])
+            self.history = np.concatenate([self.history, pending[:, :take]], axis=1)[:, -S:]
+            pending = pending[:, take:]
         logits = self.backend.download(self._v("logits", Tn))
         return logits[:, Tn - 1, :self.cfg.vocab_size].astype(np.float32)
 
@@ -80,7 +109,7 @@ class KVDecoder:
 
 
 def decoder_for(model: Model) -> KVDecoder:
-    """The model's KV decoder (B=1, window model.T), planned on first use and kept on the model."""
+    """The model's KV decoder (B=1, a cache of model.T positions), planned on first use and kept on the model."""
     dec = getattr(model, "_kv_decoder", None)
     if dec is None:
         dec = KVDecoder(model, B=1, max_len=model.T)

@@ -36,11 +36,13 @@ def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: floa
 def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.random.Generator,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_token: int | None = None,
              kv_cache: bool | None = None, vocab_limit: int | None = None) -> Iterator[int]:
-    """Yields new token ids one at a time from a model planned for B=1, T=window; past the window the oldest
-    tokens are dropped. With a KV cache (`kv_cache` None = whenever the backend announces CAP_KV_CACHE) the
-    prefix is computed once and each new token costs one position; otherwise the whole window is rerun per
-    token (left-aligned). Both give the same logits, so the same tokens for the same rng. `vocab_limit` keeps
-    ids below the tokenizer's size where the model's vocabulary is larger (rows no tokenizer id names)."""
+    """Yields new token ids one at a time from a model planned for B=1, T=window. With a KV cache (`kv_cache`
+    None = whenever the backend announces CAP_KV_CACHE) the prompt is computed once and each new token costs one
+    position; past the window the cache slides (rotary models) or refills from its newest half (learned absolute
+    positions), see inference.decode. Without one the whole window is rerun per token (left-aligned), dropping
+    the oldest tokens past it. Within the window both give the same logits, so the same tokens for the same rng.
+    `vocab_limit` keeps ids below the tokenizer's size where the model's vocabulary is larger (rows no tokenizer
+    id names)."""
     if model.B != 1:
         raise ValueError("generate needs a model planned for B=1")
     if not prompt:
@@ -53,15 +55,10 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
     if kv_cache:
         dec = decoder_for(model)
         dec.reset()
-        start = 0  # tokens[start:start + dec.pos] are in the cache
+        logits = dec.feed(np.asarray(tokens, dtype=np.int32))[0]
     buf = np.zeros((1, window), dtype=np.int32)
-    for _ in range(max_new_tokens):
-        if kv_cache:
-            if len(tokens) - start > window:  # positions shift: the window starts again from position 0
-                start = len(tokens) - window
-                dec.reset()
-            logits = dec.feed(np.asarray(tokens[start + dec.pos:], dtype=np.int32))[0]
-        else:
+    for i in range(max_new_tokens):
+        if not kv_cache:
             ctx = tokens[-window:]
             buf[0, :len(ctx)] = ctx
             buf[0, len(ctx):] = 0
@@ -72,3 +69,5 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
             return
         tokens.append(nxt)
         yield nxt
+        if kv_cache and i + 1 < max_new_tokens:
+            logits = dec.feed(np.asarray([nxt], dtype=np.int32))[0]

@@ -330,6 +330,9 @@ class GPT2(Model):
     def decode_max_len(self) -> int:
         return self.cfg.block_size  # wpe has a row for every position up to the block size
 
+    def decode_slides(self) -> bool:
+        return False  # learned absolute positions: a full cache refills from position 0 (inference.decode)
+
     def decode_forward(self, v: dict, pos: int, k_cache: list, v_cache: list) -> None:
         """The new tokens in v["inputs"] (B, Tn) at positions pos..: logits for each in v["logits"]."""
         k, p, cfg = self.backend, self.params, self.cfg

@@ -141,9 +141,10 @@ def rope_frequencies(cfg: Llama3Config) -> np.ndarray:
     return np.where(wavelen < high_wavelen, freqs, np.where(wavelen > low_wavelen, freqs / cfg.rope_scaling, mid))
 
 
-def freqs_cis(cfg: Llama3Config, T: int) -> np.ndarray:
-    """(T, hd/2, 2) float32 = (cos, sin) of position * frequency, the layout the rope kernels take."""
-    ang = np.outer(np.arange(T, dtype=np.float64), rope_frequencies(cfg))
+def freqs_cis(cfg: Llama3Config, T: int, start: int = 0) -> np.ndarray:
+    """(T, hd/2, 2) float32 = (cos, sin) of position * frequency for positions start..start+T-1, the layout the
+    rope kernels take."""
+    ang = np.outer(np.arange(start, start + T, dtype=np.float64), rope_frequencies(cfg))
     return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
 
 
@@ -267,19 +268,26 @@ class Llama3(Model):
             "ln": ((B, S, C), dt), "rstd": ((B, S), FLOAT32), "qkv": ((B, S, qkv), dt),
             "atty": ((B, S, cfg.n_head * cfg.head_dim), dt), "btc": ((B, S, C), dt),
             "h13": ((B, S, 2 * H), dt), "hs": ((B, S, H), dt), "logits": ((B, S, V), dt),
+            "freqs": ((1, S, cfg.head_dim // 2, 2), FLOAT32),  # (the decoder's views are (B or 1, Tn, ...))
         }
 
     def decode_heads(self) -> tuple[int, int, int]:
         return self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
 
     def decode_max_len(self) -> int:
-        return self.T  # the rotary table holds the model's T positions, which bounds the cache as it bounds forward
+        return self.cfg.block_size
+
+    def decode_slides(self) -> bool:
+        return True  # rotary positions are relative: a cached key stays valid as the window slides past it
 
     def decode_forward(self, v: dict, pos: int, k_cache: list, v_cache: list) -> None:
-        """As GPT2.decode_forward; rope reads the (cos, sin) rows of positions pos.. from a view of the table."""
+        """As GPT2.decode_forward; the rotary rows of positions pos.. are computed here (a sliding window takes
+        positions past any table planned ahead) and uploaded into v["freqs"]."""
         k, p, cfg = self.backend, self.params, self.cfg
-        NH, NKV, half = cfg.n_head, cfg.n_kv_head, cfg.head_dim // 2
-        freqs = k.view(self.freqs, pos * half * 2, (self.T - pos, half, 2))  # row t is position pos + t
+        NH, NKV = cfg.n_head, cfg.n_kv_head
+        Tn = v["inputs"].shape[1]
+        freqs = k.view(v["freqs"], 0, (Tn, cfg.head_dim // 2, 2))
+        k.upload(freqs, freqs_cis(cfg, Tn, start=pos))
         k.encoder_forward(v["x"], v["inputs"], p.wte, None)
         shared = self._DECODE_SHARED
         self._layers(v["x"], lambda name, l: v[shared.get(name, name)], freqs,

@@ -595,6 +595,70 @@ def test_attention_backward(backend, rng, B, T, NH, NKV, hd):
         assert_close(got[..., lo:hi], want[..., lo:hi], r, name)
 
 
+# attention over a key/value cache (CAP_KV_CACHE): the cache is a ring of S slots, position p in slot p % S
+# (B, NH, NKV, hd, S, pos, Tn): a prompt chunk from 0, a chunk in the middle, a whole cache in one chunk, single
+# tokens at the end of the ring and past it (the window slides), several key tiles, GQA and multi-query
+DECODE_CASES = [
+    (1, 2, 2, 8, 16, 0, 5), (2, 4, 2, 16, 16, 7, 4), (1, 2, 1, 8, 12, 0, 12), (2, 4, 4, 8, 16, 15, 1),
+    (1, 4, 2, 16, 16, 19, 1), (2, 6, 2, 64, 300, 1203, 1), (1, 8, 2, 64, 300, 130, 64), (1, 4, 1, 32, 9, 40, 1),
+]
+DECODE_IDS = [f"B{b}NH{nh}NKV{nkv}hd{hd}S{s}pos{p}Tn{t}" for b, nh, nkv, hd, s, p, t in DECODE_CASES]
+
+
+@pytest.mark.parametrize("B,NH,NKV,hd,S,pos,Tn", DECODE_CASES, ids=DECODE_IDS)
+def test_attention_decode(kv_backend, rng, B, NH, NKV, hd, S, pos, Tn):
+    backend = kv_backend
+    P = pos + Tn  # positions 0..P-1 exist once the call is done
+    keys, values = randn(rng, B, NKV, P, hd), randn(rng, B, NKV, P, hd)
+    q = randn(rng, B, Tn, NH * hd)
+    def new(x):  # the new positions' rows in qkv's layout (B, Tn, NKV*hd)
+        return x[:, :, pos:].transpose(0, 2, 1, 3).reshape(B, Tn, NKV * hd)
+    qkv, x = to_device(backend, np.concatenate([q, new(keys), new(values)], axis=-1))
+    # the ring before the call: slot s holds the newest earlier position p = s (mod S); slots no earlier position
+    # reached are poisoned, since no query may read them
+    before_k = np.full((B, NKV, S, hd), np.nan, np.float32)
+    before_v = before_k.copy()
+    for p in range(max(0, pos - S), pos):
+        before_k[:, :, p % S], before_v[:, :, p % S] = keys[:, :, p], values[:, :, p]
+    k_cache, k0 = to_device(backend, before_k)
+    v_cache, v0 = to_device(backend, before_v)
+    out = empty(backend, (B, Tn, NH * hd))
+    backend.attention_decode(out, qkv, k_cache, v_cache, pos, NH, NKV)
+
+    # what the call should leave: the new positions' k, v (as the device holds them) in their slots, the rest
+    # untouched; each query attends to the S positions up to its own
+    xk = x[..., NH * hd:(NH + NKV) * hd].reshape(B, Tn, NKV, hd).transpose(0, 2, 1, 3)
+    xv = x[..., (NH + NKV) * hd:].reshape(B, Tn, NKV, hd).transpose(0, 2, 1, 3)
+    want_k, want_v = k0.copy(), v0.copy()
+    all_k, all_v = t64(keys), t64(values)
+    for i in range(Tn):
+        want_k[:, :, (pos + i) % S], want_v[:, :, (pos + i) % S] = xk[:, :, i], xv[:, :, i]
+        all_k[:, :, pos + i], all_v[:, :, pos + i] = t64(xk[:, :, i]), t64(xv[:, :, i])
+    want = torch.empty(B, Tn, NH, hd, dtype=torch.float64)
+    qd = t64(x[..., :NH * hd]).reshape(B, Tn, NH, hd)
+    for i in range(Tn):
+        lo, hi = max(0, pos + i - S + 1), pos + i + 1
+        kk = all_k[:, :, lo:hi].repeat_interleave(NH // NKV, dim=1)  # (B,NH,n,hd)
+        vv = all_v[:, :, lo:hi].repeat_interleave(NH // NKV, dim=1)
+        s = torch.einsum("bhd,bhnd->bhn", qd[:, i], kk) / math.sqrt(hd)
+        want[:, i] = torch.einsum("bhn,bhnd->bhd", torch.softmax(s, dim=-1), vv)
+    assert_close(from_device(backend, out), np64(want.reshape(B, Tn, NH * hd)), tol(backend, "reduction"), "out")
+    np.testing.assert_array_equal(from_device(backend, k_cache), want_k, err_msg="k_cache")
+    np.testing.assert_array_equal(from_device(backend, v_cache), want_v, err_msg="v_cache")
+    np.testing.assert_array_equal(from_device(backend, qkv), x, err_msg="qkv must be left alone")
+
+
+@pytest.mark.parametrize("pos,Tn,S", [(10, 4, 12), (0, 13, 12), (-1, 1, 12), (3, 0, 12)])
+def test_attention_decode_refuses_a_chunk_the_ring_cannot_hold(kv_backend, pos, Tn, S):
+    B, NH, NKV, hd = 1, 2, 1, 8
+    qkv = empty(kv_backend, (B, max(Tn, 1), (NH + 2 * NKV) * hd))
+    k_cache, v_cache = empty(kv_backend, (B, NKV, S, hd)), empty(kv_backend, (B, NKV, S, hd))
+    out = empty(kv_backend, (B, max(Tn, 1), NH * hd))
+    with pytest.raises(ValueError, match="attention_decode"):
+        kv_backend.attention_decode(out, qkv if Tn else kv_backend.view(qkv, 0, (B, 0, qkv.shape[-1])), k_cache,
+                                    v_cache, pos, NH, NKV)
+
+
 # =============================================================================================================
 # fused classifier
 

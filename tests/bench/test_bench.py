@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from llmc_test_support import make_backend
+from llmc_test_support import make_backend, run
 
 from llmc_cli.bench import backends as bench_backends
 from llmc_cli.bench import kernel_cases as kc
@@ -233,3 +233,19 @@ def test_cli_kernels_llama_model_and_train_refuses_it():
     r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", "--model", "llama3-tiny", "-b", "1",
                                   "-t", "8"])
     assert r.exit_code == 2 and "bench kernels" in r.stderr
+
+
+# ---- decoding ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model,slides", [("d2", False), ("llama3-tiny", True)])
+def test_bench_decode_times_inside_and_past_the_window(model, slides):
+    r = run("bench", "decode", "--backend", "cpu", "--model", model, "-t", 24, "--prompt-len", 4, "--json")
+    res = json.loads(r.stdout)
+    (rec,) = res["results"]
+    assert res["config"]["window"] == 24 and rec["window_tokens"] == 20 and rec["past_tokens"] == 24
+    assert rec["window_tok_s"] > 0 and rec["past_tok_s"] > 0 and rec["slides"] is slides
+    assert rec["refills"] == (0 if slides else 2)  # GPT-2 refills from its newest half every 12 tokens
+
+
+def test_bench_decode_refuses_a_prompt_longer_than_the_window():
+    r = run("bench", "decode", "--backend", "cpu", "--model", "d2", "-t", 16, "--prompt-len", 16, ok=False)
+    assert r.exit_code == 2 and "--prompt-len 16" in r.output and "Traceback" not in r.output

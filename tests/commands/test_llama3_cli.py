@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from llmc_test_support import losses, phrase_tokens, rewind_run, run
+from llmc_test_support import dtype_tol, losses, phrase_tokens, rewind_run, run
 from llmc_test_support import LLAMA_HF_CONFIG as CONFIG
 from llmc_test_support import hf_tensors, write_hf_dir
 
@@ -165,10 +165,47 @@ def test_kv_cache_matches_full_forward(cpu):
     logits = cpu.download(m.acts["logits"])[0]
     for n, g in got.items():
         assert np.abs(g[0] - logits[n - 1]).max() <= 1e-5 * np.abs(logits[n - 1]).max(), n
-    for prompt_len, new in ((1, 30), (20, 40)):  # the second runs past the window
+    for prompt_len, new in ((1, 23), (20, 4)):  # within the window: the same tokens as recomputation
         prompt = seq[:prompt_len].tolist()
         full = list(generate(m, prompt, new, np.random.default_rng(1), 1.0, kv_cache=False))
         assert list(generate(m, prompt, new, np.random.default_rng(1), 1.0, kv_cache=True)) == full
+
+
+def test_kv_cache_slides_past_the_window(kv_backend):
+    """Past its S slots the cache slides: every token attends to the last S positions, rotary positions go on
+    counting, nothing is recomputed. That is sliding-window attention over the whole sequence (the oracle)."""
+    import torch
+    import torch_llama3
+    be = kv_backend
+    cfg = Llama3Config(block_size=64, vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, multiple_of=16,
+                       rope_scaling=8.0, rope_original_context=16)
+    p = init_parameters(cfg, 3)
+    p += np.random.default_rng(4).normal(0, 0.3, p.shape).astype(np.float32)
+    m = Llama3(cfg, be, 1, 8, training=False)
+    m.load_parameters(p)
+    seq = np.random.default_rng(6).integers(0, cfg.vocab_size, 40).astype(np.int32)
+    dec = KVDecoder(m, max_len=8, chunk=4)
+    got = {5: dec.feed(seq[:5])}
+    for n in range(6, 41):
+        got[n] = dec.feed(seq[n - 1:n])
+    assert dec.pos == 40
+    tol = dtype_tol(be, 1e-4, 5e-2)
+    want = torch_llama3.forward(torch.tensor(p, dtype=torch.float64), cfg, torch.tensor(seq[None]).long(),
+                                window=8)[0][0].numpy()
+    for n, g in got.items():
+        assert np.abs(g[0] - want[n - 1]).max() <= tol * np.abs(want[n - 1]).max(), n
+    # a first prompt longer than the cache keeps its newest S tokens, at positions 0..S-1
+    dec.reset()
+    last = dec.feed(seq[:20])
+    ref = torch_llama3.forward(torch.tensor(p, dtype=torch.float64), cfg, torch.tensor(seq[None, 12:20]).long())[0]
+    assert np.abs(last[0] - ref[0, -1].numpy()).max() <= tol * np.abs(ref[0, -1].numpy()).max()
+
+
+def test_kv_cache_longer_than_the_model_is_refused(cpu):
+    cfg = Llama3Config(block_size=16, vocab_size=96, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, multiple_of=16)
+    m = Llama3(cfg, cpu, 1, 16, training=False)
+    with pytest.raises(ValueError, match="block size"):
+        KVDecoder(m, max_len=17)
 
 
 def test_hf_llama_dir_sample_and_eval(hf_dir, shards):

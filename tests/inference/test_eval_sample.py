@@ -151,7 +151,7 @@ def test_sampling_is_deterministic_with_a_seed(cpu):
     assert a == b and len(a) == 20 and a != c
 
 
-@pytest.mark.parametrize("prompt_len,new", [(1, 30), (7, 20), (20, 40)])  # the last runs past the window
+@pytest.mark.parametrize("prompt_len,new", [(1, 23), (7, 17), (20, 4)])  # up to the window's 24 positions
 def test_kv_cache_generation_equals_full_recomputation(cpu, prompt_len, new):
     m = small_model(cpu, 24)
     prompt = np.random.default_rng(prompt_len).integers(0, SMALL.vocab_size, prompt_len).tolist()
@@ -176,8 +176,29 @@ def test_kv_cache_logits_match_full_forward(cpu):
     for n, g in got.items():
         ref = logits[n - 1]
         assert np.abs(g[0] - ref).max() <= 1e-5 * np.abs(ref).max(), n
-    with pytest.raises(ValueError):
-        dec.feed(seq[:3])  # 33 positions overrun the 32-position cache
+    # past its 32 positions the cache refills from its newest half (GPT-2's positions are absolute): the logits
+    # are those of a full forward over the tokens it holds, which restart at position 0
+    for n in range(31, 60):
+        seq = np.append(seq, np.int32(n % SMALL.vocab_size))
+        g = dec.feed(seq[-1:])
+        held = dec.history[0]
+        assert dec.pos == held.size <= 32 and np.array_equal(held, seq[-held.size:])
+        buf[0, :held.size], buf[0, held.size:] = held, 0
+        m.forward(buf)
+        ref = cpu.download(m.acts["logits"])[0, held.size - 1, :SMALL.vocab_size]
+        assert np.abs(g[0] - ref).max() <= 1e-5 * np.abs(ref).max(), n
+    assert dec.refills == 2
+
+
+def test_kv_cache_past_the_window_on_every_backend(kv_backend, cpu):
+    """Decoding far past the window gives the CPU reference's logits on every backend with a KV cache."""
+    m_ref, m = small_model(cpu, 16), small_model(kv_backend, 16)
+    seq = np.random.default_rng(9).integers(0, SMALL.vocab_size, 50).astype(np.int32)
+    d_ref, d = KVDecoder(m_ref, chunk=4), KVDecoder(m, chunk=4)
+    tol = 1e-4 if kv_backend.dtype == "float32" else 5e-2
+    for n in range(1, 51):
+        want, got = d_ref.feed(seq[n - 1:n]), d.feed(seq[n - 1:n])
+        assert np.abs(got - want).max() <= tol * np.abs(want).max(), n
 
 
 def test_sample_command(tmp_path):

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from llmc_cli.kernels import (CAP_KV_CACHE, CAP_REFERENCE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
-                              MemoryReport, guard_scale)
+                              MemoryReport, check_decode_chunk, guard_scale)
 
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -397,24 +397,29 @@ class CpuBackend(Backend):
         d[:, :, n_head * hd:(n_head + n_kv_head) * hd].reshape(B, T, n_kv_head, hd)[...] = dk.transpose(0, 2, 1, 3)
         d[:, :, (n_head + n_kv_head) * hd:].reshape(B, T, n_kv_head, hd)[...] = dv.transpose(0, 2, 1, 3)
 
-    # qkv (B,Tn,(NH+2*NKV)*hd) of new tokens at pos..pos+Tn-1; k_cache, v_cache (B,NKV,maxT,hd); out (B,Tn,NH*hd)
+    # qkv (B,Tn,(NH+2*NKV)*hd) of new tokens at pos..pos+Tn-1; k_cache, v_cache (B,NKV,S,hd) rings; out (B,Tn,NH*hd)
     def attention_decode(self, out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
         B, Tn, W = qkv.shape
         hd = W // (n_head + 2 * n_kv_head)
-        end = pos + Tn
-        if end > k_cache.shape[2]:
-            raise ValueError(f"attention_decode: positions up to {end} overrun a cache of {k_cache.shape[2]}")
-        k_cache[:, :, pos:end] = qkv[:, :, n_head * hd:(n_head + n_kv_head) * hd].reshape(
+        S = k_cache.shape[2]
+        check_decode_chunk(pos, Tn, S)
+        slots = (pos + np.arange(Tn)) % S
+        k_cache[:, :, slots] = qkv[:, :, n_head * hd:(n_head + n_kv_head) * hd].reshape(
             B, Tn, n_kv_head, hd).transpose(0, 2, 1, 3)
-        v_cache[:, :, pos:end] = qkv[:, :, (n_head + n_kv_head) * hd:].reshape(
+        v_cache[:, :, slots] = qkv[:, :, (n_head + n_kv_head) * hd:].reshape(
             B, Tn, n_kv_head, hd).transpose(0, 2, 1, 3)
+        last = pos + Tn - 1
+        n = min(last + 1, S)  # slots holding a position
+        slot_pos = last - (last - np.arange(n)) % S  # the position each slot holds now
+        q_pos = pos + np.arange(Tn)
+        hidden = (slot_pos[None, :] > q_pos[:, None]) | (slot_pos[None, :] <= q_pos[:, None] - S)  # (Tn, n)
         group = n_head // n_kv_head
         q = qkv[:, :, :n_head * hd].reshape(B, Tn, n_kv_head, group, hd).transpose(0, 2, 3, 1, 4)
-        k, v = k_cache[:, :, None, :end], v_cache[:, :, None, :end]  # (B,NKV,1,end,hd), shared by the group
-        att = np.matmul(q, k.transpose(0, 1, 2, 4, 3))  # (B,NKV,group,Tn,end)
+        k, v = k_cache[:, :, None, :n], v_cache[:, :, None, :n]  # (B,NKV,1,n,hd), shared by the group
+        att = np.matmul(q, k.transpose(0, 1, 2, 4, 3))  # (B,NKV,group,Tn,n)
         att *= np.float32(1.0 / math.sqrt(hd))
-        if Tn > 1:  # query i sits at pos+i and sees keys 0..pos+i
-            att += np.triu(np.full((Tn, end), -np.inf, dtype=np.float32), k=pos + 1)
+        if hidden.any():
+            att[..., hidden] = -np.inf
         att -= att.max(axis=-1, keepdims=True)
         np.exp(att, out=att)
         att /= att.sum(axis=-1, keepdims=True)

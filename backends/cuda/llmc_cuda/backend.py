@@ -14,16 +14,19 @@ from llmc_cli.kernels import (
     BFLOAT16,
     CAP_BF16,
     CAP_DEVICE_EVENTS,
+    CAP_KV_CACHE,
     FLOAT32,
     INT32,
     Backend,
     BackendUnavailable,
     MemoryReport,
+    check_decode_chunk,
     option_flag,
 )
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256
+_DECODE_THREADS = 128  # attention_decode: keys per tile, and up to two output elements per thread
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
 
 
@@ -60,7 +63,7 @@ class CudaBackend(Backend):
         if dtype not in (FLOAT32, BFLOAT16):
             raise BackendUnavailable(f"the cuda backend computes in float32 or bfloat16 (asked for {dtype})")
         self.dtype = dtype
-        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS})
+        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS, CAP_KV_CACHE})
         self.device = cp.cuda.Device(device)
         self.device.use()
         props = cp.cuda.runtime.getDeviceProperties(device)
@@ -535,6 +538,23 @@ class CudaBackend(Backend):
         self._att_launch("attention_backward_dq_ref", B * n_head * T, T, (dqkv, D, dout, qkv, out, lse) + dims, dqkv)
         self._att_launch("attention_backward_dkv_ref", B * n_kv_head * T, 2 * T, (dqkv, D, dout, qkv, lse) + dims,
                          dqkv)
+
+    # qkv (B,Tn,(NH+2*NKV)*hd) of new tokens at pos..; k_cache, v_cache (B,NKV,S,hd) rings; out (B,Tn,NH*hd)
+    def attention_decode(self, out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
+        B, Tn, hd = self._attn_shape(qkv, n_head, n_kv_head)
+        S = k_cache.shape[2]
+        check_decode_chunk(pos, Tn, S)
+        if hd > 2 * _DECODE_THREADS:
+            raise NotImplementedError(f"cuda attention_decode supports head sizes up to {2 * _DECODE_THREADS}, got {hd}")
+        i32 = np.int32
+        n = B * Tn * n_kv_head * hd
+        self._launch(self._kk("kv_cache_append", qkv), self._grid(n), _BLOCK,
+                     (k_cache, v_cache, qkv, i32(B), i32(Tn), i32(n_head), i32(n_kv_head), i32(hd), i32(S),
+                      np.int64(pos)))
+        shared = (hd + _DECODE_THREADS + 32) * 4
+        self._launch(self._kk("attention_decode", qkv), B * n_head * Tn, _DECODE_THREADS,
+                     (out, qkv, k_cache, v_cache, i32(Tn), i32(n_head), i32(n_kv_head), i32(hd), i32(S),
+                      np.int64(pos), np.float32(1.0 / math.sqrt(hd))), shared=shared)
 
     # ---- classifier ------------------------------------------------------------------------------------------
     def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):

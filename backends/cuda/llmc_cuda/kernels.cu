@@ -723,6 +723,98 @@ extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* 
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// attention over a key/value cache (decoding). Caches (B,NKV,S,hd) are rings: position p lives in slot p % S.
+// New tokens' qkv rows are (B,Tn,(NH+2NKV)*hd) at positions pos..pos+Tn-1.
+extern "C" __global__ void kv_cache_append(act_t* kc, act_t* vc, const act_t* qkv, int B, int Tn, int NH, int NKV,
+                                           int hd, int S, long long pos) {
+    long long n = (long long)B * Tn * NKV * hd;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        int d = (int)(i % hd);
+        long long r = i / hd;
+        int h = (int)(r % NKV);
+        r /= NKV;
+        int t = (int)(r % Tn);
+        long long b = r / Tn;
+        const act_t* src = qkv + (b * Tn + t) * (long long)((NH + 2 * NKV) * hd);
+        long long dst = ((b * NKV + h) * S + (pos + t) % S) * hd + d;
+        kc[dst] = src[(NH + h) * hd + d];
+        vc[dst] = src[(NH + NKV + h) * hd + d];
+    }
+}
+
+// max or sum over the block (blockDim a multiple of 32, at most 1024), every thread gets it; fixed order
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    v = is_max ? warp_max(v) : warp_sum(v);
+    __syncthreads();  // red may still be read by the previous reduction
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : (is_max ? -LLMC_INF : 0.0f);
+    return is_max ? warp_max(v) : warp_sum(v);
+}
+
+// One block per query row (b, h, t): an online softmax over the positions it sees (the S up to its own),
+// blockDim keys at a time: thread j scores key j of the tile, then thread d accumulates output elements d and
+// d + blockDim (hd <= 2 * blockDim). Shared: q (hd floats) | tile probabilities (blockDim) | reduction (32).
+extern "C" __global__ void attention_decode(act_t* out, const act_t* qkv, const act_t* kc, const act_t* vc, int Tn,
+                                            int NH, int NKV, int hd, int S, long long pos, float scale) {
+    extern __shared__ float sm[];
+    float* qs = sm;
+    float* ps = sm + hd;
+    float* red = ps + blockDim.x;
+    long long row = blockIdx.x;
+    int t = (int)(row % Tn);
+    int h = (int)((row / Tn) % NH);
+    long long b = row / ((long long)Tn * NH);
+    int W = (NH + 2 * NKV) * hd;
+    int kvh = h / (NH / NKV);
+    const act_t* q = qkv + (b * Tn + t) * W + h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = to_f(q[d]) * scale;
+    __syncthreads();
+    long long hi = pos + t, lo = hi - S + 1 > 0 ? hi - S + 1 : 0;
+    int n = (int)(hi - lo + 1), slot_lo = (int)(lo % S);
+    const act_t* K = kc + (b * NKV + kvh) * (long long)S * hd;
+    const act_t* V = vc + (b * NKV + kvh) * (long long)S * hd;
+    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
+    float m = -LLMC_INF, l = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+        int j = j0 + threadIdx.x;
+        float s = -LLMC_INF;
+        if (j < n) {
+            int slot = slot_lo + j;
+            if (slot >= S) slot -= S;
+            const act_t* k = K + (long long)slot * hd;
+            float dot = 0.0f;
+            for (int c = 0; c < hd; c++) dot += qs[c] * to_f(k[c]);
+            s = dot;
+        }
+        float mn = fmaxf(m, block_reduce(s, red, true));  // finite: every tile holds at least one position
+        float e = j < n ? expf(s - mn) : 0.0f;
+        ps[threadIdx.x] = e;
+        float corr = expf(m - mn);
+        l = l * corr + block_reduce(e, red, false);  // (its barriers also publish ps)
+        int cnt = min((int)blockDim.x, n - j0);
+        int slot = slot_lo + j0;
+        if (slot >= S) slot -= S;
+        float a0 = acc0 * corr, a1 = acc1 * corr;
+        for (int jj = 0; jj < cnt; jj++) {
+            const act_t* v = V + (long long)slot * hd;
+            float p = ps[jj];
+            if (d0 < hd) a0 += p * to_f(v[d0]);
+            if (d1 < hd) a1 += p * to_f(v[d1]);
+            if (++slot == S) slot = 0;
+        }
+        acc0 = a0;
+        acc1 = a1;
+        m = mn;
+        __syncthreads();  // the next tile rewrites ps
+    }
+    act_t* o = out + (b * Tn + t) * NH * hd + h * hd;
+    if (d0 < hd) o[d0] = from_f(acc0 / l);
+    if (d1 < hd) o[d1] = from_f(acc1 / l);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // own attention (fp32 mode, shapes cuDNN cannot plan, GQA): correct and deterministic, not fast.
 // qkv (B,T,W) with W = (NH+2NKV)*hd; out (B,T,NH*hd); lse (B,NH,T). One warp per (b, h, t) query row;
 // scores of the row are kept in shared memory (T floats per warp).

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.kernels import (FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable, MemoryReport,
-                              guard_scale)
+from llmc_cli.kernels import (CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
+                              MemoryReport, check_decode_chunk, guard_scale)
 
 try:
     import pyopencl as cl
@@ -35,6 +35,7 @@ __all__ = ["OpenCLBackend", "OpenCLPlugin", "list_devices", "select_device"]
 _HERE = Path(__file__).resolve().parent
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
 _SCALAR = {"int": np.int32, "long": np.int64, "float": np.float32, "uint": np.uint32, "ulong": np.uint64}
+_DECODE_MAX_HD = 256  # kernels.cl's DECODE_MAX_HD: the query row lives in local memory
 _ATTN_SCRATCH_BYTES = 256 << 20  # per (S, dP) scratch; attention is chunked over the batch to stay under it
 
 # (context pointer, source file, options) -> (program, {kernel name: Kernel})
@@ -189,7 +190,7 @@ def _int_option(opts: dict, name: str, env: str, default: int) -> int:
 class OpenCLBackend(Backend):
     name = "opencl"
     dtype = FLOAT32
-    capabilities = frozenset()
+    capabilities = frozenset({CAP_KV_CACHE})
 
     def __init__(self, platform, device, tune: bool | None = None, options: dict[str, str] | None = None):
         opts = options or {}
@@ -648,6 +649,24 @@ class OpenCLBackend(Backend):
             self.gemm(1, 0, T, hd, T, dP.data, 0, T, qb, q0, W, **to_kv(NH), batch=Z, zdiv=NH,
                       a_so=NH * T * T, a_si=T * T, b_so=T * W, b_si=hd, causal=3)
             group_sum(NH)
+
+    # qkv (B,Tn,(NH+2*NKV)*hd) of new tokens at pos..; k_cache, v_cache (B,NKV,S,hd) rings; out (B,Tn,NH*hd)
+    def attention_decode(self, out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
+        B, Tn, W = qkv.shape
+        NH, NKV = n_head, n_kv_head
+        hd = W // (NH + 2 * NKV)
+        S = k_cache.shape[2]
+        check_decode_chunk(pos, Tn, S)
+        if hd > _DECODE_MAX_HD:
+            raise NotImplementedError(f"opencl attention_decode supports head sizes up to {_DECODE_MAX_HD}, got {hd}")
+        kb, ko = _bo(k_cache)
+        vb, vo = _bo(v_cache)
+        qb, qo = _bo(qkv)
+        ob, oo = _bo(out)
+        n = B * Tn * NKV * hd
+        self._ew("kv_cache_append", n, kb, ko, vb, vo, qb, qo, Tn, NH, NKV, hd, S, pos, n)
+        self._rows("attention_decode", B * NH * Tn, ob, oo, qb, qo, kb, ko, vb, vo, Tn, NH, NKV, hd, S, pos,
+                   1.0 / math.sqrt(hd))
 
     # ---- fused classifier -----------------------------------------------------------------------------------
     def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):

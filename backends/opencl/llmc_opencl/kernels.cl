@@ -371,6 +371,81 @@ __kernel void attn_group_sum(__global float* dst, const long dso, const int W, _
     dst[dso + (b * T + t) * W + kvh * hd + d] = s;
 }
 
+// ---- attention over a key/value cache (decoding) -------------------------------------------------------------
+// Caches (B,NKV,S,hd) are rings: position p lives in slot p % S. New tokens' qkv rows are (B,Tn,(NH+2NKV)*hd).
+#define DECODE_MAX_HD 256
+#define DECODE_PER_ITEM ((DECODE_MAX_HD + RED_LS - 1) / RED_LS)
+
+__kernel void kv_cache_append(__global float* kc, const long ko, __global float* vc, const long vo,
+                              __global const float* qkv, const long qo, const int Tn, const int NH, const int NKV,
+                              const int hd, const int S, const long pos, const long n) {
+    const long i = get_global_id(0);  // over B*Tn*NKV*hd
+    if (i >= n) return;
+    const int d = i % hd;
+    long r = i / hd;
+    const int h = r % NKV;
+    r /= NKV;
+    const int t = r % Tn;
+    const long b = r / Tn;
+    const long src = qo + (b * Tn + t) * (long)((NH + 2 * NKV) * hd);
+    const long dst = ((b * NKV + h) * S + (pos + t) % S) * hd + d;
+    kc[ko + dst] = qkv[src + (NH + h) * hd + d];
+    vc[vo + dst] = qkv[src + (NH + NKV + h) * hd + d];
+}
+
+// One work-group per query row (b, h, t): an online softmax over the positions it sees (the S up to its own),
+// RED_LS keys at a time; item lid accumulates output elements lid, lid + RED_LS, ... (hd <= DECODE_MAX_HD).
+__kernel __attribute__((reqd_work_group_size(RED_LS, 1, 1)))
+void attention_decode(__global float* out, const long oo, __global const float* qkv, const long qo,
+                      __global const float* kc, const long ko, __global const float* vc, const long vo,
+                      const int Tn, const int NH, const int NKV, const int hd, const int S, const long pos,
+                      const float scale) {
+    __local float scratch[RED_LS];
+    __local float p[RED_LS];
+    __local float q[DECODE_MAX_HD];
+    const long row = get_group_id(0);
+    const int t = row % Tn;
+    const int h = (row / Tn) % NH;
+    const long b = row / ((long)Tn * NH);
+    const int lid = get_local_id(0);
+    const int W = (NH + 2 * NKV) * hd;
+    const int kvh = h / (NH / NKV);
+    for (int d = lid; d < hd; d += RED_LS) q[d] = qkv[qo + (b * Tn + t) * W + h * hd + d] * scale;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const long hi = pos + t;
+    const long lo = hi - S + 1 > 0 ? hi - S + 1 : 0;
+    const int n = (int)(hi - lo + 1);
+    __global const float* K = kc + ko + (b * NKV + kvh) * (long)S * hd;
+    __global const float* V = vc + vo + (b * NKV + kvh) * (long)S * hd;
+    float acc[DECODE_PER_ITEM];
+    for (int i = 0; i < DECODE_PER_ITEM; i++) acc[i] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += RED_LS) {
+        const int j = j0 + lid;
+        float s = -INFINITY;
+        if (j < n) {
+            __global const float* k = K + ((lo + j) % S) * hd;
+            float dot = 0.0f;
+            for (int c = 0; c < hd; c++) dot += q[c] * k[c];
+            s = dot;
+        }
+        const float mn = fmax(m, group_max(s, scratch));  // finite: every tile holds at least one position
+        const float e = j < n ? exp(s - mn) : 0.0f;
+        p[lid] = e;
+        const float corr = exp(m - mn);
+        l = l * corr + group_sum(e, scratch);  // (its barriers also publish p)
+        const int cnt = min(RED_LS, n - j0);
+        for (int i = 0, d = lid; d < hd; i++, d += RED_LS) {
+            float a = acc[i] * corr;
+            for (int jj = 0; jj < cnt; jj++) a += p[jj] * V[((lo + j0 + jj) % S) * hd + d];
+            acc[i] = a;
+        }
+        m = mn;
+        barrier(CLK_LOCAL_MEM_FENCE);  // the next tile rewrites p
+    }
+    for (int i = 0, d = lid; d < hd; i++, d += RED_LS) out[oo + (b * Tn + t) * NH * hd + h * hd + d] = acc[i] / l;
+}
+
 // ---- fused classifier ---------------------------------------------------------------------------------------
 // One work-group per row. losses[r] = logsumexp(logits[r, :V]) - logits[r, target]; with has_d, logits is
 // overwritten by (softmax - onehot) * dloss, zero in the padded columns.

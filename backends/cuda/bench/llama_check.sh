@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The Llama-at-scale issue's measurements on the GPU machine, one call per part (logs under $OUT or ./llama_out):
+#   PART=decode bash backends/cuda/bench/llama_check.sh   the CUDA tests, then `llmc bench decode` on CUDA (bf16) and
+#                                                         OpenCL (NVIDIA's driver, fp32), GPT-2 d12 and Llama 3.2-1B
+#   PART=1b     ...   Llama 3.2-1B B=8 T=2048 bf16: --dry-run's plan, then llmc vs PyTorch (eager, torch.compile)
+#                     through `llmc bench train --compare torch`
+#   PART=8b     ...   Llama 3.1 8B (B, T, ZERO, RECOMPUTE from the environment) on every GPU here
+# Expects python3.12 at /opt/torch/.venv (CuPy, torch), the carried cp312 wheels in .whl/ (pyopencl and its
+# dependencies, nvmath-python, cudnn-frontend), NVIDIA's driver with libnvidia-opencl.so.1.
+set -u
+PART=${PART:-decode}
+export OUT=${OUT:-$PWD/llama_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+PY=${PY:-/opt/torch/.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+ICD_DIR=/tmp/llmc_icd; mkdir -p "$ICD_DIR"; echo "libnvidia-opencl.so.1" > "$ICD_DIR/nvidia.icd"
+export OCL_ICD_VENDORS="$ICD_DIR"
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+$PY -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/llmc . backends/cpu backends/opencl \
+  backends/cuda 2>&1 | tail -2
+export PYTHONPATH=/tmp/llmc:/tmp/site
+HERE=$PWD
+LLMC="$PY -m llmc_cli"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.log"
+rc=0
+case "$PART" in
+decode)
+  timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests backends/cuda/tests 2>&1 | tail -n 15 \
+    | tee "$OUT/tests_cuda.log"
+  cd /tmp
+  for be in cuda opencl; do
+    dt=$([ $be = cuda ] && echo bf16 || echo fp32)
+    timeout 200 $LLMC bench decode --backend $be --dtype $dt --model d12 -t 1024 --json > "$OUT/decode_d12_$be.json" \
+      2> "$OUT/decode_d12_$be.err" || rc=1
+    timeout 300 $LLMC bench decode --backend $be --dtype $dt --model llama3.2-1b -t 2048 --tokens 256 --json \
+      > "$OUT/decode_1b_$be.json" 2> "$OUT/decode_1b_$be.err" || rc=1
+  done
+  for f in "$OUT"/decode_*.json; do
+    $PY -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(sys.argv[1].rsplit('/',1)[1], \
+{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != 'device'})" "$f" || tail -n 3 "${f%.json}.err"
+  done | tee "$OUT/decode_summary.log"
+  ;;
+1b)
+  cd /tmp
+  A="--backend cuda --dtype bf16 --model llama3.2-1b -b 8 -t 2048"
+  timeout 60 $LLMC train $A --dry-run 2>&1 | tail -n 20 | tee "$OUT/1b_dry_run.log"
+  timeout 500 $LLMC bench train $A --steps "${STEPS:-10}" --warmup 3 --compare torch --torch-dtype bf16 --json \
+    > "$OUT/1b_bench_train.json" 2> "$OUT/1b_bench_train.err" || rc=1
+  tail -n 5 "$OUT/1b_bench_train.err"
+  ;;
+8b)
+  cd /tmp
+  NG=$(nvidia-smi -L | wc -l)
+  A="--backend cuda --dtype bf16 --model llama3.1-8b -b ${B:-1} -t ${T:-8192} --zero ${ZERO:-1} --recompute ${RECOMPUTE:-all}"
+  timeout 60 $LLMC train $A --gpus "$NG" --dry-run 2>&1 | tail -n 20 | tee "$OUT/8b_dry_run.log"
+  $PY -c "import numpy as np; from llmc_cli.formats.shards import write_shard; \
+write_shard('/tmp/l3_train_000.bin', np.random.default_rng(0).integers(0, 128256, 4_000_000), tokenizer='llama3')"
+  timeout 500 $LLMC train $A --gpus "$NG" --steps "${STEPS:-8}" --val-every 0 --sample-every 0 \
+    --data "/tmp/l3_train_*.bin" > "$OUT/8b_train.log" 2>&1 || rc=1
+  tail -n 12 "$OUT/8b_train.log"
+  ;;
+esac
+exit $rc
