@@ -21,6 +21,7 @@ from llmc_cli.commands.console import (
     one_line,
 )
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
+from llmc_cli.models.base import RECOMPUTE
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.training.trainer import TrainArgs
 
@@ -90,8 +91,10 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--n-embd", type=POSITIVE, default=None, help="Override the preset's channels.")
 @click.option("--n-kv-head", type=POSITIVE, default=None, help="Llama: key/value heads (grouped-query attention).")
 @click.option("--block-size", type=POSITIVE, default=None, help="Max sequence length in tokens (default: the preset's).")
-@click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default=_ARGS.recompute,
-              show_default=True, help="GPT-2: recompute these activations in backward instead of keeping them.")
+@click.option("--recompute", type=click.Choice(list(RECOMPUTE)), default=_ARGS.recompute, show_default=True,
+              help="Recompute these activations in backward instead of keeping one per layer (less memory, more "
+                   "compute; same gradients). gelu: GPT-2's GELU output, Llama's SwiGLU output; layernorm: "
+                   "GPT-2's layernorm outputs, Llama's RMSNorm outputs.")
 @click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component, then exit.")
 @click.option("-b", "--batch-size", type=POSITIVE, default=_ARGS.batch_size, show_default=True, help="Micro-batch size (sequences).")
 @click.option("-t", "--seq-len", type=POSITIVE, default=_ARGS.seq_len, show_default=True, help="Sequence length (tokens).")
@@ -367,10 +370,16 @@ def dry_run(o: dict) -> None:
     from llmc_cli.registry import default_dtype
     dtype = DTYPES[o["dtype"]] or default_dtype(o["backend"])
     B, T = o["batch_size"], o["seq_len"]
-    plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
+    if T > cfg.block_size:  # what training would refuse, refused here too
+        fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    try:
+        plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
+    except ValueError as e:
+        fail(str(e))
     from llmc_cli.models.families import family_of
     n = family_of(cfg).num_parameters(cfg)
-    table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}")
+    how = "" if o["recompute"] == "none" else f", --recompute {o['recompute']}"
+    table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}{how}")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     for k, v in plan.items():

@@ -3,6 +3,8 @@ parameter/gradient bookkeeping around the spec's own forward and backward."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from llmc_cli.kernels import Backend
@@ -31,6 +33,46 @@ def check_config_fields(cfg) -> None:
         if not ok:
             want = {bool: "true or false", int: "a positive integer"}.get(hint, "a finite positive number")
             raise ValueError(f"{f.name} must be {want} (got {v!r})")
+
+
+# ---- what both families plan the same way -----------------------------------------------------------------------
+# --recompute: which activations backward recomputes instead of forward keeping one per layer. The names are
+# GPT-2's (llm.c's); in Llama "gelu" is the SwiGLU output (recomputed from the gate/up product h13) and
+# "layernorm" the RMSNorm outputs ln1/ln2 (recomputed from the residual stream). Each family's backward runs the
+# same forward kernel on the same inputs again, so the gradients are those of keeping the activations.
+RECOMPUTE = ("none", "gelu", "layernorm", "gelu+layernorm")
+
+
+def check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)} (got '{recompute}')")
+
+
+# A training forward runs the lm-head product, the fused classifier and the lm-head backward chunk by chunk, so
+# only one chunk's logits buffer exists (GPT-2 d12 at B=64, T=1024: 6.1 GiB whole in bf16; Llama 3.1 8B at B=1,
+# T=8192: 2.1 GB for its single sequence). Chunks are at most CLASSIFIER_CHUNK_BYTES, and at least
+# CLASSIFIER_CHUNK_MIN_BYTES unless the whole logits are smaller, so that the lm-head products stay large enough
+# to run at full speed and the re-read of the head's gradient per chunk stays a small cost.
+CLASSIFIER_CHUNK_BYTES = 1 << 30
+CLASSIFIER_CHUNK_MIN_BYTES = 256 << 20
+
+
+def pick_classifier_chunks(units: int, unit_bytes: int, cost: Callable[[int], int], ragged: bool) -> int:
+    """How many chunks the training classifier runs in, over `units` (GPT-2: sequences; Llama: rows of B*T) of
+    `unit_bytes` logits each; a chunk holds ceil(units/n) of them. Among the counts whose chunk lies within
+    [CLASSIFIER_CHUNK_MIN_BYTES, CLASSIFIER_CHUNK_BYTES] (or is the whole under the maximum; one unit a chunk
+    when even one is over it), the one of least `cost(n)` (the memory the family plans for n chunks), the
+    fewest chunks on a tie. Without `ragged` the count must divide `units` (every chunk the same size); with it
+    the last chunk may be smaller."""
+    fits, n = [], 1
+    while n <= units:
+        size = -(-units // n) * unit_bytes
+        if n > 1 and size < CLASSIFIER_CHUNK_MIN_BYTES:
+            break  # the chunk only shrinks as n grows
+        if size <= CLASSIFIER_CHUNK_BYTES and (ragged or units % n == 0):
+            fits.append(n)
+        n += 1
+    return min(fits or [units], key=lambda c: (cost(c), c))
 
 
 def split_flat(flat, shapes: list[tuple[str, tuple[int, ...]]]) -> dict:

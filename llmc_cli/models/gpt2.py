@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import Model, check_config_fields, split_flat
+from llmc_cli.models.base import Model, check_config_fields, check_recompute, pick_classifier_chunks, split_flat
 
 
 @dataclass(frozen=True)
@@ -88,30 +88,15 @@ def init_parameters(cfg: GPT2Config, seed: int) -> np.ndarray:
     return out
 
 
-RECOMPUTE = ("none", "gelu", "layernorm", "gelu+layernorm")
-
-# a training forward runs the lm-head product, the fused classifier and the lm-head backward chunk by chunk over
-# the batch, so only a (B/chunks, T, Vp) logits buffer exists (at d12, B=64, T=1024 the whole one is 6.1 GiB in
-# bf16). Chunks are at most CLASSIFIER_CHUNK_BYTES, and at least CLASSIFIER_CHUNK_MIN_BYTES unless the whole
-# logits are smaller, so that the lm-head products stay large enough to run at full speed and the re-read of
-# wte's gradient per chunk stays a small cost
-CLASSIFIER_CHUNK_BYTES = 1 << 30
-CLASSIFIER_CHUNK_MIN_BYTES = 256 << 20
-
-
 def auto_classifier_chunks(cfg: GPT2Config, B: int, T: int, training: bool, act_bytes: int = 2,
                            recompute: str = "none") -> int:
-    """How many chunks (each of B/chunks whole sequences) the training classifier runs in: among the counts
-    whose logits chunk lies within [CLASSIFIER_CHUNK_MIN_BYTES, CLASSIFIER_CHUNK_BYTES] (or is the whole batch
-    under the maximum; B when even one sequence is over it), the one that needs the least memory for the logits
-    chunk plus the scratch that does not fit inside it; the fewest chunks on a tie. Inference keeps the whole
-    logits (sampling reads them back), so it is 1 there."""
+    """How many chunks (each of B/chunks whole sequences) the training classifier runs in (models.base:
+    pick_classifier_chunks over the sequences, the least memory for the logits chunk plus the scratch that does
+    not fit inside it). Inference keeps the whole logits (sampling reads them back), so it is 1 there."""
     if not training:
         return 1
-    per_seq = T * cfg.padded_vocab_size * act_bytes
-    fits = [n for n in range(1, B + 1) if B % n == 0 and (B // n) * per_seq <= CLASSIFIER_CHUNK_BYTES
-            and (n == 1 or (B // n) * per_seq >= CLASSIFIER_CHUNK_MIN_BYTES)] or [B]
-    return min(fits, key=lambda n: (_logits_and_scratch(cfg, B, T, training, recompute, n), n))
+    return pick_classifier_chunks(B, T * cfg.padded_vocab_size * act_bytes,
+                                  lambda n: _logits_and_scratch(cfg, B, T, training, recompute, n), ragged=False)
 
 
 def _logits_and_scratch(cfg, B, T, training, recompute, chunks) -> int:
@@ -130,8 +115,7 @@ def activation_shapes(cfg: GPT2Config, B: int, T: int, training: bool,
     layer); `recompute` keeps one shared GELU output ("gelu") and/or shared layernorm outputs ("layernorm")
     that the backward pass recomputes, trading compute for activation memory. The logits buffer holds one of
     `chunks` batch chunks (see auto_classifier_chunks)."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)} (got '{recompute}')")
+    check_recompute(recompute)
     if chunks < 1 or B % chunks:
         raise ValueError(f"classifier chunks {chunks} must divide the batch size {B}")
     shared = set() if training else {"all"}

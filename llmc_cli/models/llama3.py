@@ -16,7 +16,8 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import Model, Tensors, check_config_fields, split_flat
+from llmc_cli.models.base import (Model, Tensors, check_config_fields, check_recompute, pick_classifier_chunks,
+                                   split_flat)
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,37 @@ def freqs_cis(cfg: Llama3Config, T: int, start: int = 0) -> np.ndarray:
     return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
 
 
-def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool) -> list[tuple[str, tuple, str, bool]]:
-    """(name, shape, dtype, one per layer) planned once for (B, T); "act" is the backend's compute dtype."""
+def auto_classifier_chunks(cfg: Llama3Config, B: int, T: int, training: bool, act_bytes: int = 2) -> int:
+    """How many chunks of the B*T rows the training classifier runs in (models.base: pick_classifier_chunks, the
+    least logits memory). Rows, not whole sequences: Llama 3.1 8B trains at B=1, T=8192, where one sequence's
+    logits are 2.1 GB in bf16. Inference keeps the whole logits (sampling reads them back), so it is 1 there."""
+    if not training:
+        return 1
+    N, V = B * T, cfg.vocab_size
+    return pick_classifier_chunks(N, V * act_bytes, lambda n: -(-N // n) * V, ragged=True)
+
+
+def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool, recompute: str = "none",
+                      chunks: int = 1) -> list[tuple[str, tuple, str, bool]]:
+    """(name, shape, dtype, one per layer) planned once for (B, T); "act" is the backend's compute dtype.
+    Without training nothing is kept per layer (one buffer serves every layer). `recompute` (models.base:
+    RECOMPUTE) keeps one shared SwiGLU output ("gelu": hs) and/or shared RMSNorm outputs ("layernorm": ln1,
+    ln2) that the backward pass recomputes. With `chunks` > 1 the logits buffer holds ceil(B*T/chunks) rows (see
+    auto_classifier_chunks); the last chunk may be smaller."""
+    check_recompute(recompute)
+    N = B * T
+    if not 1 <= chunks <= N:
+        raise ValueError(f"classifier chunks {chunks} must be between 1 and B*T = {N}")
+    shared = set() if training else {"all"}
+    if "gelu" in recompute:
+        shared.add("hs")
+    if "layernorm" in recompute:
+        shared |= {"ln1", "ln2"}
     C, NH, V, H = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.hidden_dim
     qkv = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     act = "act"
     plan = [
+        ("freqs", (T, cfg.head_dim // 2, 2), FLOAT32, False),  # the rotary table (freqs_cis), uploaded once
         ("encoded", (B, T, C), act, False),
         ("ln1", (B, T, C), act, True), ("ln1_rstd", (B, T), FLOAT32, True),
         ("qkv", (B, T, qkv), act, True), ("atty", (B, T, NH * cfg.head_dim), act, True),
@@ -163,7 +189,8 @@ def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool) -> list
         ("h13", (B, T, 2 * H), act, True), ("hs", (B, T, H), act, True),
         ("residual3", (B, T, C), act, True),
         ("lnf", (B, T, C), act, False), ("lnf_rstd", (B, T), FLOAT32, False),
-        ("logits", (B, T, V), act, False), ("losses", (B, T), FLOAT32, False),
+        ("logits", (B, T, V) if chunks == 1 else (-(-N // chunks), V), act, False),
+        ("losses", (B, T), FLOAT32, False),
         ("inputs", (B, T), INT32, False), ("targets", (B, T), INT32, False),
         ("btc", (B, T, C), act, False),
     ]
@@ -171,20 +198,30 @@ def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool) -> list
         plan += [("dresidual", (B, T, C), act, False), ("dbtc", (B, T, C), act, False),
                  ("dhs", (B, T, H), act, False), ("dh13", (B, T, 2 * H), act, False),
                  ("dqkv", (B, T, qkv), act, False)]
-    return plan
+    return [(n, s, k, per and "all" not in shared and n not in shared) for n, s, k, per in plan]
+
+
+# Norm outputs that live in ln1's memory when ln1 is one buffer for every layer (under --recompute layernorm,
+# and in an inference model): a layer's ln1 is dead once qkv is computed, its ln2 once h13 is, and lnf once the
+# lm-head has run (the lm-head backward runs inside the training forward; rmsnorm_backward reads the residual
+# stream, not the norm's output), and backward recomputes ln2 and ln1 just before it reads them.
+IN_LN1 = ("ln2", "lnf")
+
+
+def _in_ln1(plan: list[tuple[str, tuple, str, bool]]) -> set[str]:
+    """The IN_LN1 buffers of this plan that are views of ln1 (when neither is kept per layer)."""
+    per_layer = {name: per for name, _, _, per in plan}
+    return set() if per_layer["ln1"] else {n for n in IN_LN1 if not per_layer[n]}
 
 
 def activation_bytes(cfg: Llama3Config, B: int, T: int, training: bool, act_bytes: int,
                      recompute: str = "none") -> int:
-    """Bytes of the activations Llama3.__init__ allocates for (B, T), without allocating."""
-    check_recompute(recompute)
+    """Bytes of the activations Llama3.__init__ allocates for (B, T), without allocating: the same classifier
+    chunking, and nothing for the buffers that live in ln1's memory."""
+    plan = activation_shapes(cfg, B, T, training, recompute, auto_classifier_chunks(cfg, B, T, training, act_bytes))
+    aliased = _in_ln1(plan)
     return sum(int(np.prod(shape)) * (cfg.n_layer if per_layer else 1) * (act_bytes if kind == "act" else 4)
-               for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training))
-
-
-def check_recompute(recompute: str) -> None:
-    if recompute != "none":
-        raise ValueError(f"--recompute {recompute} is for GPT-2 models; Llama keeps every activation")
+               for name, shape, kind, per_layer in plan if name not in aliased)
 
 
 class Llama3(Model):
@@ -194,7 +231,9 @@ class Llama3(Model):
     DECAYED = frozenset(DECAYED)
 
     def __init__(self, cfg: Llama3Config, backend: Backend, B: int, T: int, training: bool = True,
-                 share_params: "Llama3 | None" = None, recompute: str = "none"):
+                 share_params: "Llama3 | None" = None, recompute: str = "none", classifier_chunks: int | None = None):
+        """As GPT2.__init__; `classifier_chunks`: chunks of the B*T rows the training classifier runs in (None =
+        auto_classifier_chunks)."""
         cfg.validate()
         check_recompute(recompute)
         if T > cfg.block_size:
@@ -203,35 +242,65 @@ class Llama3(Model):
         dt = backend.dtype
         self._alloc_parameters({n for n, _ in parameter_shapes(cfg) if n not in ("wte", "lm_head", "norm")},
                                training, share_params)
-        self.freqs = backend.alloc((T, cfg.head_dim // 2, 2), FLOAT32, tag="activations")
-        backend.upload(self.freqs, freqs_cis(cfg, T))
+        self.recompute = recompute
+        if classifier_chunks is None:
+            classifier_chunks = auto_classifier_chunks(cfg, B, T, training, 4 if dt == FLOAT32 else 2)
+        if not training and classifier_chunks != 1:
+            raise ValueError("an inference model keeps the whole logits (classifier_chunks must be 1)")
         self.acts, self.acts_layer = {}, {}
         L = cfg.n_layer
-        for name, shape, kind, per_layer in activation_shapes(cfg, B, T, training):
-            buf = backend.alloc((L,) + shape if per_layer else shape, dt if kind == "act" else kind,
-                                tag="activations")
+        plan = activation_shapes(cfg, B, T, training, recompute, classifier_chunks)
+        aliased = _in_ln1(plan)
+        for name, shape, kind, per_layer in plan:  # (ln1 comes before the buffers that live in it)
+            full = (L,) + shape if per_layer else shape
+            if name in aliased:
+                buf = backend.view(self.acts["ln1"], 0, full)
+            else:
+                buf = backend.alloc(full, dt if kind == "act" else kind, tag="activations")
             self.acts[name] = buf
             step = int(np.prod(shape))  # (a buffer that is not per layer serves every layer: L times the same)
             self.acts_layer[name] = [backend.view(buf, l * step, shape) if per_layer else buf for l in range(L)]
+        self.freqs = self.acts["freqs"]
+        backend.upload(self.freqs, freqs_cis(cfg, T))
+        # per chunk of rows: (lnf rows, dlnf rows, losses rows, targets rows, logits rows), contiguous views; the
+        # last chunk may be shorter
+        N, C, V, a = B * T, cfg.n_embd, cfg.vocab_size, self.acts
+        R = -(-N // classifier_chunks)
+        self.chunk_views = [
+            (backend.view(a["lnf"], r * C, (n, C)), backend.view(a["dbtc"], r * C, (n, C)) if training else None,
+             backend.view(a["losses"], r, (n,)), backend.view(a["targets"], r, (n,)),
+             backend.view(a["logits"], 0, (n, V)))
+            for r in range(0, N, R) for n in [min(R, N - r)]]
+        self.chunks = len(self.chunk_views)
 
     def head(self, tensors: Tensors):
         return tensors.wte if self.cfg.tie_embeddings else tensors.lm_head
 
     def forward(self, inputs: np.ndarray, targets: np.ndarray | None = None, dloss: float | None = None) -> None:
-        """As GPT2.forward: losses with `targets`; with `dloss` too, the lm-head's backward runs here as well
-        (dlnf in acts['dbtc'], the head's gradient accumulated), for `backward` to continue from."""
+        """As GPT2.forward: losses with `targets`; with `dloss` too, the lm-head's backward runs here as well,
+        chunk by chunk over the B*T rows (the fused classifier turns each chunk's logits into dlogits, which the
+        lm-head backward consumes at once): dlnf lands in acts['dbtc'] and the head's gradient accumulates, for
+        `backward` to continue from. Without targets (a model planned with classifier chunks cannot do that)
+        the logits buffer keeps the whole (B, T, V) logits."""
         k, p, a, al, cfg = self.backend, self.params, self.acts, self.acts_layer, self.cfg
         NH, NKV = cfg.n_head, cfg.n_kv_head
+        if targets is None and self.chunks > 1:
+            raise ValueError(f"this model computes its logits in {self.chunks} chunks of the B*T rows (a training "
+                             f"plan); a forward without targets needs an inference model (training=False)")
         k.upload(a["inputs"], inputs)
+        if targets is not None:  # both uploads first: none waits behind the forward pass queued after it
+            k.upload(a["targets"], targets)
         k.encoder_forward(a["encoded"], a["inputs"], p.wte, None)
         self._layers(a["encoded"], lambda name, l: al[name][l], self.freqs,
                      lambda l, atty, qkv: k.attention_forward(atty, al["att_lse"][l], qkv, NH, NKV))
-        k.matmul_forward(a["logits"], a["lnf"], self.head(p))
-        if targets is not None:
-            k.upload(a["targets"], targets)
-            k.classifier_forward_backward(a["logits"], a["losses"], a["targets"], cfg.vocab_size, dloss)
-            if dloss is not None:
-                k.matmul_backward(a["dbtc"], self.head(self.grads), None, a["logits"], a["lnf"], self.head(p))
+        if targets is None:
+            k.matmul_forward(a["logits"], a["lnf"], self.head(p))
+            return
+        for lnf, dlnf, losses, tgt, logits in self.chunk_views:
+            k.matmul_forward(logits, lnf, self.head(p))
+            k.classifier_forward_backward(logits, losses, tgt, cfg.vocab_size, dloss)
+            if dloss is not None:  # the head's gradient accumulates over the chunks (the interface's += on dweight)
+                k.matmul_backward(dlnf, self.head(self.grads), None, logits, lnf, self.head(p))
 
     def _layers(self, encoded, act, freqs, attend) -> None:
         """The layer loop, written once for the forward pass and for decoding (see GPT2._layers); `freqs` is the
@@ -302,16 +371,26 @@ class Llama3(Model):
         dres, dbtc = a["dresidual"], a["dbtc"]
         k.fill(dres, 0.0)
         k.rmsnorm_backward(dres, g.norm, dbtc, al["residual3"][L - 1], p.norm, a["lnf_rstd"])
+        recompute_norm, recompute_act = "layernorm" in self.recompute, "gelu" in self.recompute
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
+            if recompute_act:  # the SwiGLU output (and/or the rmsnorm outputs) were not kept: recompute them
+                k.swiglu_forward(al["hs"][l], al["h13"][l])
+            if recompute_norm:  # (rstd is rewritten with the value it had: the same kernel on the same input)
+                k.rmsnorm_forward(al["ln2"][l], al["ln2_rstd"][l], al["residual2"][l], p.layer("ffn_norm", l),
+                                  cfg.norm_eps)
+            # MLP block
             k.matmul_backward(a["dhs"], g.layer("w2", l), None, dres, al["hs"][l], p.layer("w2", l))
             k.swiglu_backward(a["dh13"], a["dhs"], al["h13"][l])
             k.matmul_backward(dbtc, g.layer("w13", l), None, a["dh13"], al["ln2"][l], p.layer("w13", l))
             k.rmsnorm_backward(dres, g.layer("ffn_norm", l), dbtc, al["residual2"][l], p.layer("ffn_norm", l),
                                al["ln2_rstd"][l])
+            # attention block
             k.matmul_backward(dbtc, g.layer("wo", l), None, dres, al["atty"][l], p.layer("wo", l))
             k.attention_backward(a["dqkv"], dbtc, al["qkv"][l], al["atty"][l], al["att_lse"][l], NH, NKV)
             k.rope_backward(a["dqkv"], self.freqs, NH, NKV)
+            if recompute_norm:
+                k.rmsnorm_forward(al["ln1"][l], al["ln1_rstd"][l], residual, p.layer("attn_norm", l), cfg.norm_eps)
             k.matmul_backward(dbtc, g.layer("wqkv", l), None, a["dqkv"], al["ln1"][l], p.layer("wqkv", l))
             k.rmsnorm_backward(dres, g.layer("attn_norm", l), dbtc, residual, p.layer("attn_norm", l),
                                al["ln1_rstd"][l])

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 
 # ---- out of memory ----------------------------------------------------------------------------------------------
-def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int) -> str:
+def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int, recompute: str = "none") -> str:
     """One line: what the plan asks for, what the device has free (when it says), and what to lower."""
     asked = None
     try:
         from llmc_cli.models.families import memory_plan
-        asked = sum(memory_plan(cfg, B, T, backend.dtype).values())
+        asked = sum(memory_plan(cfg, B, T, backend.dtype, recompute=recompute).values())
     except Exception:
         pass
     parts = [f"out of memory on --backend {getattr(backend, 'name', '?')} planning B={B} T={T}"]
@@ -27,6 +27,6 @@ def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int) -> str
     except Exception:
         pass
     detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    more = "" if recompute == "gelu+layernorm" else ", or recompute activations (--recompute gelu+layernorm)"
     return ("; ".join(parts) + f" ({detail}); lower -b/--batch-size (keep the step size with "
-            "--total-batch-size) or -t/--seq-len, or activation --recompute where the backend offers it; "
-            "`llmc train --dry-run` shows the plan")
+            f"--total-batch-size) or -t/--seq-len{more}; `llmc train --dry-run` shows the plan")

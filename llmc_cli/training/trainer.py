@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +19,7 @@ from llmc_cli.formats.shards import has_split
 from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.inference.sampling import generate
 from llmc_cli.kernels import AVG, BFLOAT16, MAX, Backend, update_applies
+from llmc_cli.models.base import check_recompute
 from llmc_cli.models.families import family_for, family_of
 from llmc_cli.optim import AdamW, AdamWConfig, lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
@@ -56,7 +57,7 @@ class TrainArgs:
     vocab_size: int | None = None          # None = the preset's (GPT-2: 50257)
     batch_size: int = 4
     seq_len: int = 64
-    recompute: str = "none"               # GPT-2: none | gelu | layernorm | gelu+layernorm (memory vs compute)
+    recompute: str = "none"               # none | gelu | layernorm | gelu+layernorm (memory vs compute; models.base)
     total_batch_size: int | None = None   # tokens per optimizer step; None = B*T (no accumulation)
     steps: int = 20
     optim: AdamWConfig = field(default_factory=AdamWConfig)
@@ -91,7 +92,7 @@ def model_config(a: TrainArgs):
     over = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd),
                                ("n_kv_head", a.n_kv_head), ("block_size", a.block_size),
                                ("vocab_size", a.vocab_size)) if v is not None}
-    if "n_kv_head" in over and family.name != "llama3":
+    if "n_kv_head" in over and "n_kv_head" not in {f.name for f in fields(family.config_class)}:
         raise ValueError(f"--n-kv-head applies to Llama models, not {a.model}")
     cfg = family.preset(a.model, **over)
     cfg.validate()
@@ -118,6 +119,10 @@ def check_args(a: TrainArgs) -> None:
         raise TrainError(f"--lr-decay-frac must be in [0, 1] (got {a.lr_decay_frac})")
     if a.total_batch_size is not None and not a.total_batch_size > 0:
         raise TrainError(f"--total-batch-size must be positive (got {a.total_batch_size})")
+    try:
+        check_recompute(a.recompute)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
 
 
 class Trainer:
@@ -199,7 +204,7 @@ class Trainer:
             self.opt = make_optimizer(backend, self.model, a.optim, self.comm, a.zero)
         except Exception as e:
             if backend.is_out_of_memory(e):
-                raise TrainError(out_of_memory_message(e, backend, cfg, B, T)) from None
+                raise TrainError(out_of_memory_message(e, backend, cfg, B, T, a.recompute)) from None
             raise
         self.opt.sync_master_from_params()
         self.loss_outliers = OutlierDetector(a.outlier_window)

@@ -293,3 +293,40 @@ def test_dry_run_plans_llama3_8b_without_data():
         assert component in r.output
     # m, v and the fp32 master copy: 12 bytes a parameter
     assert "89.75" in r.output
+
+
+def test_train_with_recompute_logs_the_same_losses(shards, tmp_path):
+    """`--recompute` trains a Llama (once refused): every option logs the losses of keeping the activations, bit
+    for bit on the CPU backend (the same kernels recomputed)."""
+    logs = {}
+    for mode in ("none", "gelu", "layernorm", "gelu+layernorm"):
+        log = tmp_path / f"{mode}.jsonl"
+        run(*TRAIN, "--data", shards / "tiny_train*.bin", "--steps", 3, "--recompute", mode, "--log", log)
+        logs[mode] = losses(log)
+    assert len(logs["none"]) == 3
+    assert all(v == logs["none"] for v in logs.values()), logs
+
+
+def test_dry_run_counts_recompute_and_bad_input_is_one_line():
+    """--dry-run plans a Llama with --recompute (less activation memory; once a traceback), and refuses in one line
+    what training refuses: an unknown --recompute value, a sequence longer than the block size."""
+    def gib(r, row):
+        cells = next(c for c in (ln.split("│") for ln in r.output.splitlines()) if len(c) > 2 and c[1].strip() == row)
+        return float(cells[2])
+    base = ["train", "--model", "llama3-8b", "--dry-run", "-b", 1, "-t", 8192, "--dtype", "bf16"]
+    plain, less = run(*base), run(*base, "--recompute", "gelu+layernorm")
+    assert "--recompute gelu+layernorm" in less.output
+    assert gib(less, "activations") < gib(plain, "activations")
+    assert gib(less, "parameters") == gib(plain, "parameters")
+    one_line_error(run(*base, "--recompute", "swiglu", ok=False), "--recompute", "swiglu")
+    one_line_error(run("train", "--model", "llama3-tiny", "--dry-run", "-t", 512, ok=False),
+                   "-t 512 is longer than the model's block size 256")
+
+
+def test_python_api_refuses_unknown_recompute_in_one_line(shards):
+    from llmc_cli.registry import create_backend
+    from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+    a = TrainArgs(data=str(shards / "tiny_train*.bin"), model="llama3-tiny", batch_size=2, seq_len=16,
+                  recompute="rmsnorm")
+    with pytest.raises(TrainError, match="--recompute must be one of none, gelu, layernorm, gelu\\+layernorm"):
+        Trainer(a, create_backend("cpu"))

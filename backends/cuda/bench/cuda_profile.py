@@ -70,8 +70,8 @@ def main():
     args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, recompute=o.recompute,
                      steps=o.steps + o.warmup + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
     if o.classifier_chunks is not None:  # the engine plans chunks by auto_classifier_chunks; override it here
-        from llmc_cli.models import gpt2
-        gpt2.auto_classifier_chunks = lambda *a, **k: o.classifier_chunks
+        from llmc_cli.models import gpt2, llama3
+        gpt2.auto_classifier_chunks = llama3.auto_classifier_chunks = lambda *a, **k: o.classifier_chunks
     tr = Trainer(args, be, say=print)
     print(f"classifier chunks: {tr.model.chunks}, logits buffer {tuple(tr.model.acts['logits'].shape)}")
     cfg = tr.cfg
