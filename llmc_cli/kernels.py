@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -73,6 +73,7 @@ CAP_BF16 = "bf16"                      # Backend can run with dtype=bfloat16
 CAP_REFERENCE = "reference"            # float32 on the host: the backend others are checked against (bench errors)
 CAP_DEVICE_EVENTS = "device_events"    # timer() measures device time rather than host time
 CAP_KV_CACHE = "kv_cache"              # attention_decode works (incremental decoding over a key/value cache)
+CAP_GRAPHS = "graphs"                  # capture() records a run of kernel calls once and replays it cheaply
 
 
 @dataclass
@@ -255,8 +256,20 @@ class Backend(abc.ABC):
         positions max(0, pos+i-S+1) .. pos+i (causal, scale 1/sqrt(hd), head h uses kv head h // (NH/NKV)); out
         (B,Tn,NH*hd) overwritten. Other slots are neither read nor written; no lse is kept (inference). A chunk that
         wraps around the ring would overwrite slots its own earlier queries still read, so Tn > 1 needs
-        pos + Tn <= S (check_decode_chunk)."""
+        pos + Tn <= S (check_decode_chunk). `pos` is an int, or a (1,) int32 buffer holding it for one new token
+        (Tn == 1), read where the kernels run: what a captured decode step (CAP_GRAPHS) needs, whose position changes
+        from one replay to the next."""
         raise NotImplementedError(f"backend '{self.name}' has no attention_decode (capability {CAP_KV_CACHE!r})")
+
+    # ---- graphs (optional) ------------------------------------------------------------------------------------
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Optional (CAP_GRAPHS): records the device work `fn` enqueues (kernel calls only: no upload, download,
+        alloc or synchronize inside) without running it, and returns a function that enqueues all of it again, with
+        the same buffers and scalar arguments, for far less host time than the calls themselves. Whatever changes
+        between replays must live in buffers written before each replay (tokens, a position: see
+        attention_decode). Run `fn` once uncaptured first, so that anything it allocates or tunes on first use is
+        in place."""
+        raise NotImplementedError(f"backend '{self.name}' cannot capture graphs (capability {CAP_GRAPHS!r})")
 
     # ---- fused classifier: softmax + cross-entropy + dlogits -----------------------------------------------
     @abc.abstractmethod

@@ -5,7 +5,9 @@ A decoder shares a model's parameters and runs the model's own layer loop (`_lay
 but only for the new tokens and on scratch buffers planned once for (B, chunk): their q, k, v come from the usual
 matmul, `attention_decode` writes k and v into per-layer caches (one per key/value head: grouped-query attention
 caches NKV heads, not NH) and attends over what is cached. A prompt goes in as chunks of up to `chunk` tokens,
-each following token as a chunk of one.
+each following token as a chunk of one. Where the backend can capture graphs (CAP_GRAPHS) the one-token step is
+recorded once and replayed: the model stages what the position changes (`decode_inputs`) and the position itself
+goes in through a device buffer, so the step's launches cost one call.
 
 The caches are rings of S slots (position p in slot p % S), and what happens once a sequence outgrows them
 depends on how the model encodes positions (`model.decode_slides()`):
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc_cli.kernels import CAP_KV_CACHE
+from llmc_cli.kernels import CAP_GRAPHS, CAP_KV_CACHE, INT32
 from llmc_cli.models.base import Model
 
 
@@ -57,6 +59,10 @@ class KVDecoder:
         self.v_all = k.alloc((L,) + cache_shape, dt, tag="kv_cache")
         self.k_cache = [k.view(self.k_all, l * step, cache_shape) for l in range(L)]
         self.v_cache = [k.view(self.v_all, l * step, cache_shape) for l in range(L)]
+        self._views: dict[int, dict] = {}  # Tn -> the planned buffers' (B, Tn, ...) views
+        self.graphs = CAP_GRAPHS in k.capabilities
+        self.pos_buf = k.alloc((1,), INT32, tag="kv_decode") if self.graphs else None
+        self._step, self._warm = None, False  # the captured one-token step, once a first one ran uncaptured
         self.reset()
 
     def reset(self) -> None:
@@ -100,10 +106,26 @@ class KVDecoder:
         return logits[:, Tn - 1, :self.cfg.vocab_size].astype(np.float32)
 
     def _forward(self, tokens: np.ndarray) -> int:
-        Tn = tokens.shape[1]
-        v = {name: self._v(name, Tn) for name in self.plan}
-        self.backend.upload(v["inputs"], tokens)
-        self.model.decode_forward(v, self.pos, self.k_cache, self.v_cache)
+        Tn, k, model = tokens.shape[1], self.backend, self.model
+        v = self._views.get(Tn)
+        if v is None:
+            v = self._views[Tn] = {name: self._v(name, Tn) for name in self.plan}
+        k.upload(v["inputs"], tokens)
+        model.decode_inputs(v, self.pos)
+        if self.graphs and Tn == 1:
+            k.upload(self.pos_buf, np.array([self.pos], dtype=np.int32))
+            if self._step is None:
+                def step():
+                    model.decode_forward(v, self.pos_buf, self.k_cache, self.v_cache)
+                if self._warm:
+                    self._step = k.capture(step)
+                else:  # the first run allocates and compiles what the step needs, which a capture must not
+                    step()
+                    self._warm = True
+            if self._step is not None:
+                self._step()
+        else:
+            model.decode_forward(v, self.pos, self.k_cache, self.v_cache)
         self.pos += Tn
         return Tn
 

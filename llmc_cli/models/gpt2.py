@@ -305,6 +305,7 @@ class GPT2(Model):
             "ln": ((B, S, C), dt), "mean": ((B, S), FLOAT32), "rstd": ((B, S), FLOAT32),
             "qkv": ((B, S, 3 * C), dt), "atty": ((B, S, C), dt), "btc": ((B, S, C), dt),
             "fch": ((B, S, 4 * C), dt), "fch_gelu": ((B, S, 4 * C), dt), "logits": ((B, S, Vp), dt),
+            "pe": ((1, S, C), dt),  # the wpe rows of the new positions (decode_inputs)
         }
 
     def decode_heads(self) -> tuple[int, int, int]:
@@ -317,12 +318,18 @@ class GPT2(Model):
     def decode_slides(self) -> bool:
         return False  # learned absolute positions: a full cache refills from position 0 (inference.decode)
 
-    def decode_forward(self, v: dict, pos: int, k_cache: list, v_cache: list) -> None:
-        """The new tokens in v["inputs"] (B, Tn) at positions pos..: logits for each in v["logits"]."""
+    def decode_inputs(self, v: dict, pos: int) -> None:
+        """What the new tokens' positions pos.. change, staged into v (wpe's rows, into v["pe"]), so that
+        decode_forward itself is the same work at every position (a graph replays it)."""
+        k, C, Tn = self.backend, self.cfg.n_embd, v["inputs"].shape[1]
+        k.copy(k.view(v["pe"], 0, (Tn, C)), k.view(self.params.wpe, pos * C, (Tn, C)))
+
+    def decode_forward(self, v: dict, pos, k_cache: list, v_cache: list) -> None:
+        """The new tokens in v["inputs"] (B, Tn) at positions pos.. (an int, or a (1,) int32 buffer holding it for one
+        token), after decode_inputs: logits for each in v["logits"]."""
         k, p, cfg = self.backend, self.params, self.cfg
-        C, NH = cfg.n_embd, cfg.n_head
-        wpe = k.view(p.wpe, pos * C, (cfg.block_size - pos, C))  # row t of this view is position pos + t
-        k.encoder_forward(v["x"], v["inputs"], p.wte, wpe)
+        C, NH, Tn = cfg.n_embd, cfg.n_head, v["inputs"].shape[1]
+        k.encoder_forward(v["x"], v["inputs"], p.wte, k.view(v["pe"], 0, (Tn, C)))
         k.layernorm_forward(v["ln"], v["mean"], v["rstd"], v["x"], p.layer("ln1w", 0), p.layer("ln1b", 0))
         shared = self._DECODE_SHARED
         self._layers(v["x"], lambda name, l: v[shared.get(name, name)],

@@ -349,14 +349,18 @@ class Llama3(Model):
     def decode_slides(self) -> bool:
         return True  # rotary positions are relative: a cached key stays valid as the window slides past it
 
-    def decode_forward(self, v: dict, pos: int, k_cache: list, v_cache: list) -> None:
-        """As GPT2.decode_forward; the rotary rows of positions pos.. are computed here (a sliding window takes
-        positions past any table planned ahead) and uploaded into v["freqs"]."""
-        k, p, cfg = self.backend, self.params, self.cfg
-        NH, NKV = cfg.n_head, cfg.n_kv_head
+    def decode_inputs(self, v: dict, pos: int) -> None:
+        """As GPT2.decode_inputs: the rotary rows of positions pos.., computed here (a sliding window takes
+        positions past any table planned ahead), uploaded into v["freqs"]."""
         Tn = v["inputs"].shape[1]
+        self.backend.upload(self.backend.view(v["freqs"], 0, (Tn, self.cfg.head_dim // 2, 2)),
+                            freqs_cis(self.cfg, Tn, start=pos))
+
+    def decode_forward(self, v: dict, pos, k_cache: list, v_cache: list) -> None:
+        """As GPT2.decode_forward."""
+        k, p, cfg = self.backend, self.params, self.cfg
+        NH, NKV, Tn = cfg.n_head, cfg.n_kv_head, v["inputs"].shape[1]
         freqs = k.view(v["freqs"], 0, (Tn, cfg.head_dim // 2, 2))
-        k.upload(freqs, freqs_cis(cfg, Tn, start=pos))
         k.encoder_forward(v["x"], v["inputs"], p.wte, None)
         shared = self._DECODE_SHARED
         self._layers(v["x"], lambda name, l: v[shared.get(name, name)], freqs,

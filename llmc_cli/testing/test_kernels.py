@@ -605,9 +605,12 @@ DECODE_CASES = [
 DECODE_IDS = [f"B{b}NH{nh}NKV{nkv}hd{hd}S{s}pos{p}Tn{t}" for b, nh, nkv, hd, s, p, t in DECODE_CASES]
 
 
+@pytest.mark.parametrize("pos_in", ["int", "buffer"])
 @pytest.mark.parametrize("B,NH,NKV,hd,S,pos,Tn", DECODE_CASES, ids=DECODE_IDS)
-def test_attention_decode(kv_backend, rng, B, NH, NKV, hd, S, pos, Tn):
+def test_attention_decode(kv_backend, rng, B, NH, NKV, hd, S, pos, Tn, pos_in):
     backend = kv_backend
+    if pos_in == "buffer" and Tn != 1:
+        pytest.skip("a position held in a buffer comes with one new token")
     P = pos + Tn  # positions 0..P-1 exist once the call is done
     keys, values = randn(rng, B, NKV, P, hd), randn(rng, B, NKV, P, hd)
     q = randn(rng, B, Tn, NH * hd)
@@ -623,7 +626,8 @@ def test_attention_decode(kv_backend, rng, B, NH, NKV, hd, S, pos, Tn):
     k_cache, k0 = to_device(backend, before_k)
     v_cache, v0 = to_device(backend, before_v)
     out = empty(backend, (B, Tn, NH * hd))
-    backend.attention_decode(out, qkv, k_cache, v_cache, pos, NH, NKV)
+    where = pos if pos_in == "int" else to_device(backend, np.array([pos], np.int32))[0]
+    backend.attention_decode(out, qkv, k_cache, v_cache, where, NH, NKV)
 
     # what the call should leave: the new positions' k, v (as the device holds them) in their slots, the rest
     # untouched; each query attends to the S positions up to its own
@@ -657,6 +661,42 @@ def test_attention_decode_refuses_a_chunk_the_ring_cannot_hold(kv_backend, pos, 
     with pytest.raises(ValueError, match="attention_decode"):
         kv_backend.attention_decode(out, qkv if Tn else kv_backend.view(qkv, 0, (B, 0, qkv.shape[-1])), k_cache,
                                     v_cache, pos, NH, NKV)
+
+
+def test_capture_replays_the_recorded_calls_on_new_inputs(backend, rng):
+    """CAP_GRAPHS: a captured run of kernels replays them with whatever the input buffers hold at replay time,
+    including a decode step whose position comes from a buffer."""
+    from llmc_cli.kernels import CAP_GRAPHS
+    if CAP_GRAPHS not in backend.capabilities:
+        pytest.skip(f"backend '{backend.name}' does not announce the {CAP_GRAPHS} capability")
+    B, NH, NKV, hd, S = 1, 4, 2, 16, 8
+    W = (NH + 2 * NKV) * hd
+    x, _ = to_device(backend, randn(rng, 3, 5, 32))
+    y, hy = to_device(backend, randn(rng, 3, 5, 32))
+    out = empty(backend, (3, 5, 32))
+    qkv, _ = to_device(backend, randn(rng, B, 1, W))
+    kc, vc = to_device(backend, randn(rng, B, NKV, S, hd))[0], to_device(backend, randn(rng, B, NKV, S, hd))[0]
+    att = empty(backend, (B, 1, NH * hd))
+    pos = to_device(backend, np.array([0], np.int32))[0]
+
+    def step():
+        backend.residual_forward(out, x, y)
+        backend.attention_decode(att, qkv, kc, vc, pos, NH, NKV)
+    step()  # the uncaptured first run
+    replay = backend.capture(step)
+    for p in (3, 11):  # positions past the ring's end too
+        hx, hq = randn(rng, 3, 5, 32), randn(rng, B, 1, W)
+        backend.upload(x, hx)
+        backend.upload(qkv, hq)
+        backend.upload(pos, np.array([p], np.int32))
+        poison(backend, out, att)
+        ref_att = empty(backend, (B, 1, NH * hd))
+        kc_ref, vc_ref = (to_device(backend, from_device(backend, c).astype(np.float32))[0] for c in (kc, vc))
+        backend.attention_decode(ref_att, qkv, kc_ref, vc_ref, p, NH, NKV)  # uncaptured, the same inputs
+        replay()
+        assert_close(from_device(backend, out), hx.astype(np.float64) + hy, tol(backend), "residual")
+        assert_close(from_device(backend, att), from_device(backend, ref_att), tol(backend), "attention_decode")
+        np.testing.assert_array_equal(from_device(backend, kc), from_device(backend, kc_ref), err_msg="k_cache")
 
 
 # =============================================================================================================

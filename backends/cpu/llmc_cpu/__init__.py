@@ -402,6 +402,10 @@ class CpuBackend(Backend):
         B, Tn, W = qkv.shape
         hd = W // (n_head + 2 * n_kv_head)
         S = k_cache.shape[2]
+        if not isinstance(pos, (int, np.integer)):  # a (1,) int32 buffer holding the position (one new token)
+            if Tn != 1:
+                raise ValueError("attention_decode: a position held in a buffer takes one new token at a time")
+            pos = int(np.asarray(pos).reshape(-1)[0])
         check_decode_chunk(pos, Tn, S)
         slots = (pos + np.arange(Tn)) % S
         k_cache[:, :, slots] = qkv[:, :, n_head * hd:(n_head + n_kv_head) * hd].reshape(

@@ -14,6 +14,7 @@ from llmc_cli.kernels import (
     BFLOAT16,
     CAP_BF16,
     CAP_DEVICE_EVENTS,
+    CAP_GRAPHS,
     CAP_KV_CACHE,
     FLOAT32,
     INT32,
@@ -26,7 +27,9 @@ from llmc_cli.kernels import (
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256
-_DECODE_THREADS = 128  # attention_decode: keys per tile, and up to two output elements per thread
+_DECODE_THREADS = 128  # attention_decode_part: 4 warps
+_DECODE_SPLIT = 256  # keys per block of attention_decode_part (kernels.cu's DECODE_SPLIT)
+_DECODE_MAX_HD = 256  # its shared query row
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
 
 
@@ -63,7 +66,7 @@ class CudaBackend(Backend):
         if dtype not in (FLOAT32, BFLOAT16):
             raise BackendUnavailable(f"the cuda backend computes in float32 or bfloat16 (asked for {dtype})")
         self.dtype = dtype
-        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS, CAP_KV_CACHE})
+        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS, CAP_GRAPHS, CAP_KV_CACHE})
         self.device = cp.cuda.Device(device)
         self.device.use()
         props = cp.cuda.runtime.getDeviceProperties(device)
@@ -543,18 +546,41 @@ class CudaBackend(Backend):
     def attention_decode(self, out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
         B, Tn, hd = self._attn_shape(qkv, n_head, n_kv_head)
         S = k_cache.shape[2]
-        check_decode_chunk(pos, Tn, S)
-        if hd > 2 * _DECODE_THREADS:
-            raise NotImplementedError(f"cuda attention_decode supports head sizes up to {2 * _DECODE_THREADS}, got {hd}")
+        on_device = not isinstance(pos, (int, np.integer))  # a (1,) int32 buffer: read by the kernels
+        check_decode_chunk(0 if on_device else int(pos), Tn, S)
+        if on_device and Tn != 1:
+            raise ValueError("attention_decode: a position held on the device takes one new token at a time")
+        if hd > _DECODE_MAX_HD:
+            raise NotImplementedError(f"cuda attention_decode supports head sizes up to {_DECODE_MAX_HD}, got {hd}")
         i32 = np.int32
+        pos_v, pos_p = (np.int64(0), pos) if on_device else (np.int64(pos), np.uint64(0))
         n = B * Tn * n_kv_head * hd
         self._launch(self._kk("kv_cache_append", qkv), self._grid(n), _BLOCK,
-                     (k_cache, v_cache, qkv, i32(B), i32(Tn), i32(n_head), i32(n_kv_head), i32(hd), i32(S),
-                      np.int64(pos)))
-        shared = (hd + _DECODE_THREADS + 32) * 4
-        self._launch(self._kk("attention_decode", qkv), B * n_head * Tn, _DECODE_THREADS,
-                     (out, qkv, k_cache, v_cache, i32(Tn), i32(n_head), i32(n_kv_head), i32(hd), i32(S),
-                      np.int64(pos), np.float32(1.0 / math.sqrt(hd))), shared=shared)
+                     (k_cache, v_cache, qkv, i32(B), i32(Tn), i32(n_head), i32(n_kv_head), i32(hd), i32(S), pos_v,
+                      pos_p))
+        rows, splits = B * n_head * Tn, -(-S // _DECODE_SPLIT)  # a grid fixed by S, whatever the position
+        part = self.scratch("att_decode", rows * splits * (hd + 2))
+        self._launch(self._kk("attention_decode_part", qkv), (rows, splits), _DECODE_THREADS,
+                     (part, qkv, k_cache, v_cache, i32(Tn), i32(n_head), i32(n_kv_head), i32(hd), i32(S), pos_v,
+                      pos_p, np.float32(1.0 / math.sqrt(hd))))
+        self._launch(self._kk("attention_decode_combine", out), rows, _DECODE_THREADS,
+                     (out, part, i32(Tn), i32(n_head), i32(hd), i32(splits)))
+
+    # ---- graphs ----------------------------------------------------------------------------------------------
+    def capture(self, fn):
+        """CUDA graph of the work `fn` enqueues on the backend's stream (recorded, not run); the returned function
+        launches it. The cuBLASLt tuner's races (events, host waits) are held off while recording."""
+        self.lt.capturing = True
+        try:
+            self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                fn()
+            finally:
+                graph = self.stream.end_capture()
+        finally:
+            self.lt.capturing = False
+        stream = self.stream
+        return lambda: graph.launch(stream)
 
     # ---- classifier ------------------------------------------------------------------------------------------
     def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):

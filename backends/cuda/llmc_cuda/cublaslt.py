@@ -155,6 +155,7 @@ class CublasLt:
         self.candidates = 8 if self.tune else 1  # heuristic results asked for per plan
         self.tune_after = TUNE_AFTER
         self._streams: dict[int, object] = {}
+        self.capturing = False  # set by CudaBackend.capture while a graph is recorded
         self.tuning: dict[tuple, list] = {}  # key -> [(candidate, config, bit-identical, ms or None)], for bench
         self._bits_sum = cupy.ReductionKernel("T x", "uint64 y", "(unsigned long long)x", "a + b", "y = a", "0",
                                               "llmc_bits_sum")
@@ -177,7 +178,7 @@ class CublasLt:
         """D = op(A) op(B) [+ D]; `outputs`: the epilogue's other outputs as (pointer, bytes), for the tuner."""
         args = (a, b, d, self._one.ctypes.data, (self._one if accumulate else self._zero).ctypes.data,
                 self.workspace.data.ptr, stream)
-        if not plan.tuned:
+        if not plan.tuned and not self.capturing:  # (a graph being recorded must not hold a race's events)
             plan.calls += 1
             if plan.calls > self.tune_after:
                 return self._trial_call(plan, args, accumulate, bias, aux, outputs)

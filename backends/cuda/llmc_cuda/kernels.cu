@@ -726,7 +726,8 @@ extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* 
 // attention over a key/value cache (decoding). Caches (B,NKV,S,hd) are rings: position p lives in slot p % S.
 // New tokens' qkv rows are (B,Tn,(NH+2NKV)*hd) at positions pos..pos+Tn-1.
 extern "C" __global__ void kv_cache_append(act_t* kc, act_t* vc, const act_t* qkv, int B, int Tn, int NH, int NKV,
-                                           int hd, int S, long long pos) {
+                                           int hd, int S, long long pos_v, const int* pos_p) {
+    long long pos = pos_p ? (long long)pos_p[0] : pos_v;
     long long n = (long long)B * Tn * NKV * hd;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         int d = (int)(i % hd);
@@ -753,65 +754,112 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
     return is_max ? warp_max(v) : warp_sum(v);
 }
 
-// One block per query row (b, h, t): an online softmax over the positions it sees (the S up to its own),
-// blockDim keys at a time: thread j scores key j of the tile, then thread d accumulates output elements d and
-// d + blockDim (hd <= 2 * blockDim). Shared: q (hd floats) | tile probabilities (blockDim) | reduction (32).
-extern "C" __global__ void attention_decode(act_t* out, const act_t* qkv, const act_t* kc, const act_t* vc, int Tn,
-                                            int NH, int NKV, int hd, int S, long long pos, float scale) {
-    extern __shared__ float sm[];
-    float* qs = sm;
-    float* ps = sm + hd;
-    float* red = ps + blockDim.x;
+// Split over the keys (flash-decoding): block (row, split) with row = (b, h, t) scores the keys
+// split*DECODE_SPLIT .. +DECODE_SPLIT of the positions the row sees (the S up to its own), a warp per key with its
+// lanes over hd, and writes its partial softmax: max m, sum l and the unnormalised output acc (hd) into
+// part[(row * splits + split) * (hd + 2) ..]; attention_decode_combine merges the splits in a fixed order. The
+// position comes from pos_p[0] when pos_p is given (a captured graph replays with a new one), else from pos_v;
+// the grid is fixed by S, so a split past the row's keys only writes an empty partial. 4 warps, hd <= 256.
+#define DECODE_SPLIT 256
+extern "C" __global__ void attention_decode_part(float* part, const act_t* qkv, const act_t* kc, const act_t* vc,
+                                                 int Tn, int NH, int NKV, int hd, int S, long long pos_v,
+                                                 const int* pos_p, float scale) {
+    __shared__ float qs[256];
+    __shared__ float ps[DECODE_SPLIT];
+    __shared__ float red[32];
+    __shared__ float accs[4 * 256];
     long long row = blockIdx.x;
+    int split = blockIdx.y, splits = gridDim.y;
     int t = (int)(row % Tn);
     int h = (int)((row / Tn) % NH);
     long long b = row / ((long long)Tn * NH);
-    int W = (NH + 2 * NKV) * hd;
-    int kvh = h / (NH / NKV);
+    long long pos = pos_p ? (long long)pos_p[0] : pos_v;
+    long long hi = pos + t, lo = hi - S + 1 > 0 ? hi - S + 1 : 0;
+    int n = (int)(hi - lo + 1), j0 = split * DECODE_SPLIT;
+    float* out = part + (row * splits + split) * (long long)(hd + 2);
+    if (j0 >= n) {
+        if (threadIdx.x == 0) { out[hd] = -LLMC_INF; out[hd + 1] = 0.0f; }
+        return;
+    }
+    int cnt = min(DECODE_SPLIT, n - j0);
+    int W = (NH + 2 * NKV) * hd, kvh = h / (NH / NKV);
     const act_t* q = qkv + (b * Tn + t) * W + h * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = to_f(q[d]) * scale;
     __syncthreads();
-    long long hi = pos + t, lo = hi - S + 1 > 0 ? hi - S + 1 : 0;
-    int n = (int)(hi - lo + 1), slot_lo = (int)(lo % S);
     const act_t* K = kc + (b * NKV + kvh) * (long long)S * hd;
     const act_t* V = vc + (b * NKV + kvh) * (long long)S * hd;
-    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
-    float m = -LLMC_INF, l = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
-    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
-        int j = j0 + threadIdx.x;
-        float s = -LLMC_INF;
-        if (j < n) {
-            int slot = slot_lo + j;
-            if (slot >= S) slot -= S;
-            const act_t* k = K + (long long)slot * hd;
-            float dot = 0.0f;
-            for (int c = 0; c < hd; c++) dot += qs[c] * to_f(k[c]);
-            s = dot;
-        }
-        float mn = fmaxf(m, block_reduce(s, red, true));  // finite: every tile holds at least one position
-        float e = j < n ? expf(s - mn) : 0.0f;
-        ps[threadIdx.x] = e;
-        float corr = expf(m - mn);
-        l = l * corr + block_reduce(e, red, false);  // (its barriers also publish ps)
-        int cnt = min((int)blockDim.x, n - j0);
-        int slot = slot_lo + j0;
+    int slot0 = (int)((lo + j0) % S);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    for (int jj = warp; jj < cnt; jj += nw) {
+        int slot = slot0 + jj;
         if (slot >= S) slot -= S;
-        float a0 = acc0 * corr, a1 = acc1 * corr;
-        for (int jj = 0; jj < cnt; jj++) {
-            const act_t* v = V + (long long)slot * hd;
-            float p = ps[jj];
-            if (d0 < hd) a0 += p * to_f(v[d0]);
-            if (d1 < hd) a1 += p * to_f(v[d1]);
-            if (++slot == S) slot = 0;
-        }
-        acc0 = a0;
-        acc1 = a1;
-        m = mn;
-        __syncthreads();  // the next tile rewrites ps
+        const act_t* k = K + (long long)slot * hd;
+        float dot = 0.0f;
+        for (int d = lane; d < hd; d += 32) dot += qs[d] * to_f(k[d]);
+        dot = warp_sum(dot);
+        if (lane == 0) ps[jj] = dot;
     }
+    __syncthreads();
+    float m = -LLMC_INF;
+    for (int jj = threadIdx.x; jj < cnt; jj += blockDim.x) m = fmaxf(m, ps[jj]);
+    m = block_reduce(m, red, true);
+    float l = 0.0f;
+    for (int jj = threadIdx.x; jj < cnt; jj += blockDim.x) {
+        float e = expf(ps[jj] - m);
+        ps[jj] = e;
+        l += e;
+    }
+    l = block_reduce(l, red, false);  // (its barriers also publish ps)
+    // item i = (g, d): output element d summed over the keys g, g + groups, ... (groups = blockDim / hd, at least
+    // one: then a thread takes d and d + blockDim)
+    int groups = max(1, (int)blockDim.x / hd);
+    for (int i = threadIdx.x; i < groups * hd; i += blockDim.x) {
+        int g = i / hd, d = i % hd;
+        float a0 = 0.0f, a1 = 0.0f;
+        int jj = g;
+        for (; jj + groups < cnt; jj += 2 * groups) {  // two independent chains keep two loads in flight
+            int s0 = slot0 + jj, s1 = slot0 + jj + groups;
+            if (s0 >= S) s0 -= S;
+            if (s1 >= S) s1 -= S;
+            a0 += ps[jj] * to_f(V[(long long)s0 * hd + d]);
+            a1 += ps[jj + groups] * to_f(V[(long long)s1 * hd + d]);
+        }
+        if (jj < cnt) {
+            int s0 = slot0 + jj;
+            if (s0 >= S) s0 -= S;
+            a0 += ps[jj] * to_f(V[(long long)s0 * hd + d]);
+        }
+        accs[i] = a0 + a1;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int gg = 0; gg < groups; gg++) a += accs[gg * hd + d];
+        out[d] = a;
+    }
+    if (threadIdx.x == 0) { out[hd] = m; out[hd + 1] = l; }
+}
+
+// out[row] = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M), M = max_s m_s, splits merged in order
+extern "C" __global__ void attention_decode_combine(act_t* out, const float* part, int Tn, int NH, int hd,
+                                                    int splits) {
+    long long row = blockIdx.x;
+    const float* p = part + row * splits * (long long)(hd + 2);
+    float M = -LLMC_INF;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, p[s * (hd + 2) + hd]);
+    float L = 0.0f;
+    for (int s = 0; s < splits; s++) L += p[s * (hd + 2) + hd + 1] * expf(p[s * (hd + 2) + hd] - M);
+    int t = (int)(row % Tn), h = (int)((row / Tn) % NH);
+    long long b = row / ((long long)Tn * NH);
     act_t* o = out + (b * Tn + t) * NH * hd + h * hd;
-    if (d0 < hd) o[d0] = from_f(acc0 / l);
-    if (d1 < hd) o[d1] = from_f(acc1 / l);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float w = expf(p[s * (hd + 2) + hd] - M);  // an empty split: e^-inf = 0
+            a += p[s * (hd + 2) + d] * w;
+        }
+        o[d] = from_f(a / L);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -656,6 +656,10 @@ class OpenCLBackend(Backend):
         NH, NKV = n_head, n_kv_head
         hd = W // (NH + 2 * NKV)
         S = k_cache.shape[2]
+        if not isinstance(pos, (int, np.integer)):  # a (1,) int32 buffer holding the position (one new token)
+            if Tn != 1:
+                raise ValueError("attention_decode: a position held in a buffer takes one new token at a time")
+            pos = int(pos.get().reshape(-1)[0])
         check_decode_chunk(pos, Tn, S)
         if hd > _DECODE_MAX_HD:
             raise NotImplementedError(f"opencl attention_decode supports head sizes up to {_DECODE_MAX_HD}, got {hd}")
