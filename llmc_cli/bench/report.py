@@ -72,7 +72,8 @@ def train_table(res: dict):
                       ("alloc MiB", "right"), ("device used MiB", "right"), ("RSS peak MiB", "right")):
         table.add_column(col, justify=just, no_wrap=col != "backend")
     for r in res["results"]:
-        table.add_row(r["name"], r.get("dtype", "-"),
+        name = r["name"] + (f"\n[dim]{r['optimizer']}[/]" if r.get("optimizer") else "")  # torch's AdamW flavour
+        table.add_row(name, r.get("dtype", "-"),
                       f"{_fmt_ms(r['median_ms'])} [dim]\\[{_fmt_ms(r['min_ms'])}-{_fmt_ms(r['max_ms'])}][/]",
                       f"{r['tok_s']:,.0f}", f"{r['tflop_s']:.3f}",
                       "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",

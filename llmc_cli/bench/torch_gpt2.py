@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from llmc_cli.models.base import split_flat
-from llmc_cli.models.gpt2 import GPT2Config
+from llmc_cli.models.gpt2 import DECAYED, GPT2Config
 
 
 def build_torch_gpt2(cfg: GPT2Config, flat: np.ndarray, shapes):
-    """GPT-2 as a torch.nn.Module (SDPA attention, tanh GELU, tied wte) holding llmc's flat parameters."""
+    """GPT-2 as a torch.nn.Module (SDPA attention, tanh GELU, tied wte) holding llmc's flat parameters.
+    `model.attention` says which attention runs; `model.decayed` names the parameters AdamW decays (llmc's)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -54,8 +55,12 @@ def build_torch_gpt2(cfg: GPT2Config, flat: np.ndarray, shapes):
              "attprojw": "proj.weight", "attprojb": "proj.bias", "ln2w": "ln2.weight", "ln2b": "ln2.bias",
              "fcw": "fc.weight", "fcb": "fc.bias", "fcprojw": "fcproj.weight", "fcprojb": "fcproj.bias"}
     state = {"wte.weight": t["wte"], "wpe.weight": t["wpe"], "lnf.weight": t["lnfw"], "lnf.bias": t["lnfb"]}
+    llmc_name = {"wte.weight": "wte", "wpe.weight": "wpe", "lnf.weight": "lnfw", "lnf.bias": "lnfb"}
     for l in range(cfg.n_layer):
         for ours, theirs in names.items():
             state[f"blocks.{l}.{theirs}"] = t[ours][l]
+            llmc_name[f"blocks.{l}.{theirs}"] = ours
     model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v, np.float32)) for k, v in state.items()})
+    model.attention = "SDPA"
+    model.decayed = {n for n, ours in llmc_name.items() if ours in DECAYED}
     return model

@@ -16,22 +16,28 @@ import numpy as np
 from llmc_cli.bench.backends import BenchError
 from llmc_cli.bench.kernel_cases import _cfg_dict, _spread
 from llmc_cli.bench.torch_gpt2 import build_torch_gpt2
+from llmc_cli.bench.torch_llama3 import build_torch_llama3, sdpa_enable_gqa
 from llmc_cli.kernels import (
     BFLOAT16,
     FLOAT32,
     Backend,
 )
-from llmc_cli.models.families import flops_per_token
-from llmc_cli.models.gpt2 import GPT2Config
+from llmc_cli.models.families import family_of, flops_per_token
+from llmc_cli.models.family import Config
 
 # ---------------------------------------------------------------------------------------------------------------
 # end-to-end training
 
-# the families `llmc bench train` times (it builds a PyTorch twin of the model for --compare torch)
-TRAIN_FAMILIES = ("gpt2",)
+# the PyTorch twin of each family's model, (cfg, flat parameters, T, device, dtype) -> nn.Module whose
+# forward(idx, targets) is the mean loss; `llmc bench train --compare torch` needs one for the model's family
+TORCH_TWINS: dict[str, Callable] = {
+    "gpt2": lambda cfg, flat, T, device, dtype: build_torch_gpt2(cfg, flat, family_of(cfg).parameter_shapes(cfg)),
+    "llama3": lambda cfg, flat, T, device, dtype: build_torch_llama3(
+        cfg, flat, T, gqa=sdpa_enable_gqa(device, dtype == BFLOAT16)),
+}
 
 
-def flops_per_step(cfg: GPT2Config, B: int, T: int) -> int:
+def flops_per_step(cfg: Config, B: int, T: int) -> int:
     """llm.c's estimate (models.families.flops_per_token) for a step of B sequences of T tokens."""
     return flops_per_token(cfg, T) * B * T
 
@@ -62,15 +68,30 @@ def _train_record(label: str, kind: str, times_s: list[float], losses: list[floa
     return r
 
 
-def train_llmc(label: str, backend: Backend, cfg: GPT2Config, B: int, T: int, data: str, *, steps: int,
+# the shape fields the trainer takes as overrides of a preset (TrainArgs' names); the rest come with the preset
+_SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "vocab_size")
+
+
+def _preset_for(cfg: Config) -> tuple[str, dict]:
+    """A preset name and overrides from which the trainer rebuilds exactly `cfg` (it builds its model from
+    --model and the shape options, not from a config object)."""
+    fam = family_of(cfg)
+    over = {k: getattr(cfg, k) for k in _SHAPE_FIELDS if hasattr(cfg, k)}
+    for name in fam.preset_names:
+        if fam.preset(name, **over) == cfg:
+            return name, over
+    raise BenchError(f"no {fam.label} preset gives this model with --n-layer/--n-head/--n-embd/--block-size/"
+                     f"--vocab-size overrides: {cfg}")
+
+
+def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: str, *, steps: int,
                warmup: int, seed: int) -> dict:
     """`steps` timed training steps after `warmup` ones, through llmc's Trainer (data loader + optimizer)."""
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer
-    args = TrainArgs(data=data, model="d2", n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                     block_size=cfg.block_size, vocab_size=cfg.vocab_size, batch_size=B, seq_len=T,
-                     steps=warmup + steps, seed=seed, optim=AdamWConfig(weight_decay=0.1), val_every=0,
-                     sample_every=0)
+    model, over = _preset_for(cfg)
+    args = TrainArgs(data=data, model=model, **over, batch_size=B, seq_len=T, steps=warmup + steps, seed=seed,
+                     optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0)
     trainer = Trainer(args, backend, say=lambda s: None)
     times, losses = [], []
     try:
@@ -91,22 +112,43 @@ def train_llmc(label: str, backend: Backend, cfg: GPT2Config, B: int, T: int, da
     return r
 
 
-def train_torch(cfg: GPT2Config, B: int, T: int, data: str, *, steps: int, warmup: int, seed: int,
-                compile: bool = False, dtype: str = FLOAT32) -> dict:
-    """PyTorch on the same model (llmc's initial weights), data loader, AdamW and clipping. Raises on failure."""
+def torch_adamw(groups: list[dict], device: str, oc) -> tuple[object, str]:
+    """torch.optim.AdamW with llmc's hyper-parameters: fused (one kernel over every tensor, as llmc's own AdamW is
+    one pass) on CUDA, where the GPU comparison is made and fused is what a tuned PyTorch run uses; foreach (the
+    multi-tensor path every torch has) on the CPU and wherever fused is refused. Returns (optimizer, flavour):
+    the flavour goes into the results, since it moves the step time."""
+    import torch
+    kw = dict(lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps)
+    if device == "cuda":
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kw), "fused"
+        except (RuntimeError, TypeError, ValueError):  # a torch without the fused kernel for these tensors
+            pass
+    return torch.optim.AdamW(groups, foreach=True, **kw), "foreach"
+
+
+def train_torch(cfg: Config, B: int, T: int, data: str, *, steps: int, warmup: int, seed: int,
+                compile: bool = False, dtype: str = FLOAT32, device: str | None = None) -> dict:
+    """PyTorch on the same model (llmc's initial weights), data loader, AdamW and clipping. Raises on failure.
+    `device`: None = CUDA when torch sees one, else the CPU."""
     import torch
 
     from llmc_cli.data.loader import DataLoader
-    from llmc_cli.models.gpt2 import init_parameters, parameter_shapes
     from llmc_cli.optim import AdamWConfig
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_torch_gpt2(cfg, init_parameters(cfg, seed), parameter_shapes(cfg)).to(device)
+    fam = family_of(cfg)
+    twin = TORCH_TWINS.get(fam.name)
+    if twin is None:
+        raise BenchError(f"no PyTorch {fam.label} to compare with")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.device(device):  # modules made on the device: no second host copy of a 1B model's weights
+        model = twin(cfg, fam.init_parameters(cfg, seed), T, device, dtype)
+    model = model.to(device)  # (what was made from numpy: the rotary tables)
     oc = AdamWConfig(weight_decay=0.1)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    plain = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": oc.weight_decay},
-                             {"params": plain, "weight_decay": 0.0}], lr=oc.lr, betas=(oc.beta1, oc.beta2),
-                            eps=oc.eps)
+    # weight decay on the tensors llmc decays (its DECAYED: the matrices), none on norms and biases
+    decay = [p for n, p in model.named_parameters() if n in model.decayed]
+    plain = [p for n, p in model.named_parameters() if n not in model.decayed]
+    opt, flavour = torch_adamw([{"params": decay, "weight_decay": oc.weight_decay},
+                                {"params": plain, "weight_decay": 0.0}], device, oc)
     step_fn = torch.compile(model) if compile else model
     loader = DataLoader(data, B, T, seed=seed, vocab_size=cfg.vocab_size)
     amp = torch.autocast(device, dtype=torch.bfloat16) if dtype == BFLOAT16 else None
@@ -127,7 +169,7 @@ def train_torch(cfg: GPT2Config, B: int, T: int, data: str, *, steps: int, warmu
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
         opt.step()
-        lv = loss.item()
+        lv = loss.item()  # waits for the device: the step is over when its loss is on the host
         dt = time.perf_counter() - t0
         if s == 0:
             first = dt
@@ -138,30 +180,48 @@ def train_torch(cfg: GPT2Config, B: int, T: int, data: str, *, steps: int, warmu
     r = _train_record(label, "torch", times, losses, B, T, flops_per_step(cfg, B, T), None)
     r.update(describe=f"PyTorch {torch.__version__} on {device}"
              + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else f", {torch.get_num_threads()} threads"),
-             dtype=dtype, first_step_s=first, host_rss_peak_bytes=_rss_peak_bytes(),
+             dtype=dtype, optimizer=f"AdamW {flavour}", attention=model.attention,
+             first_step_s=first, host_rss_peak_bytes=_rss_peak_bytes(),
              allocated_bytes=int(torch.cuda.max_memory_allocated()) if device == "cuda" else None)
     return r
 
 
-def random_shard(directory: str | Path, cfg: GPT2Config, ntokens: int, seed: int) -> str:
-    """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it."""
+def random_shard(directory: str | Path, cfg: Config, ntokens: int, seed: int) -> str:
+    """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it. The
+    format is the one the trainer takes for the model's vocabulary: GPT-2's (16-bit ids) up to 50257 ids,
+    Llama 3's (32-bit) for 128256 and more; a vocabulary between the two has no shard format."""
     from llmc_cli.formats.shards import write_shard
+    from llmc_cli.training.trainer import SHARD_VOCAB
+    fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1]) if cfg.vocab_size >= n]
+    if not fits or (fits[0] == "gpt2" and cfg.vocab_size > 2**16):
+        raise BenchError(f"--vocab-size {cfg.vocab_size}: random tokens need a vocabulary of GPT-2's 50257 to "
+                         f"65536 ids or Llama 3's 128256 or more (shard formats); give --data instead")
     rng = np.random.default_rng(seed)
     path = Path(directory) / "bench_train_000000.bin"
-    write_shard(path, rng.integers(0, cfg.vocab_size, ntokens, dtype=np.int64).astype(np.uint16))
+    write_shard(path, rng.integers(0, cfg.vocab_size, ntokens, dtype=np.int64), tokenizer=fits[0])
     return str(path)
 
 
-def run_train(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, T: int, *, steps: int = 10,
+def torch_dtype_for(backends: Sequence[tuple[str, Backend]]) -> str:
+    """PyTorch's dtype for --torch-dtype auto: the backends' when they share one (so `--dtype bf16` compares
+    bf16 with bf16 autocast, not with float32), else float32."""
+    dts = {be.dtype for _, be in backends}
+    return dts.pop() if len(dts) == 1 and dts <= {FLOAT32, BFLOAT16} else FLOAT32
+
+
+def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: int, *, steps: int = 10,
               warmup: int = 2, seed: int = 1337, data: str | None = None, compare: Sequence[str] = (),
-              torch_dtype: str = FLOAT32, progress: Callable[[str], None] | None = None) -> dict:
+              torch_dtype: str | None = FLOAT32, progress: Callable[[str], None] | None = None) -> dict:
     """Training steps on every backend (and PyTorch for `compare` entries "torch-eager" / "torch-compile").
-    `data`: a glob of shards; None writes a temporary shard of random tokens. Returns {"config", "results",
-    "notes"}; a PyTorch variant that fails is a note, not an error."""
+    `data`: a glob of shards; None writes a temporary shard of random tokens. `torch_dtype` None: the
+    backends' dtype where they share one (bf16 runs PyTorch under bf16 autocast), else float32. Returns
+    {"config", "results", "notes"}; a PyTorch variant that fails is a note, not an error."""
     if steps < 1 or warmup < 0:
         raise BenchError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     if T > cfg.block_size:
         raise BenchError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    if torch_dtype is None:
+        torch_dtype = torch_dtype_for(backends)
     results, notes = [], []
     with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
         if data is None:
@@ -180,8 +240,10 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, 
         if torch_modes:
             try:
                 import torch  # noqa: F401
-            except ImportError:
-                notes.append("PyTorch is not installed: --compare torch skipped (pip install torch)")
+            except Exception as e:  # not installed, or installed but broken (a CUDA library that fails to load)
+                why = "not installed" if isinstance(e, ImportError) else \
+                    f"not importable ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]})"
+                notes.append(f"PyTorch is {why}: --compare torch skipped (pip install torch)")
                 torch_modes = []
         for mode in torch_modes:
             if progress:
@@ -190,6 +252,10 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, 
                 r = train_torch(cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
                                 compile=mode == "torch-compile", dtype=torch_dtype)
                 results.append(r)
+                notes.append(f"{r['name']}: {r['describe']}; {r['optimizer']} (torch.optim.AdamW"
+                             f"{'(fused=True)' if r['optimizer'].endswith('fused') else '(foreach=True)'}), "
+                             f"attention {r['attention']}"
+                             + (", bf16 autocast over float32 weights" if torch_dtype == BFLOAT16 else ", float32"))
                 if mode == "torch-compile":
                     notes.append(f"torch compile: first step {r['first_step_s']:.1f} s (compilation, untimed)")
             except Exception as e:  # torch.compile needs a working compiler toolchain; report, don't fail
@@ -197,5 +263,6 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, 
                 notes.append(f"{mode} failed: {type(e).__name__}: {first}")
                 gc.collect()
     return {"config": {**_cfg_dict(cfg), "B": B, "T": T, "steps": steps, "warmup": warmup, "seed": seed,
-                       "data": data_desc, "flops_per_step": flops_per_step(cfg, B, T)},
+                       "data": data_desc, "flops_per_step": flops_per_step(cfg, B, T),
+                       **({"torch_dtype": torch_dtype} if torch_modes else {})},
             "results": results, "notes": notes}

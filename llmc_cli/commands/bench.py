@@ -28,11 +28,10 @@ from llmc_cli.bench.backends import BenchError, reference_backend, resolve_backe
 from llmc_cli.bench.kernel_cases import run_kernels
 from llmc_cli.bench.machine import describe_machine, machine_lines
 from llmc_cli.bench.report import kernels_table, train_table
-from llmc_cli.bench.train_steps import TRAIN_FAMILIES, run_train
+from llmc_cli.bench.train_steps import run_train
 from llmc_cli.charts import plot_kernels, plot_train, require_matplotlib
 from llmc_cli.commands.console import BACKEND_OPT_HELP
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
-from llmc_cli.models.gpt2 import preset
 
 
 def print_wide(console, renderable) -> None:
@@ -74,7 +73,7 @@ def _model_options(f=None, *, batch: int = 4, seq: int = 64, seq_help: str = "Se
         click.option("--dtype", type=click.Choice(["fp32", "bf16", "auto"]), default="auto", show_default=True,
                      help="Compute dtype for every backend; auto = each backend's default."),
         click.option("--model", default="d12", show_default=True,
-                     help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48; for `kernels` also Llama 3 "
+                     help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48, or Llama 3 "
                           "(llama3-tiny, llama3.2-1b, ...: rmsnorm, RoPE, GQA attention, SwiGLU)."),
         click.option("--n-layer", type=POSITIVE, default=None, help="Override the preset's layer count."),
         click.option("--n-head", type=POSITIVE, default=None, help="Override the preset's head count."),
@@ -102,21 +101,14 @@ def _setup(o: dict):
     B, T = o["batch_size"], o["seq_len"]
     if B <= 0 or T <= 0:
         fail(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
-    over = {k: o[k] for k in ("n_layer", "n_head", "n_embd") if o[k]}
+    # the preset's own vocabulary and context unless given (GPT-2's: 50257 and 1024)
+    over = {k: o[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if o[k]}
     try:
         from llmc_cli.models.families import family_for
-        fam = family_for(o["model"])
-        if fam.name in TRAIN_FAMILIES:
-            cfg = preset(o["model"], block_size=o["block_size"] or 1024, vocab_size=o["vocab_size"] or 50257, **over)
-        else:  # Llama 3: the preset's own vocabulary and context unless given
-            over |= {k: o[k] for k in ("block_size", "vocab_size") if o[k]}
-            cfg = fam.preset(o["model"], **over)
+        cfg = family_for(o["model"]).preset(o["model"], **over)
         cfg.validate()
     except ValueError as e:
         fail(f"--model: {e}")
-    if fam.name not in TRAIN_FAMILIES and not o.get("kernels_only"):
-        fail(f"--model {o['model']}: `llmc bench train` times GPT-2 models; Llama 3 kernels are timed by "
-             f"`llmc bench kernels --model {o['model']}`")
     if T > cfg.block_size:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
     if o["plot"]:
@@ -203,7 +195,7 @@ def kernels(**o) -> None:
       llmc bench kernels --model d12 -b 4 -t 64 --plot kernels.png
     """
     from llmc_cli.commands.console import console, fail
-    cfg, B, T, backends, skipped = _setup(o | {"kernels_only": True})
+    cfg, B, T, backends, skipped = _setup(o)
     status = _progress(o["as_json"])
     try:
         if status:
@@ -236,9 +228,11 @@ def kernels(**o) -> None:
 @click.option("--data", default=None, help="Glob of token shards [default: a temporary shard of random tokens].")
 @click.option("--compare", type=click.Choice(["torch", "torch-eager", "torch-compile"]), multiple=True,
               help="Also time PyTorch on the same model, weights, data and optimizer: torch = eager and "
-                   "torch.compile (skipped with a note when torch is not installed).")
-@click.option("--torch-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="PyTorch compute dtype (bf16 = autocast).")
+                   "torch.compile (skipped with a note when torch is not installed). AdamW is fused on CUDA, "
+                   "foreach on the CPU; the notes say which ran.")
+@click.option("--torch-dtype", type=click.Choice(["fp32", "bf16", "auto"]), default="auto", show_default=True,
+              help="PyTorch compute dtype (bf16 = autocast over float32 weights); auto = the backends' dtype "
+                   "where they share one, else fp32.")
 def train(**o) -> None:
     """Time whole training steps (data loader, forward, backward, clip, AdamW) on each backend.
 
@@ -251,6 +245,7 @@ def train(**o) -> None:
     Example:
       llmc bench train --model d2 -b 4 -t 64 --steps 20
       llmc bench train --backend cpu --model d12 -b 4 -t 64 --compare torch --plot train.png
+      llmc bench train --backend cuda --dtype bf16 --model llama3.2-1b -b 8 -t 2048 --compare torch
     """
     from llmc_cli.commands.console import DTYPES, console, fail
     from llmc_cli.formats.files import DataError
@@ -301,7 +296,7 @@ def decode(**o) -> None:
     from llmc_cli.bench.decode import run_decode
     from llmc_cli.bench.report import decode_table
     from llmc_cli.commands.console import console, fail
-    cfg, B, S, backends, skipped = _setup(o | {"kernels_only": True})
+    cfg, B, S, backends, skipped = _setup(o)
     status = _progress(o["as_json"])
     try:
         if status:
