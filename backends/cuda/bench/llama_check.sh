@@ -4,11 +4,12 @@
 #                                                         OpenCL (NVIDIA's driver, fp32), GPT-2 d12 and Llama 3.2-1B
 #   PART=1b     ...   Llama 3.2-1B B=8 T=2048 bf16: --dry-run's plan, then llmc vs PyTorch (eager, torch.compile)
 #                     through `llmc bench train --compare torch`
+#   PART=profile ...  where a decoded token's time goes (decode_profile.py), d12 and Llama 3.2-1B
 #   PART=8b     ...   Llama 3.1 8B (B, T, ZERO, RECOMPUTE from the environment) on every GPU here
 # Expects python3.12 at /opt/torch/.venv (CuPy, torch), the carried cp312 wheels in .whl/ (pyopencl and its
 # dependencies, nvmath-python, cudnn-frontend), NVIDIA's driver with libnvidia-opencl.so.1.
 set -u
-PART=${PART:-decode}
+PART=${PART:-decode}  # several parts: PART="1b profile"
 export OUT=${OUT:-$PWD/llama_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-/opt/torch/.venv/bin/python}
@@ -23,7 +24,14 @@ HERE=$PWD
 LLMC="$PY -m llmc_cli"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.log"
 rc=0
-case "$PART" in
+for part in $PART; do
+cd "$HERE"
+case "$part" in
+profile)
+  (cd /tmp && timeout 200 $PY "$HERE/backends/cuda/bench/decode_profile.py" d12 1024) 2>&1 | tail -n 12 | tee "$OUT/profile_d12.log"
+  (cd /tmp && timeout 200 $PY "$HERE/backends/cuda/bench/decode_profile.py" llama3.2-1b 2048) 2>&1 | tail -n 12 \
+    | tee "$OUT/profile_1b.log"
+  ;;
 decode)
   timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider tests backends/cuda/tests 2>&1 | tail -n 15 \
     | tee "$OUT/tests_cuda.log"
@@ -42,6 +50,8 @@ decode)
   ;;
 1b)
   cd /tmp
+  timeout 60 $LLMC train --backend cuda --dtype bf16 --model llama3.2-1b -b 8 -t 2048 --recompute gelu --dry-run 2>&1 \
+    | tail -n 20 | tee "$OUT/1b_dry_run_recompute.log"
   A="--backend cuda --dtype bf16 --model llama3.2-1b -b 8 -t 2048"
   timeout 60 $LLMC train $A --dry-run 2>&1 | tail -n 20 | tee "$OUT/1b_dry_run.log"
   timeout 500 $LLMC bench train $A --steps "${STEPS:-10}" --warmup 3 --compare torch --torch-dtype bf16 --json \
@@ -60,4 +70,5 @@ write_shard('/tmp/l3_train_000.bin', np.random.default_rng(0).integers(0, 128256
   tail -n 12 "$OUT/8b_train.log"
   ;;
 esac
+done
 exit $rc
