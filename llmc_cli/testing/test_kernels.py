@@ -362,7 +362,8 @@ def test_rmsnorm_backward(backend, rng, B, T, C, s):
 # =============================================================================================================
 # matmul
 
-MM_SHAPES = [(2, 7, 48, 40), (1, 5, 96, 144), (3, 17, 128, 200)]  # B,T,C,OC
+# B,T,C,OC; the last two are a few rows (decoding), which a backend may run as matrix-vector products
+MM_SHAPES = [(2, 7, 48, 40), (1, 5, 96, 144), (3, 17, 128, 200), (1, 1, 2048, 1003), (8, 1, 64, 33)]
 
 
 @pytest.mark.parametrize("gelu", [False, True], ids=["plain", "gelu"])

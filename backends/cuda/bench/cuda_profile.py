@@ -1,4 +1,4 @@
-"""Per-kernel time table of one GPT-2 training step on the CUDA backend, plus end-to-end step timing.
+"""Per-kernel time table of one GPT-2 or Llama 3 training step on the CUDA backend, plus end-to-end step timing.
 
     python backends/cuda/bench/cuda_profile.py --model d12 -b 64 -t 1024 [--recompute gelu] [--steps 10] [--json out.json]
 
@@ -66,7 +66,11 @@ def main():
     B, T = o.b, o.t
     tmp = tempfile.mkdtemp()
     rng = np.random.default_rng(0)
-    write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 50257, B * T * (o.steps + o.warmup + 8) + 1).astype(np.uint16))
+    from llmc_cli.models.families import family_for
+    llama = family_for(o.model).name == "llama3"  # Llama 3 presets train on Llama 3 shards (uint32 ids)
+    ntok = B * T * (o.steps + o.warmup + 8) + 1
+    write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 128256 if llama else 50257, ntok),
+                tokenizer="llama3" if llama else "gpt2")
     args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, recompute=o.recompute,
                      steps=o.steps + o.warmup + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
     if o.classifier_chunks is not None:  # the engine plans chunks by auto_classifier_chunks; override it here
@@ -150,7 +154,8 @@ def cost(name, a, kw, be):
 NAMES = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
          "fused_residual_layernorm_forward", "residual_forward", "matmul_forward", "matmul_backward", "gelu_forward",
          "gelu_backward", "attention_forward", "attention_backward", "classifier_forward_backward",
-         "global_norm_squared", "loss_sum", "step_guard", "adamw_update", "adamw_update_all", "scale", "fill", "copy", "upload"]
+         "global_norm_squared", "loss_sum", "step_guard", "adamw_update", "adamw_update_all", "scale", "fill", "copy", "upload",
+         "rmsnorm_forward", "rmsnorm_backward", "swiglu_forward", "swiglu_backward", "rope_forward", "rope_backward"]
 
 
 def profile(be, tr, cp, B, T, cfg, spin_first=True):

@@ -49,6 +49,10 @@ decode)
   done | tee "$OUT/decode_summary.log"
   ;;
 1b)
+  (cd /tmp && timeout 300 $PY "$HERE/backends/cuda/bench/cuda_profile.py" --model llama3.2-1b -b 8 -t 2048 --steps 5 \
+    --json "$OUT/1b_profile.json") 2>&1 | tail -n 60 > "$OUT/1b_profile.log"
+  grep END2END "$OUT/1b_profile.log"
+  [ -n "${PROFILE_ONLY:-}" ] && continue
   cd /tmp
   timeout 60 $LLMC train --backend cuda --dtype bf16 --model llama3.2-1b -b 8 -t 2048 --recompute gelu --dry-run 2>&1 \
     | tail -n 20 | tee "$OUT/1b_dry_run_recompute.log"

@@ -30,6 +30,7 @@ _BLOCK = 256
 _DECODE_THREADS = 128  # attention_decode_part: 4 warps
 _DECODE_SPLIT = 256  # keys per block of attention_decode_part (kernels.cu's DECODE_SPLIT)
 _DECODE_MAX_HD = 256  # its shared query row
+_GEMV_MAX_N = 8  # matmul_forward for at most this many rows: a warp per output column (kernels.cu's GEMV_MAX_N)
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
 
 
@@ -377,6 +378,11 @@ class CudaBackend(Backend):
         from nvmath.bindings.cublasLt import Epilogue as E
         OC, C = weight.shape
         N = inp.size // C
+        if N <= _GEMV_MAX_N and self._vec(C, out, inp, weight, *(b for b in (bias, pre_gelu) if b is not None)):
+            self._launch(self._kk("matmul_forward_gemv", out), -(-OC // 8), 256,
+                         (out, pre_gelu if pre_gelu is not None else np.uint64(0), inp, weight,
+                          bias if bias is not None else np.uint64(0), np.int32(N), np.int32(C), np.int32(OC)))
+            return
         dt = self._lt_dtype(inp)
         s = self.stream.ptr
         b = bias.data.ptr if bias is not None else 0

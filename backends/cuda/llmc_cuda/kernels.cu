@@ -534,6 +534,50 @@ extern "C" __global__ void norm_backward_reduce_vec(act_t* dweight, act_t* dbias
 
 // ---------------------------------------------------------------------------------------------------------
 // bias: out (N,OC) += bias; column sums for dbias (two phases, fixed order)
+// Matmul for a few rows (decoding: one token per sequence), where a tiled GEMM leaves most of the GPU idle and the
+// cost is reading the weight once: out (N,OC) = inp (N,C) @ w(OC,C)^T [+ bias], one warp per output column reading
+// its weight row in 16-byte packs, N <= GEMV_MAX_N rows at once, a fixed reduction order. With gelu, pre gets the
+// pre-activation and out its GELU (the contract's pre_gelu). C a multiple of PACK, pointers 16-byte aligned.
+#define GEMV_MAX_N 8
+extern "C" __global__ void matmul_forward_gemv(act_t* out, act_t* pre, const act_t* inp, const act_t* w,
+                                               const act_t* bias, int N, int C, int OC) {
+    int o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (o >= OC) return;
+    float acc[GEMV_MAX_N];
+#pragma unroll
+    for (int n = 0; n < GEMV_MAX_N; n++) acc[n] = 0.0f;
+    const act_t* wr = w + (long long)o * C;
+    for (int c = lane * PACK; c < C; c += 32 * PACK) {
+        pack_t wp = load_pack(wr + c);
+#pragma unroll
+        for (int n = 0; n < GEMV_MAX_N; n++) {
+            if (n < N) {
+                pack_t xp = load_pack(inp + (long long)n * C + c);
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < PACK; i++) s += to_f(wp.v[i]) * to_f(xp.v[i]);
+                acc[n] += s;
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < GEMV_MAX_N; n++) {
+        if (n < N) {
+            float v = warp_sum(acc[n]);
+            if (lane == 0) {
+                if (bias) v += to_f(bias[o]);
+                long long i = (long long)n * OC + o;
+                if (pre) {
+                    pre[i] = from_f(v);
+                    out[i] = from_f(gelu_f(v));
+                } else {
+                    out[i] = from_f(v);
+                }
+            }
+        }
+    }
+}
+
 extern "C" __global__ void add_bias(act_t* out, const act_t* bias, long long N, int OC) {
     long long n = N * OC;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
