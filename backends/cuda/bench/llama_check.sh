@@ -28,8 +28,8 @@ for part in $PART; do
 cd "$HERE"
 case "$part" in
 profile)
-  (cd /tmp && timeout 200 $PY "$HERE/backends/cuda/bench/decode_profile.py" d12 1024) 2>&1 | tail -n 12 | tee "$OUT/profile_d12.log"
-  (cd /tmp && timeout 200 $PY "$HERE/backends/cuda/bench/decode_profile.py" llama3.2-1b 2048) 2>&1 | tail -n 12 \
+  (cd /tmp && timeout 200 $PY "$HERE/backends/cuda/bench/decode_profile.py" d12 1024) 2>&1 | tail -n 30 | tee "$OUT/profile_d12.log"
+  (cd /tmp && timeout 200 $PY "$HERE/backends/cuda/bench/decode_profile.py" llama3.2-1b 2048) 2>&1 | tail -n 30 \
     | tee "$OUT/profile_1b.log"
   ;;
 decode)

@@ -27,8 +27,7 @@ from llmc_cli.kernels import (
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256
-_DECODE_THREADS = 128  # attention_decode_part: 4 warps
-_DECODE_SPLIT = 256  # keys per block of attention_decode_part (kernels.cu's DECODE_SPLIT)
+_DECODE_SPLIT = 64  # keys per block of attention_decode_part, one thread each (kernels.cu's DECODE_SPLIT)
 _DECODE_MAX_HD = 256  # its shared query row
 _GEMV_MAX_N = 8  # matmul_forward for at most this many rows: a warp per output column (kernels.cu's GEMV_MAX_N)
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
@@ -566,10 +565,10 @@ class CudaBackend(Backend):
                       pos_p))
         rows, splits = B * n_head * Tn, -(-S // _DECODE_SPLIT)  # a grid fixed by S, whatever the position
         part = self.scratch("att_decode", rows * splits * (hd + 2))
-        self._launch(self._kk("attention_decode_part", qkv), (rows, splits), _DECODE_THREADS,
+        self._launch(self._kk("attention_decode_part", qkv), (rows, splits), _DECODE_SPLIT,
                      (part, qkv, k_cache, v_cache, i32(Tn), i32(n_head), i32(n_kv_head), i32(hd), i32(S), pos_v,
-                      pos_p, np.float32(1.0 / math.sqrt(hd))))
-        self._launch(self._kk("attention_decode_combine", out), rows, _DECODE_THREADS,
+                      pos_p, np.float32(1.0 / math.sqrt(hd)), i32(self._vec(hd, k_cache, v_cache))))
+        self._launch(self._kk("attention_decode_combine", out), rows, 128,
                      (out, part, i32(Tn), i32(n_head), i32(hd), i32(splits)))
 
     # ---- graphs ----------------------------------------------------------------------------------------------

@@ -798,20 +798,22 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
     return is_max ? warp_max(v) : warp_sum(v);
 }
 
-// Split over the keys (flash-decoding): block (row, split) with row = (b, h, t) scores the keys
-// split*DECODE_SPLIT .. +DECODE_SPLIT of the positions the row sees (the S up to its own), a warp per key with its
-// lanes over hd, and writes its partial softmax: max m, sum l and the unnormalised output acc (hd) into
-// part[(row * splits + split) * (hd + 2) ..]; attention_decode_combine merges the splits in a fixed order. The
-// position comes from pos_p[0] when pos_p is given (a captured graph replays with a new one), else from pos_v;
-// the grid is fixed by S, so a split past the row's keys only writes an empty partial. 4 warps, hd <= 256.
-#define DECODE_SPLIT 256
+// Split over the keys (flash-decoding): block (row, split) with row = (b, h, t) takes the keys
+// split*DECODE_SPLIT .. +DECODE_SPLIT of the positions the row sees (the S up to its own): thread j scores key j
+// (its row read in 16-byte packs when vec), then item (g, d) sums p_j v_j[d] over keys g, g + groups, ...; the
+// block writes its partial softmax, max m, sum l and the unnormalised output acc (hd), into
+// part[(row * splits + split) * (hd + 2) ..]; attention_decode_combine merges the splits in a fixed order. Many
+// small blocks: one token's attention is a few microseconds of latency-bound loads per block, run side by side.
+// The position comes from pos_p[0] when pos_p is given (a captured graph replays with a new one), else from pos_v;
+// the grid is fixed by S, so a split past the row's keys only writes an empty partial. blockDim == DECODE_SPLIT.
+#define DECODE_SPLIT 64
 extern "C" __global__ void attention_decode_part(float* part, const act_t* qkv, const act_t* kc, const act_t* vc,
                                                  int Tn, int NH, int NKV, int hd, int S, long long pos_v,
-                                                 const int* pos_p, float scale) {
+                                                 const int* pos_p, float scale, int vec) {
     __shared__ float qs[256];
     __shared__ float ps[DECODE_SPLIT];
     __shared__ float red[32];
-    __shared__ float accs[4 * 256];
+    __shared__ float accs[256];
     long long row = blockIdx.x;
     int split = blockIdx.y, splits = gridDim.y;
     int t = (int)(row % Tn);
@@ -833,47 +835,46 @@ extern "C" __global__ void attention_decode_part(float* part, const act_t* qkv, 
     const act_t* K = kc + (b * NKV + kvh) * (long long)S * hd;
     const act_t* V = vc + (b * NKV + kvh) * (long long)S * hd;
     int slot0 = (int)((lo + j0) % S);
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-    for (int jj = warp; jj < cnt; jj += nw) {
-        int slot = slot0 + jj;
+    float sc = -LLMC_INF;
+    if ((int)threadIdx.x < cnt) {
+        int slot = slot0 + threadIdx.x;
         if (slot >= S) slot -= S;
         const act_t* k = K + (long long)slot * hd;
         float dot = 0.0f;
-        for (int d = lane; d < hd; d += 32) dot += qs[d] * to_f(k[d]);
-        dot = warp_sum(dot);
-        if (lane == 0) ps[jj] = dot;
+        if (vec) {
+            for (int c = 0; c < hd; c += PACK) {
+                pack_t kp = load_pack(k + c);
+#pragma unroll
+                for (int i = 0; i < PACK; i++) dot += qs[c + i] * to_f(kp.v[i]);
+            }
+        } else {
+            for (int c = 0; c < hd; c++) dot += qs[c] * to_f(k[c]);
+        }
+        sc = dot;
     }
-    __syncthreads();
-    float m = -LLMC_INF;
-    for (int jj = threadIdx.x; jj < cnt; jj += blockDim.x) m = fmaxf(m, ps[jj]);
-    m = block_reduce(m, red, true);
-    float l = 0.0f;
-    for (int jj = threadIdx.x; jj < cnt; jj += blockDim.x) {
-        float e = expf(ps[jj] - m);
-        ps[jj] = e;
-        l += e;
-    }
-    l = block_reduce(l, red, false);  // (its barriers also publish ps)
-    // item i = (g, d): output element d summed over the keys g, g + groups, ... (groups = blockDim / hd, at least
-    // one: then a thread takes d and d + blockDim)
+    float m = block_reduce(sc, red, true);
+    float e = (int)threadIdx.x < cnt ? expf(sc - m) : 0.0f;
+    ps[threadIdx.x] = e;
+    float l = block_reduce(e, red, false);  // (its barriers also publish ps)
     int groups = max(1, (int)blockDim.x / hd);
     for (int i = threadIdx.x; i < groups * hd; i += blockDim.x) {
         int g = i / hd, d = i % hd;
-        float a0 = 0.0f, a1 = 0.0f;
-        int jj = g;
-        for (; jj + groups < cnt; jj += 2 * groups) {  // two independent chains keep two loads in flight
-            int s0 = slot0 + jj, s1 = slot0 + jj + groups;
-            if (s0 >= S) s0 -= S;
-            if (s1 >= S) s1 -= S;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;  // four chains keep four loads in flight
+        int jj = g, slot = slot0 + g;
+        for (; jj + 3 * groups < cnt; jj += 4 * groups) {
+            int s0 = slot0 + jj, s1 = s0 + groups, s2 = s1 + groups, s3 = s2 + groups;
+            s0 -= s0 >= S ? S : 0; s1 -= s1 >= S ? S : 0; s2 -= s2 >= S ? S : 0; s3 -= s3 >= S ? S : 0;
             a0 += ps[jj] * to_f(V[(long long)s0 * hd + d]);
             a1 += ps[jj + groups] * to_f(V[(long long)s1 * hd + d]);
+            a2 += ps[jj + 2 * groups] * to_f(V[(long long)s2 * hd + d]);
+            a3 += ps[jj + 3 * groups] * to_f(V[(long long)s3 * hd + d]);
         }
-        if (jj < cnt) {
-            int s0 = slot0 + jj;
-            if (s0 >= S) s0 -= S;
-            a0 += ps[jj] * to_f(V[(long long)s0 * hd + d]);
+        for (; jj < cnt; jj += groups) {
+            slot = slot0 + jj;
+            slot -= slot >= S ? S : 0;
+            a0 += ps[jj] * to_f(V[(long long)slot * hd + d]);
         }
-        accs[i] = a0 + a1;
+        accs[i] = (a0 + a1) + (a2 + a3);
     }
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
