@@ -137,3 +137,23 @@ def test_training_refuses_eval_data_of_another_tokenizer(files, shards, tmp_path
                    f"--val-data: {val}: tokenized with gpt2, but the run uses the llama3 tokenizer")
     run(*args, "--val-data", files["val_llama3"], "--log", tmp_path / "b.jsonl")
     assert any("val_loss" in json.loads(line) for line in open(tmp_path / "b.jsonl"))
+
+
+def test_hellaswag_tokenized_with_the_models_own_tokenizer_scores(tmp_path):
+    """`llmc tokenize hellaswag --checkpoint RUN` then `llmc eval --hellaswag`: a Llama run scores the file made
+    with its tokenizer.model and refuses llm.c's GPT-2 file of the same examples."""
+    import base64
+    ranks = tmp_path / "tokenizer.model"  # a byte-level Llama-3-style ranks file (offline)
+    ranks.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    run_dir = export_run(tmp_path / "run", LLAMA_CFG, llama3.init_parameters(LLAMA_CFG, 3), tokenizer="llama3",
+                         tokenizer_file=ranks)
+    src = tmp_path / "hellaswag_val.jsonl"
+    src.write_text("".join(json.dumps({"ctx": f"ctx {i}", "label": i % 4, "endings": ["a", "bb", "c d", "e"]}) + "\n"
+                           for i in range(3)))
+    out = tmp_path / "hs"
+    run("tokenize", "hellaswag", "--local", src, "--out-dir", out, "--checkpoint", run_dir)
+    run("tokenize", "hellaswag", "--local", src, "--out-dir", out)
+    ev = ["eval", "--backend", "cpu", "--checkpoint", run_dir, "--json"]
+    assert json.loads(run(*ev, "--hellaswag", out / "hellaswag_val_llama3.bin").stdout)["hellaswag_examples"] == 3
+    one_line_error(run(*ev, "--hellaswag", out / "hellaswag_val.bin", ok=False),
+                   f"{out / 'hellaswag_val.bin'}: tokenized with gpt2", "uses the llama3 tokenizer")
