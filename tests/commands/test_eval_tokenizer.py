@@ -136,7 +136,7 @@ def test_training_refuses_eval_data_of_another_tokenizer(files, shards, tmp_path
     one_line_error(run(*args, "--val-data", val, ok=False),
                    f"--val-data: {val}: tokenized with gpt2, but the run uses the llama3 tokenizer")
     run(*args, "--val-data", files["val_llama3"], "--log", tmp_path / "b.jsonl")
-    assert any("val_loss" in json.loads(line) for line in open(tmp_path / "b.jsonl"))
+    assert any("val_loss" in json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines())
 
 
 def test_hellaswag_tokenized_with_the_models_own_tokenizer_scores(tmp_path):

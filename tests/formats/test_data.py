@@ -306,8 +306,8 @@ def _evalfile_with(path, ints=None, name=None, cut=0, extra=b""):
 
 
 @pytest.mark.parametrize("case, expect", [
-    ("version", "unsupported eval file version 3; this llmc reads version 1 (gpt2, 16-bit tokens), version 2 "
-                "(llama3, 32-bit tokens)"),
+    ("version", ("unsupported eval file version 3; this llmc reads version 1 (gpt2, 16-bit tokens), version 2 "
+                 "(llama3, 32-bit tokens)")),
     ("magic", "bad magic 20240520, expected 20240522"),
     ("no_name", "eval file version 2 names tokenizer '', expected one of llama3"),
     ("other_name", "eval file version 2 names tokenizer 'gpt5', expected one of llama3"),
