@@ -64,6 +64,15 @@ def _eval_seed(d: Path) -> bytes:
     return p.read_bytes()
 
 
+def _eval_llama3_seed(d: Path) -> bytes:
+    """llmc's version 2 (uint32 ids, the tokenizer named in the header)."""
+    p = d / "seed_eval_llama3.bin"
+    write_evalfile(p, [{"label": i % 4, "ctx_tokens": [128000, 2, 3 + i], "ending_tokens": [[4], [70000, 6], [7],
+                                                                                            [8, 9, 128255]]}
+                       for i in range(3)], tokenizer="llama3")
+    return p.read_bytes()
+
+
 def _state_seed(_: Path) -> bytes:
     state = {"version": 1, "step": 3, "dataloader": {"version": 1, "epoch": 0, "shard": 0, "sample": 3},
              "rng": np.random.default_rng(1).bit_generator.state, "args": {"batch_size": 2, "seq_len": 4},
@@ -134,6 +143,7 @@ TARGETS: dict[str, Target] = {
     "shard": Target(_shard_seed, _read_shard, (DataError,)),
     "tokenizer_bin": Target(_tokenizer_seed, read_tokenizer_bin, (TokenizerError,)),
     "eval_file": Target(_eval_seed, read_evalfile, (DataError,)),
+    "eval_file_llama3": Target(_eval_llama3_seed, read_evalfile, (DataError,), header_ints=12),
     "run_state_json": Target(_state_seed, ckpt.read_run_state, (ckpt.CheckpointError,), ".json", 0),
     "llama3_ranks": Target(_ranks_seed, _read_llama_ranks, (TokenizerError,), ".model", 0),
     "hf_config_json": Target(_hf_config_seed, _read_hf_config, (ckpt.CheckpointError,), ".json", 0),

@@ -39,7 +39,8 @@ def _progress(as_json: bool):
 @click.option("--batches", type=COUNT, default=0, show_default=True,
               help="Batches to average, from the start (0 = all, once; training validates on --val-batches, 20).")
 @click.option("--hellaswag", default=None, type=click.Path(),
-              help="llm.c HellaSwag eval file (`llmc tokenize hellaswag`): report acc and acc_norm.")
+              help="HellaSwag eval file (`llmc tokenize hellaswag`, with the checkpoint's tokenizer): report acc "
+                   "and acc_norm.")
 @click.option("--hellaswag-limit", type=COUNT, default=0, show_default=True,
               help="Score only the first N HellaSwag examples (0 = all).")
 @click.option("-b", "--batch-size", type=POSITIVE, default=4, show_default=True)
@@ -54,6 +55,7 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
              dtype, as_json) -> None:
     """Mean loss of a model over the first batches of some shards, in order, and/or its HellaSwag accuracy
     (acc_norm: the ending with the lowest mean loss per token wins, as llm.c and lm-eval-harness score it).
+    Shards and eval files record their tokenizer; one of another tokenizer than the checkpoint's is refused.
 
     \b
     Example:
@@ -61,23 +63,38 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
       llmc eval --checkpoint checkpoints/gpt2 --hellaswag datasets/hellaswag/hellaswag_val.bin
     """
     from llmc_cli.data.loader import ValLoader
-    from llmc_cli.evals.evaluate import HellaSwag, eval_batches, evaluate_loss
-    from llmc_cli.formats.files import DataError
+    from llmc_cli.evals.evaluate import HellaSwag, check_shards_tokenizer, eval_batches, evaluate_loss
+    from llmc_cli.formats.files import CheckpointError, DataError
+    from llmc_cli.formats.sources import load_config_any, tokenizer_name_for
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
-    hs = None
+    # the data is checked against what the checkpoint records before its weights load (seconds for a large one):
+    # a file of another tokenizer than the model's is one line now, not a score on ids that mean other words
+    try:
+        cfg, tok = load_config_any(checkpoint), tokenizer_name_for(checkpoint)
+    except CheckpointError as e:
+        fail(f"--checkpoint: {e}")
+    except ValueError as e:
+        fail(str(e))
+    whose = f"the checkpoint {checkpoint}"
+    hs = loader = None
     if hellaswag is not None:
         try:
-            hs = HellaSwag(hellaswag, hellaswag_limit)
+            hs = HellaSwag(hellaswag, hellaswag_limit, tokenizer=tok, whose=whose)
         except DataError as e:
             fail(f"--hellaswag: {e}")
     be = make_backend(backend, device, dtype, backend_options(backend_opt))
+    if data is not None:
+        try:
+            loader = ValLoader(data, batch_size, seq_len, vocab_size=cfg.vocab_size)
+            check_shards_tokenizer(loader, tok, whose)
+        except DataError as e:
+            fail(f"--data: {e}")
     model = load_for_inference(checkpoint, be, batch_size if data else 1, seq_len if data else 1)
     result = {}
     try:
         with _progress(as_json) as bar:
-            if data is not None:
-                loader = ValLoader(data, batch_size, seq_len, vocab_size=model.cfg.vocab_size)
+            if loader is not None:
                 n = eval_batches(loader, batches)
                 task = bar.add_task("loss", total=n)
                 result["loss"] = evaluate_loss(model, loader, batches,

@@ -302,22 +302,48 @@ def fineweb(fw_version, edu, local, text_field, **o):
     _run(src, o, default_dir=f"{name}{fw_version}")
 
 
-@tokenize.command(epilog="\b\nExample:\n  llmc tokenize hellaswag                 # downloads hellaswag_val.jsonl\n"
-                         "  llmc tokenize hellaswag --local hellaswag_val.jsonl")
+@tokenize.command(epilog="\b\nExamples:\n  llmc tokenize hellaswag                 # downloads hellaswag_val.jsonl\n"
+                         "  llmc tokenize hellaswag --local hellaswag_val.jsonl\n"
+                         "  llmc tokenize hellaswag --checkpoint checkpoints/llama    # the model's own tokenizer\n"
+                         "  llmc tokenize hellaswag --tokenizer llama3 --tokenizer-path tokenizer.model")
 @click.option("--split", type=click.Choice(["val", "train"]), default="val", show_default=True)
 @click.option("--local", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Already-downloaded hellaswag_<split>.jsonl (rowanz/hellaswag).")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory  [default: datasets/hellaswag/]")
+@click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default=None,
+              help="Vocabulary of the model to be scored  [default: gpt2, llm.c's file; llama3 writes llmc's "
+                   "version 2 with uint32 ids]")
+@click.option("--tokenizer-path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="tiktoken ranks file (or a Hugging Face tokenizer.json)  [required for llama3]")
+@click.option("--checkpoint", default=None,
+              help="Tokenize with the tokenizer this model was trained with (run directory, step directory, model "
+                   "file or Hugging Face directory) instead of --tokenizer.")
 @_friendly
-def hellaswag(split, local, out_dir):
-    """HellaSwag to llm.c's eval file (magic 20240522), the file llm.c's EvalLoader reads.
+def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint):
+    """HellaSwag to an eval file that `llmc eval --hellaswag` scores. GPT-2: llm.c's eval file (magic 20240522,
+    version 1), the file llm.c's EvalLoader reads; other tokenizers: llmc's version 2 (uint32 ids, the tokenizer
+    named in the header). A model of another tokenizer than the file's is refused when scored.
 
-    Per example: context tokens and the 4 endings each encoded with a leading space (GPT-2).
+    Per example: the context tokens and the 4 endings, each ending encoded with a leading space (as llm.c does);
+    a Llama 3 context starts with <|begin_of_text|>, as its documents did in training.
     """
+    if checkpoint is not None:
+        if tokenizer_name is not None or tokenizer_path is not None:
+            raise DataError("give --checkpoint or --tokenizer/--tokenizer-path, not both")
+        from llmc_cli.formats.files import CheckpointError
+        from llmc_cli.formats.sources import tokenizer_for
+        try:
+            tokenizer_name, tokenizer_path = tokenizer_for(checkpoint)
+        except CheckpointError as e:
+            raise DataError(f"--checkpoint: {e}") from None
+    # the tokenizer first: a missing ranks file is one line before anything is downloaded
+    tok = load_tokenizer(tokenizer_name or "gpt2", tokenizer_path)
+    # GPT-2 contexts as llm.c encodes them (no prefix); a Llama's with the <|begin_of_text|> its training documents
+    # and prompts start with (sample does the same)
+    prefix = [] if tok.name == "gpt2" else tok.doc_prefix
     out = out_dir or Path("datasets") / "hellaswag"
     src = local or download(URLS["hellaswag"].format(split=split), out / f"hellaswag_{split}.jsonl", _progress_factory())
-    tok = load_tokenizer("gpt2")
     examples = []
     with open(src, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -327,15 +353,17 @@ def hellaswag(split, local, out_dir):
                 ex = json.loads(line)
                 examples.append({
                     "label": int(ex["label"]),
-                    "ctx_tokens": tok.encode_ordinary(ex["ctx"]),
+                    "ctx_tokens": prefix + tok.encode_ordinary(ex["ctx"]),
                     "ending_tokens": [tok.encode_ordinary(" " + e) for e in ex["endings"]],
                 })
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise DataError(f"{src}:{n}: not a HellaSwag example with ctx, endings and label "
                                 f"({type(e).__name__}: {e})") from None
-    path = write_evalfile(out / f"hellaswag_{split}.bin", examples)
+    # llm.c's name for GPT-2's file; another tokenizer's beside it, never in its place
+    name = f"hellaswag_{split}.bin" if tok.name == "gpt2" else f"hellaswag_{split}_{tok.name}.bin"
+    path = write_evalfile(out / name, examples, tokenizer=tok.name)
     ntok = sum(len(e["ctx_tokens"]) + sum(map(len, e["ending_tokens"])) for e in examples)
-    click.echo(f"hellaswag: {len(examples):,} examples ({ntok:,} tokens) -> {path}")
+    click.echo(f"hellaswag: {len(examples):,} examples ({ntok:,} {tok.name} tokens) -> {path}")
 
 
 @tokenize.command("tokenizer-bin", epilog="\b\nExample:\n  llmc tokenize tokenizer-bin gpt2_tokenizer.bin")

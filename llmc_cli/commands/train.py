@@ -132,7 +132,9 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--out", default=None, type=click.Path(), help="Run directory for checkpoints, e.g. checkpoints/run1.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--log", default=None, type=click.Path(), help="Write one JSON object per step to this file  [default: OUT/log.jsonl with --out]")
-@click.option("--hellaswag", default=None, type=click.Path(), help="llm.c HellaSwag eval file to score during training.")
+@click.option("--hellaswag", default=None, type=click.Path(),
+              help="HellaSwag eval file (`llmc tokenize hellaswag`, of the training data's tokenizer) to score "
+                   "during training.")
 @click.option("--tensorboard", default=None, type=click.Path(file_okay=False),
               help="Also write TensorBoard event files (train/val/eval scalars) into this directory (view them with "
                    "`tensorboard --logdir DIR`: pip install tensorboard).")

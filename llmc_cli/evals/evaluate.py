@@ -1,4 +1,5 @@
-"""Evaluations: mean validation loss over shards, and HellaSwag accuracy from llm.c's eval file.
+"""Evaluations: mean validation loss over shards, and HellaSwag accuracy from an eval file; both refuse data
+tokenized with another tokenizer than the model's.
 
 HellaSwag is scored the way llm.c (dev/data/hellaswag.py) and lm-eval-harness score it: each example's four
 rows `context + ending_i` are one batch (B=4, T = the longest row, right-padded), the per-token losses of the
@@ -16,11 +17,28 @@ from typing import Callable
 import numpy as np
 
 from llmc_cli.data.loader import ValLoader
-from llmc_cli.formats.evalfile import read_evalfile
+from llmc_cli.formats.evalfile import read_evalfile, read_evalfile_header
 from llmc_cli.formats.files import DataError
 from llmc_cli.models.base import Model
 
 NUM_ENDINGS = 4
+
+
+def check_tokenizer(path: str, found: str, expected: str | None, whose: str = "the model",
+                    remedy: str = "") -> None:
+    """Refuse data tokenized with `found` for a model of tokenizer `expected` (None: unknown, nothing to check):
+    the ids would mean other words to the model, and a GPT-2 file's ids all fit a Llama's larger vocabulary, so
+    nothing else would notice. One line naming the file and both tokenizers."""
+    if expected is not None and found != expected:
+        raise DataError(f"{path}: tokenized with {found}, but {whose} uses the {expected} tokenizer"
+                        + (f"; {remedy}" if remedy else ""))
+
+
+def check_shards_tokenizer(loader: ValLoader, expected: str | None, whose: str = "the model") -> None:
+    """Every shard of `loader` must be tokenized with `expected` (the first that is not is named)."""
+    for info in loader.infos:
+        check_tokenizer(info.path, info.tokenizer, expected, whose,
+                        f"evaluate on shards made by `llmc tokenize ... --tokenizer {expected}`")
 
 
 def eval_batches(loader: ValLoader, batches: int) -> int:
@@ -31,7 +49,9 @@ def eval_batches(loader: ValLoader, batches: int) -> int:
 def evaluate_loss(model: Model, loader: ValLoader, batches: int,
                   on_batch: Callable[[int, int], None] | None = None) -> float:
     """Mean loss over the first `batches` batches of the loader, in order (0 = all of them, once);
-    `on_batch(done, total)` after each (progress)."""
+    `on_batch(done, total)` after each (progress). Shards of another tokenizer than the model's (when it is
+    known: `model.tokenizer`) are refused with a DataError."""
+    check_shards_tokenizer(loader, model.tokenizer)
     total, n = 0.0, 0
     todo = eval_batches(loader, batches)
     for x, y in loader.batches(batches):
@@ -82,12 +102,18 @@ class HellaSwagResult:
         return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm, "hellaswag_examples": self.n}
 
 
+HELLASWAG_REMEDY = "tokenize it again with `llmc tokenize hellaswag --tokenizer {0}` (or --checkpoint MODEL)"
+
+
 class HellaSwag:
     """The examples of one eval file and a B=4 model sharing a given model's parameters, planned once for the
-    longest row (capped at the block size)."""
+    longest row (capped at the block size). `tokenizer`: the tokenizer of the model it will score, when known
+    ahead (a file of another is refused here); each model scored is checked against the file as well."""
 
-    def __init__(self, path: str, limit: int = 0):
+    def __init__(self, path: str, limit: int = 0, tokenizer: str | None = None, whose: str = "the model"):
         self.path = str(path)
+        self.tokenizer = read_evalfile_header(path).tokenizer  # whose ids the file holds
+        check_tokenizer(self.path, self.tokenizer, tokenizer, whose, HELLASWAG_REMEDY.format(tokenizer))
         self.examples = read_evalfile(path)
         if limit > 0:
             self.examples = self.examples[:limit]
@@ -98,6 +124,7 @@ class HellaSwag:
         self._model: Model | None = None
 
     def model_for(self, model: Model) -> Model:
+        check_tokenizer(self.path, self.tokenizer, model.tokenizer, remedy=HELLASWAG_REMEDY.format(model.tokenizer))
         cfg = model.cfg
         if self.max_id >= cfg.vocab_size:
             raise DataError(f"{self.path}: token id {self.max_id} is outside the model's vocabulary "

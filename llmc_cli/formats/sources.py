@@ -53,21 +53,32 @@ def _hf_readers(path: Path):
     return hf.load, hf.read_config
 
 
+def tokenizer_name_for(path: str | Path) -> str:
+    """The name of the tokenizer ("gpt2", "llama3") a model source was trained with, from what it records alone:
+    llm.c files and GPT-2 directories are GPT-2's; a Llama says (its file's metadata, or a Hugging Face
+    directory's llmc_tokenizer key; a Hugging Face Llama without one is Llama 3's). Needs no tokenizer file, so a
+    Llama whose tokenizer.model is elsewhere still evaluates on data of its vocabulary."""
+    path = Path(path)
+    if is_hf_dir(path):
+        if hf_model_type(path) == "gpt2" or read_config_json(path).get(LLMC_TOKENIZER_KEY) == "gpt2":
+            return "gpt2"
+        return "llama3"
+    return ckpt.model_file_tokenizer(_resolve(path))
+
+
 def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
     """(tokenizer name, its ranks file or None) that a model source was trained with: GPT-2's for llm.c files
     and GPT-2 directories; for Llama, what its run recorded (a from-scratch run on GPT-2 shards says "gpt2"),
     or a Hugging Face directory's tokenizer.model (Meta's tiktoken format) or tokenizer.json. A Llama 3 tokenizer
     whose file is not there is an error naming the files expected."""
     path = Path(path)
+    name = tokenizer_name_for(path)
+    if name != "llama3":
+        return name, None
     if is_hf_dir(path):
-        if hf_model_type(path) == "gpt2" or read_config_json(path).get(LLMC_TOKENIZER_KEY) == "gpt2":
-            return "gpt2", None
         where = [path]
     else:
         model_file = _resolve(path)
-        name = ckpt.model_file_tokenizer(model_file)
-        if name != "llama3":
-            return name, None
         where = [model_file.parent, model_file.parent.parent]  # the step directory, then its run directory
     for d in where:  # Meta's tokenizer.model first, else Hugging Face's tokenizer.json (the same ranks)
         for name in (ckpt.TOKENIZER_FILE, "tokenizer.json"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc_cli.formats.sources import load_model_any
+from llmc_cli.formats.sources import load_model_any, tokenizer_name_for
 from llmc_cli.kernels import Backend
 from llmc_cli.models.base import Model
 from llmc_cli.models.families import family_of
@@ -13,11 +13,13 @@ from llmc_cli.models.families import family_of
 
 def load_model(checkpoint: str | Path, backend: Backend, B: int = 1, T: int | None = None) -> Model:
     """The model at `checkpoint` on `backend`, planned for inference at (B, T) (T None = the model's block size,
-    at most 1024). CheckpointError names an unreadable source; ValueError a T longer than the block size."""
+    at most 1024), its `tokenizer` the one the checkpoint records. CheckpointError names an unreadable source;
+    ValueError a T longer than the block size."""
     cfg, params, _ = load_model_any(checkpoint)
     T = min(cfg.block_size, 1024) if T is None else T
     if T > cfg.block_size:
         raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
     model = family_of(cfg).model_class(cfg, backend, B, T, training=False)
     model.load_parameters(params)
+    model.tokenizer = tokenizer_name_for(checkpoint)  # evals refuse data of another vocabulary
     return model

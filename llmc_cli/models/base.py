@@ -118,6 +118,9 @@ class Model:
 
     param_shapes = None
     DECAYED: frozenset[str] = frozenset()
+    # whose ids the weights were trained on ("gpt2", "llama3"), when known: load_model and the trainer set it, so
+    # that an eval on data of another vocabulary is refused (None: unknown, only the vocab size is checked)
+    tokenizer: str | None = None
 
     def _alloc_parameters(self, stacked: set[str], training: bool, share_params: "Model | None") -> None:
         dt, backend = self.backend.dtype, self.backend

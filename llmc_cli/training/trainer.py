@@ -11,8 +11,9 @@ from typing import Callable
 import numpy as np
 
 from llmc_cli.data.loader import DataLoader, ValLoader
-from llmc_cli.evals.evaluate import eval_batches, evaluate_loss
+from llmc_cli.evals.evaluate import check_shards_tokenizer, eval_batches, evaluate_loss
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.files import DataError
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.formats.shards import has_split
@@ -239,6 +240,23 @@ class Trainer:
                 name = "llama3"
             if name != "llama3":
                 self.tokenizer_file = None
+        # evaluations during the run score the model on ids of its data's tokenizer: val shards or a HellaSwag file
+        # of another would be scored without complaint (GPT-2 ids all fit a Llama's vocabulary), so they are refused
+        # now, before the first step, rather than at the first validation
+        self.model.tokenizer = self.tokenizer if self.tokenizer in SHARD_VOCAB else None
+        try:
+            if self.val_loader is not None:
+                check_shards_tokenizer(self.val_loader, self.model.tokenizer, "the run")
+        except DataError as e:
+            raise TrainError(f"{'--val-data' if a.val_data else '--data'}: {e}") from None
+        if a.hellaswag:
+            from llmc_cli.evals.evaluate import HELLASWAG_REMEDY, check_tokenizer
+            from llmc_cli.formats.evalfile import read_evalfile_header
+            try:
+                check_tokenizer(a.hellaswag, read_evalfile_header(a.hellaswag).tokenizer, self.model.tokenizer,
+                                "the run", HELLASWAG_REMEDY.format(self.model.tokenizer))
+            except DataError as e:
+                raise TrainError(f"--hellaswag: {e}") from None
         self.sample_prompt: list[int] | None = None  # default [eot]: how GPT-2 documents start
         self.rng = np.random.default_rng(a.seed)
         if resume_state is not None:

@@ -1,4 +1,5 @@
-"""Shard format (llm.c, magic 20240520), eval file format (20240522) and the data loaders."""
+"""Shard format (llm.c, magic 20240520), eval file format (20240522: llm.c's version 1, llmc's version 2) and the
+data loaders."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import pytest
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import read_shard, read_shard_header, write_shard
 from llmc_cli.data.loader import DataLoader, ValLoader
-from llmc_cli.formats.evalfile import read_evalfile, write_evalfile
+from llmc_cli.formats.evalfile import read_evalfile, read_evalfile_header, write_evalfile
 
 
 def llmc_shard_bytes(tokens, magic=20240520, version=1, dtype="<u2") -> bytes:
@@ -239,19 +240,110 @@ def test_val_loader_reads_in_order_from_the_start(tmp_path):
 # eval files (HellaSwag)
 
 
-def expected_evalfile(examples) -> bytes:
-    """The llm.c eval layout, spelled out independently of llmc_cli."""
+def expected_evalfile(examples, tokenizer=None) -> bytes:
+    """The llm.c eval layout (version 1, uint16), spelled out independently of llmc_cli; with `tokenizer`,
+    llmc's version 2: the same fields in uint32 (delimiter 2**32-1), the tokenizer's name in header ints 4..11."""
+    width, dtype = (2, "<u2") if tokenizer is None else (4, "<u4")
     stream, longest = [], 0
     for idx, ex in enumerate(examples):
         body = [idx, ex["label"], len(ex["ending_tokens"]), len(ex["ctx_tokens"]), *ex["ctx_tokens"]]
         for e in ex["ending_tokens"]:
             body += [len(e), *e]
-        nbytes = 2 * (len(body) + 2)
+        nbytes = width * (len(body) + 2)
         longest = max(longest, nbytes)
-        stream += [65535, nbytes, *body]
+        stream += [2 ** (8 * width) - 1, nbytes, *body]
     header = np.zeros(256, dtype="<i4")
-    header[:4] = [20240522, 1, len(examples), longest]
-    return header.tobytes() + np.asarray(stream, dtype="<u2").tobytes()
+    header[:4] = [20240522, 1 if tokenizer is None else 2, len(examples), longest]
+    head = bytearray(header.tobytes())
+    if tokenizer is not None:
+        head[16:16 + len(tokenizer)] = tokenizer.encode()
+    return bytes(head) + np.asarray(stream, dtype=dtype).tobytes()
+
+
+LLAMA_EXS = [{"label": 2, "ctx_tokens": [128000, 791, 7160], "ending_tokens": [[128255], [1, 65535], [70000], [0]]},
+             {"label": 1, "ctx_tokens": [128000], "ending_tokens": [[5], [6, 7], [8], [9, 100000]]}]
+
+
+def test_evalfile_llama3_round_trip(tmp_path):
+    """Llama 3 ids (up to 128,255, past uint16) in llmc's version 2, which names its tokenizer."""
+    p = write_evalfile(tmp_path / "hs.bin", LLAMA_EXS, tokenizer="llama3")
+    assert p.read_bytes() == expected_evalfile(LLAMA_EXS, "llama3")
+    back = read_evalfile(p)
+    assert [{k: v for k, v in e.items() if k != "index"} for e in back] == LLAMA_EXS
+    info = read_evalfile_header(p)
+    assert (info.version, info.tokenizer, info.num_examples) == (2, "llama3", 2)
+    # the same examples cannot go to llm.c's uint16 file, nor to a tokenizer without a format
+    with pytest.raises(DataError, match=r"x\.bin: example 0 has a token id outside 0\.\.65534 \(gpt2"):
+        write_evalfile(tmp_path / "x.bin", LLAMA_EXS)
+    with pytest.raises(DataError, match="no eval file format for tokenizer 'bert'"):
+        write_evalfile(tmp_path / "x.bin", LLAMA_EXS, tokenizer="bert")
+    assert not (tmp_path / "x.bin").exists()
+    # a GPT-2 file is still llm.c's version 1, and says so
+    g = write_evalfile(tmp_path / "g.bin", [{"label": 0, "ctx_tokens": [1], "ending_tokens": [[2], [3], [4], [5]]}])
+    assert read_evalfile_header(g).tokenizer == "gpt2" and read_evalfile_header(g).version == 1
+    # one kind of eval file replaces the other (both llmc's), never a file that is not an eval file
+    write_evalfile(g, LLAMA_EXS, tokenizer="llama3")
+    assert read_evalfile_header(g).tokenizer == "llama3"
+
+
+def test_evalfile_reads_llm_c_bytes(tmp_path):
+    """A file as llm.c writes it (spelled out above, not by llmc) reads back as the same examples: GPT-2's."""
+    exs = [{"label": 1, "ctx_tokens": [464, 3797], "ending_tokens": [[318], [1, 65534], [3, 4, 5], [6]]}]
+    p = tmp_path / "llmc_c.bin"
+    p.write_bytes(expected_evalfile(exs))
+    assert [{k: v for k, v in e.items() if k != "index"} for e in read_evalfile(p)] == exs
+    assert read_evalfile_header(p).tokenizer == "gpt2"
+
+
+def _evalfile_with(path, ints=None, name=None, cut=0, extra=b""):
+    data = bytearray(expected_evalfile(LLAMA_EXS, "llama3"))
+    for i, v in (ints or {}).items():
+        data[4 * i: 4 * i + 4] = int(v).to_bytes(4, "little", signed=True)
+    if name is not None:
+        data[16:48] = name.ljust(32, b"\0")
+    path.write_bytes(bytes(data[:len(data) - cut]) + extra)
+    return path
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("version", ("unsupported eval file version 3; this llmc reads version 1 (gpt2, 16-bit tokens), version 2 "
+                 "(llama3, 32-bit tokens)")),
+    ("magic", "bad magic 20240520, expected 20240522"),
+    ("no_name", "eval file version 2 names tokenizer '', expected one of llama3"),
+    ("other_name", "eval file version 2 names tokenizer 'gpt5', expected one of llama3"),
+    ("header", "truncated eval file, 1000 bytes is shorter than the 1024-byte header"),
+    ("ragged", "is not a whole number of 32-bit tokens"),
+    ("cut", "truncated in example 1"),
+    ("trailing", "8 trailing bytes after 2 examples"),
+    ("count", "example 2 does not start with the 4294967295 delimiter"),
+])
+def test_evalfile_errors_are_one_line_naming_the_file(tmp_path, case, expect):
+    p = tmp_path / "hs.bin"
+    if case == "version":
+        _evalfile_with(p, {1: 3})
+    elif case == "magic":
+        _evalfile_with(p, {0: 20240520})
+    elif case == "no_name":
+        _evalfile_with(p, name=b"")
+    elif case == "other_name":
+        _evalfile_with(p, name=b"gpt5")
+    elif case == "header":
+        p.write_bytes(expected_evalfile(LLAMA_EXS, "llama3")[:1000])
+    elif case == "ragged":
+        _evalfile_with(p, cut=2)
+    elif case == "cut":
+        _evalfile_with(p, cut=4)
+    elif case == "trailing":
+        _evalfile_with(p, extra=bytes(8))
+    else:
+        _evalfile_with(p, {2: 3})
+    with pytest.raises(DataError) as e:
+        read_evalfile(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: ") and expect in msg and "\n" not in msg, msg
+    if case in ("version", "magic", "no_name", "other_name", "header"):  # the header alone says so too
+        with pytest.raises(DataError, match="^" + str(p)):
+            read_evalfile_header(p)
 
 
 def test_evalfile_round_trip(tmp_path):

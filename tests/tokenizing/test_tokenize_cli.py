@@ -203,6 +203,82 @@ def test_hellaswag_eval_file(tmp_path, enc):
     assert (out / "hellaswag_val.bin").read_bytes() == header.tobytes() + np.asarray(stream_, "<u2").tobytes()
 
 
+HS_EXS = [{"ind": 24, "ctx": "A man is sitting on a roof. he", "label": 3,
+           "endings": ["is using wrap.", "is ripping level tiles off.", "is holding a cube.", "starts pulling."]},
+          {"ind": 92, "ctx": "Then, the man writes over the snow.", "label": 0,
+           "endings": ["a", "b c", "déjà vu", "the end"]}]
+
+
+def write_byte_ranks(path):
+    """A Llama-3-style tiktoken ranks file of the 256 single bytes (Meta's tokenizer.model layout): each byte's
+    id is its value and <|begin_of_text|> is 256, so the expected ids are spelled out without any tokenizer."""
+    import base64
+    path.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    return path
+
+
+def test_hellaswag_llama3_eval_file(tmp_path):
+    """--tokenizer llama3: llmc's version 2 file (uint32 ids, "llama3" in the header) beside llm.c's GPT-2 one;
+    each context after <|begin_of_text|>, each ending with its leading space; offline from a local jsonl."""
+    ranks = write_byte_ranks(tmp_path / "tokenizer.model")
+    src = tmp_path / "hellaswag_val.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in HS_EXS), encoding="utf-8")
+    out = tmp_path / "hs"
+    run(["hellaswag", "--local", src, "--out-dir", out])  # GPT-2's first: the Llama file must not replace it
+    gpt2_bytes = (out / "hellaswag_val.bin").read_bytes()
+    r = run(["hellaswag", "--local", src, "--out-dir", out, "--tokenizer", "llama3", "--tokenizer-path", ranks])
+    assert "2 examples" in r.output and "llama3 tokens" in r.output
+    stream_, longest = [], 0
+    for i, e in enumerate(HS_EXS):
+        ctx = [256, *e["ctx"].encode()]
+        body = [i, e["label"], 4, len(ctx), *ctx]
+        for end in e["endings"]:
+            et = list((" " + end).encode())
+            body += [len(et), *et]
+        nbytes = 4 * (len(body) + 2)
+        longest = max(longest, nbytes)
+        stream_ += [2**32 - 1, nbytes, *body]
+    header = np.zeros(256, dtype="<i4")
+    header[:4] = [20240522, 2, 2, longest]
+    head = bytearray(header.tobytes())
+    head[16:22] = b"llama3"
+    assert (out / "hellaswag_val_llama3.bin").read_bytes() == bytes(head) + np.asarray(stream_, "<u4").tobytes()
+    assert (out / "hellaswag_val.bin").read_bytes() == gpt2_bytes
+    # the model's own tokenizer, from a checkpoint: a Llama run keeps tokenizer.model beside its steps
+    from llmc_cli.formats.sources import export_run
+    from llmc_cli.models.llama3 import PRESETS, init_parameters
+    cfg = PRESETS["llama3-tiny"]
+    run_dir = export_run(tmp_path / "run", cfg, init_parameters(cfg, 0), tokenizer="llama3", tokenizer_file=ranks)
+    run(["hellaswag", "--local", src, "--out-dir", tmp_path / "hs2", "--checkpoint", run_dir])
+    assert (tmp_path / "hs2" / "hellaswag_val_llama3.bin").read_bytes() == \
+        (out / "hellaswag_val_llama3.bin").read_bytes()
+    # a Llama trained on GPT-2 shards gets llm.c's GPT-2 file
+    gpt2_run = export_run(tmp_path / "run_gpt2", cfg, init_parameters(cfg, 0), tokenizer="gpt2")
+    run(["hellaswag", "--local", src, "--out-dir", tmp_path / "hs3", "--checkpoint", gpt2_run])
+    assert (tmp_path / "hs3" / "hellaswag_val.bin").read_bytes() == gpt2_bytes
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--tokenizer", "llama3"], "the llama3 tokenizer needs its tiktoken-format ranks file"),
+    (["--checkpoint", "{tmp}/run", "--tokenizer", "gpt2"], "give --checkpoint or --tokenizer/--tokenizer-path"),
+    (["--checkpoint", "{tmp}/run"], "--checkpoint: {tmp}/run: a Llama 3 model needs its tokenizer"),
+    (["--checkpoint", "{tmp}/nothing"], "--checkpoint: "),
+])
+def test_hellaswag_tokenizer_errors_are_one_line(tmp_path, args, msg):
+    from llmc_cli.formats.sources import export_run
+    from llmc_cli.models.llama3 import PRESETS, init_parameters
+    export_run(tmp_path / "run", PRESETS["llama3-tiny"], init_parameters(PRESETS["llama3-tiny"], 0),
+               tokenizer="llama3")  # no tokenizer.model anywhere
+    src = tmp_path / "hellaswag_val.jsonl"
+    src.write_text(json.dumps(HS_EXS[0]) + "\n", encoding="utf-8")
+    r = run(["hellaswag", "--local", src, "--out-dir", tmp_path / "hs", *[a.format(tmp=tmp_path) for a in args]],
+            ok=False)
+    line = r.output.strip()
+    assert r.exit_code == 2 and line.startswith("error:") and "\n" not in line, line
+    assert msg.format(tmp=tmp_path) in line, line
+    assert not (tmp_path / "hs").exists()
+
+
 def test_shakespeare_offline_corpus(tmp_path, enc, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default output: datasets/shakespeare/ under the CWD
     r = run(["shakespeare", "--shard-size", "500K", "--workers", "2"])
