@@ -475,7 +475,8 @@ def test_swiglu_backward(backend, rng, B, T, H):
 # =============================================================================================================
 # rope
 
-ROPE_CASES = [(2, 7, 4, 4, 8, 12), (1, 9, 4, 2, 16, 9), (2, 5, 6, 1, 32, 20), (1, 33, 8, 2, 64, 40)]  # B,T,NH,NKV,hd,maxT
+ROPE_CASES = [(2, 7, 4, 4, 8, 12), (1, 9, 4, 2, 16, 9), (2, 5, 6, 1, 32, 20), (1, 33, 8, 2, 64, 40),
+              (1, 4, 2, 1, 6, 8)]  # B,T,NH,NKV,hd,maxT; the last has no 16-byte packs of pairs
 
 
 def freqs_cis_host(hd: int, maxT: int, theta: float = 500000.0) -> np.ndarray:

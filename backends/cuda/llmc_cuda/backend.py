@@ -457,22 +457,26 @@ class CudaBackend(Backend):
     def swiglu_forward(self, out, inp):
         H = out.shape[-1]
         N = out.size // H
-        self._launch(self._kk("swiglu_forward", out), self._grid(N * H), _BLOCK,
-                     (out, inp, np.int64(N), np.int32(H)))
+        vec = self._vec(H, out, inp)
+        self._launch(self._kk("swiglu_forward", out), self._grid(N * H, 16 // out.dtype.itemsize if vec else 1), _BLOCK,
+                     (out, inp, np.int64(N), np.int32(H), np.int32(vec)))
 
     def swiglu_backward(self, dinp, dout, inp):
         H = dout.shape[-1]
         N = dout.size // H
-        self._launch(self._kk("swiglu_backward", dinp), self._grid(N * H), _BLOCK,
-                     (dinp, dout, inp, np.int64(N), np.int32(H)))
+        vec = self._vec(H, dinp, dout, inp)
+        self._launch(self._kk("swiglu_backward", dinp), self._grid(N * H, 16 // dinp.dtype.itemsize if vec else 1),
+                     _BLOCK, (dinp, dout, inp, np.int64(N), np.int32(H), np.int32(vec)))
 
     def _rope(self, qkv, freqs_cis, n_head, n_kv_head, sign):
         B, T, W = qkv.shape
         hd = W // (n_head + 2 * n_kv_head)
+        pack = 16 // qkv.dtype.itemsize
+        vec = int(hd % pack == 0 and W % pack == 0 and self._aligned(qkv))
         n = B * T * (n_head + n_kv_head) * (hd // 2)
-        self._launch(self._kk("rope_kernel", qkv), self._grid(n), _BLOCK,
+        self._launch(self._kk("rope_kernel", qkv), self._grid(n, pack // 2 if vec else 1), _BLOCK,
                      (qkv, freqs_cis, np.int32(B), np.int32(T), np.int32(n_head + n_kv_head), np.int32(W),
-                      np.int32(hd), np.float32(sign)))
+                      np.int32(hd), np.float32(sign), np.int32(vec)))
 
     def rope_forward(self, qkv, freqs_cis, n_head, n_kv_head):
         self._rope(qkv, freqs_cis, n_head, n_kv_head, 1.0)

@@ -142,41 +142,98 @@ extern "C" __global__ void gelu_backward(act_t* dinp, const act_t* inp, const ac
 }
 
 // inp (N, 2H) = [gate | up]; out (N, H) = silu(gate) * up
-extern "C" __global__ void swiglu_forward(act_t* out, const act_t* inp, long long N, int H) {
+// swiglu: out (N,H) = silu(gate) * up with inp (N,2H) = [gate | up] per row. vec: H a multiple of PACK and the
+// buffers 16-byte aligned, PACK elements per thread in 16-byte loads and stores (these kernels are pure bandwidth)
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
+extern "C" __global__ void swiglu_forward(act_t* out, const act_t* inp, long long N, int H, int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    if (vec) {
+        int hp = H / PACK;
+        long long n = N * hp;
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+            long long r = i / hp; int h = (int)(i - r * hp) * PACK;
+            pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h), o;
+#pragma unroll
+            for (int k = 0; k < PACK; k++) o.v[k] = from_f(silu_f(to_f(g.v[k])) * to_f(u.v[k]));
+            store_pack(out + r * H + h, o);
+        }
+        return;
+    }
     long long n = N * H;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
         long long r = i / H; int h = (int)(i - r * H);
         float g = to_f(inp[r * 2 * H + h]), u = to_f(inp[r * 2 * H + H + h]);
-        out[i] = from_f(g / (1.0f + expf(-g)) * u);
+        out[i] = from_f(silu_f(g) * u);
     }
 }
-extern "C" __global__ void swiglu_backward(act_t* dinp, const act_t* dout, const act_t* inp, long long N, int H) {
+__device__ __forceinline__ void swiglu_grad(float g, float u, float d, float* dg, float* du) {
+    float sig = 1.0f / (1.0f + expf(-g));
+    float silu = g * sig;
+    *du = d * silu;
+    *dg = d * u * (sig + silu * (1.0f - sig));
+}
+extern "C" __global__ void swiglu_backward(act_t* dinp, const act_t* dout, const act_t* inp, long long N, int H,
+                                           int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    if (vec) {
+        int hp = H / PACK;
+        long long n = N * hp;
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+            long long r = i / hp; int h = (int)(i - r * hp) * PACK;
+            pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h);
+            pack_t d = load_pack(dout + r * H + h), dg, du;
+#pragma unroll
+            for (int k = 0; k < PACK; k++) {
+                float a, b;
+                swiglu_grad(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), &a, &b);
+                dg.v[k] = from_f(a);
+                du.v[k] = from_f(b);
+            }
+            store_pack(dinp + r * 2 * H + h, dg);
+            store_pack(dinp + r * 2 * H + H + h, du);
+        }
+        return;
+    }
     long long n = N * H;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
         long long r = i / H; int h = (int)(i - r * H);
-        float g = to_f(inp[r * 2 * H + h]), u = to_f(inp[r * 2 * H + H + h]), d = to_f(dout[i]);
-        float sig = 1.0f / (1.0f + expf(-g));
-        float silu = g * sig;
-        dinp[r * 2 * H + H + h] = from_f(d * silu);
-        dinp[r * 2 * H + h] = from_f(d * u * (sig + silu * (1.0f - sig)));
+        float a, b;
+        swiglu_grad(to_f(inp[r * 2 * H + h]), to_f(inp[r * 2 * H + H + h]), to_f(dout[i]), &a, &b);
+        dinp[r * 2 * H + H + h] = from_f(b);
+        dinp[r * 2 * H + h] = from_f(a);
     }
 }
 
-// rope on q and k heads of qkv (B,T,(NH+2NKV)*hd), pairs (2i, 2i+1); freqs (maxT, hd/2, 2) = (cos, sin)
-extern "C" __global__ void rope_kernel(act_t* qkv, const float* freqs, int B, int T, int NQK, int W, int hd, float sign) {
-    int half = hd / 2;
-    long long n = (long long)B * T * NQK * half;
+// rope on q and k heads of qkv (B,T,(NH+2NKV)*hd), pairs (2i, 2i+1); freqs (maxT, hd/2, 2) = (cos, sin).
+// vec: hd a multiple of PACK and qkv 16-byte aligned, PACK/2 pairs per thread in one 16-byte load and store
+extern "C" __global__ void rope_kernel(act_t* qkv, const float* freqs, int B, int T, int NQK, int W, int hd, float sign,
+                                       int vec) {
+    int half = hd / 2, per = vec ? PACK / 2 : 1, groups = half / per;  // pairs per thread, thread groups per head
+    long long n = (long long)B * T * NQK * groups;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        int p = (int)(i % half);
-        long long r = i / half;
+        int p0 = (int)(i % groups) * per;
+        long long r = i / groups;
         int head = (int)(r % NQK);
         long long bt = r / NQK;
         int t = (int)(bt % T);
-        float c = freqs[(t * half + p) * 2], s = sign * freqs[(t * half + p) * 2 + 1];
-        act_t* x = qkv + bt * W + head * hd + 2 * p;
-        float x0 = to_f(x[0]), x1 = to_f(x[1]);
-        x[0] = from_f(x0 * c - x1 * s);
-        x[1] = from_f(x0 * s + x1 * c);
+        act_t* x = qkv + bt * W + head * hd + 2 * p0;
+        const float* f = freqs + ((long long)t * half + p0) * 2;
+        if (vec) {
+            pack_t v = load_pack(x);
+#pragma unroll
+            for (int k = 0; k < PACK / 2; k++) {
+                float c = f[2 * k], s = sign * f[2 * k + 1];
+                float x0 = to_f(v.v[2 * k]), x1 = to_f(v.v[2 * k + 1]);
+                v.v[2 * k] = from_f(x0 * c - x1 * s);
+                v.v[2 * k + 1] = from_f(x0 * s + x1 * c);
+            }
+            store_pack(x, v);
+        } else {
+            float c = f[0], s = sign * f[1];
+            float x0 = to_f(x[0]), x1 = to_f(x[1]);
+            x[0] = from_f(x0 * c - x1 * s);
+            x[1] = from_f(x0 * s + x1 * c);
+        }
     }
 }
 
