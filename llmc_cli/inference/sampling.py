@@ -12,7 +12,10 @@ from llmc_cli.models.base import Model
 def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0) -> int:
     """One token id from logits (V,): greedy at temperature 0, else softmax(logits / temperature) restricted
-    to the top_k most likely (0 = all) and to the smallest set whose mass reaches top_p."""
+    to the top_k most likely (0 = all) and to the smallest set whose mass reaches top_p (ties: lower ids first).
+    The draw is numpy's `rng.choice(V, p=probs)` done by hand (one uniform against the cumulative sums, the same
+    tokens for the same seed) without its checks, and top-p sorts only the few most likely ids: at a 128k
+    vocabulary both would otherwise cost more host time than a decoded token's GPU time."""
     logits = logits.astype(np.float64)
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -23,14 +26,32 @@ def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: floa
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     if top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
+        probs = _nucleus(probs, top_p)
+    cdf = np.cumsum(probs)
+    cdf /= cdf[-1]
+    return int(np.searchsorted(cdf, rng.random(), side="right"))
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """probs kept on the smallest set, in descending order (ties: lower ids first), whose mass reaches top_p, and
+    renormalised. Candidates: every id at least as likely as the k-th most likely, k growing until their running
+    sum reaches top_p; its prefix is then exactly that of a stable sort of the whole vocabulary."""
+    V, k = probs.size, 256
+    while True:
+        if k >= V:
+            cand = np.arange(V)
+        else:
+            cand = np.flatnonzero(probs >= np.partition(probs, V - k)[V - k])
+        order = cand[np.lexsort((cand, -probs[cand]))]
         cum = np.cumsum(probs[order])
-        cut = int(np.searchsorted(cum, top_p)) + 1
-        keep = np.zeros_like(probs, dtype=bool)
-        keep[order[:cut]] = True
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum()
-    return int(rng.choice(probs.size, p=probs))
+        if cum[-1] >= top_p or cand.size == V:
+            break
+        k = k * 16 if k * 128 < V else V  # a flat distribution: sorting everything at once is cheaper
+    cut = int(np.searchsorted(cum, top_p)) + 1
+    keep = np.zeros(V, dtype=bool)
+    keep[order[:cut]] = True
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum()
 
 
 def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.random.Generator,
