@@ -346,3 +346,33 @@ def test_eval_and_validation_say_how_many_batches_they_averaged(tmp_path, shards
     assert "over 3 batches of B=2 T=16 (96 tokens)" in r.output, r.output
     r = run(*TINY, "--data", shards, "--steps", 1, "--val-every", 1, "--val-batches", 2)
     assert "val loss" in r.output and "(2 batches of B=2 T=32)" in r.output, r.output
+
+
+def _choose_by_numpy(logits, rng, temperature, top_k, top_p):
+    """The definition choose_token keeps: numpy's weighted choice after a full stable sort for top-p."""
+    x = logits.astype(np.float64) / temperature
+    if 0 < top_k < x.size:
+        x = np.where(x < np.partition(x, -top_k)[-top_k], -np.inf, x)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cut = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+        keep = np.zeros(p.size, bool)
+        keep[order[:cut]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+@pytest.mark.parametrize("V", [7, 1000, 50257])
+def test_choose_token_draws_what_numpy_choice_draws(V):
+    r = np.random.default_rng(V)
+    for trial in range(40):
+        logits = (r.normal(size=V) * r.choice([0.1, 1.0, 8.0])).astype(np.float32)
+        if trial % 5 == 0:
+            logits[: V // 2] = logits[0]  # ties at the top-p boundary: lower ids first
+        kw = dict(temperature=float(r.choice([0.7, 1.0])), top_k=int(r.choice([0, 5])),
+                  top_p=float(r.choice([1.0, 0.9, 0.5])))
+        assert choose_token(logits, np.random.default_rng(trial), **kw) == \
+            _choose_by_numpy(logits, np.random.default_rng(trial), **kw), (trial, kw)
