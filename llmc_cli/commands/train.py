@@ -374,14 +374,16 @@ def dry_run(o: dict) -> None:
     B, T = o["batch_size"], o["seq_len"]
     if T > cfg.block_size:  # what training would refuse, refused here too
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    ranks = max(o["gpus"], o["procs"], 1)
     try:
-        plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"])
+        plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"], world_size=ranks, zero=int(o["zero"]))
     except ValueError as e:
         fail(str(e))
     from llmc_cli.models.families import family_of
     n = family_of(cfg).num_parameters(cfg)
     how = "" if o["recompute"] == "none" else f", --recompute {o['recompute']}"
-    table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}{how}")
+    per = f", per rank of {ranks} (--zero {int(o['zero'])})" if ranks > 1 else ""
+    table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}{how}{per}")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     for k, v in plan.items():

@@ -67,16 +67,22 @@ def family_of_hf(model_type: str) -> Family | None:
     return next((f for f in FAMILIES.values() if f.hf.model_type == model_type), None)
 
 
-def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recompute: str = "none") -> dict[str, int]:
-    """Bytes the engine will allocate, by component, without allocating anything (for --dry-run)."""
+def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recompute: str = "none",
+                world_size: int = 1, zero: int = 0) -> dict[str, int]:
+    """Bytes the engine will allocate on one rank, by component, without allocating anything (for --dry-run). With
+    ZeRO (`zero` >= 1) over `world_size` ranks a rank holds its shard of the optimizer state: n // W elements plus
+    the tail of fewer than W that every rank keeps (parallel.zero.ShardedAdamW)."""
     fam = family_of(cfg)
     act_bytes = 2 if dtype == BFLOAT16 else 4
     n = fam.num_parameters(cfg)
     plan = {"parameters": n * act_bytes}
     if training:
         plan["gradients"] = n * act_bytes
-        plan["optimizer (m, v" + (", fp32 master)" if dtype == BFLOAT16 else ")")] = \
-            n * 4 * (3 if dtype == BFLOAT16 else 2)
+        held = n if zero < 1 or world_size <= 1 else n // world_size + n % world_size
+        key = "optimizer (m, v" + (", fp32 master)" if dtype == BFLOAT16 else ")")
+        if held < n:
+            key += f", ZeRO-{zero} shard 1/{world_size}"
+        plan[key] = held * 4 * (3 if dtype == BFLOAT16 else 2)
     plan["activations"] = fam.activation_bytes(cfg, B, T, training, act_bytes, recompute)
     return plan
 

@@ -293,6 +293,32 @@ def test_dry_run_plans_llama3_8b_without_data():
         assert component in r.output
     # m, v and the fp32 master copy: 12 bytes a parameter
     assert "89.75" in r.output
+    # with ZeRO-1 over 2 GPUs a rank holds half of it (what parallel.zero.ShardedAdamW allocates)
+    r = run("train", "--model", "llama3-8b", "--dry-run", "-b", 1, "-t", 8192, "--dtype", "bf16", "--gpus", 2,
+            "--zero", 1)
+    assert "per rank of 2 (--zero 1)" in r.output and "ZeRO-1 shard 1/2" in r.output and "44.87" in r.output
+    assert "89.75" not in r.output
+
+
+def test_memory_plan_shard_is_what_zero_allocates():
+    """The plan's optimizer shard equals the state ShardedAdamW allocates on a rank (m, v, master: 3 floats)."""
+    from types import SimpleNamespace
+
+    from llmc_cli.models.families import memory_plan
+    from llmc_cli.models.llama3 import preset
+    from llmc_cli.optim import AdamWConfig
+    from llmc_cli.parallel.zero import ShardedAdamW
+    from llmc_cli.registry import create_backend
+    be = create_backend("cpu")
+    cfg = preset("llama3-tiny")
+    m = Llama3(cfg, be, 1, 8)
+    for W in (2, 3, 7):
+        before = be.memory_report().by_tag.get("optimizer", 0)
+        ShardedAdamW(be, m.params, m.grads, m.tensor_names(), AdamWConfig(), SimpleNamespace(world_size=W, rank=W - 1))
+        allocated = be.memory_report().by_tag.get("optimizer", 0) - before
+        (opt,) = [v for k, v in memory_plan(cfg, 1, 8, "float32", world_size=W, zero=1).items()
+                  if k.startswith("optimizer")]
+        assert opt == (m.num_params // W + m.num_params % W) * 4 * 2 and allocated - opt <= 64, (W, opt, allocated)
 
 
 def test_train_with_recompute_logs_the_same_losses(shards, tmp_path):
