@@ -328,14 +328,14 @@ class CudaBackend(Backend):
             rows_per_block = (N + blocks - 1) // blocks
             blocks = (N + rows_per_block - 1) // rows_per_block
             part = self.scratch("norm_partials", blocks * 2 * C)
-            k = self._kk(f"norm_backward_vec{P}", dinp)
+            k = self._kk(f"norm_backward_{'rms_' if rms else ''}vec{P}", dinp)
             shared = 2 * C * 4
             if shared > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = shared
             null = np.uint64(0)
             self._launch(k, blocks, 256,
                          (dinp, part, dout, inp, weight, mean if mean is not None else null, rstd, np.int32(N),
-                          np.int32(C), np.int32(rows_per_block), np.int32(rms)), shared=shared)
+                          np.int32(C), np.int32(rows_per_block)), shared=shared)
             self._launch(self._kk("norm_backward_reduce_vec", dweight), (C + 31) // 32, 256,
                          (dweight, dbias if dbias is not None else null, part, np.int32(blocks), np.int32(C)))
             return

@@ -461,11 +461,10 @@ __device__ __forceinline__ void norm_forward_vec_impl(act_t* out, float* mean, f
 // Backward phase 1: block b owns rows [b*rows_per_block, ...), its warps take rows in turn; dinp += per row;
 // each lane accumulates dweight / dbias of its columns in registers, the warps of a block add theirs in warp
 // order in shared memory, and the block writes partial[b][2][C] (fixed order everywhere: deterministic).
-template <int P>
+template <int P, bool RMS>  // RMS: rmsnorm (no mean, no dbias: registers a P=8 lane would otherwise spill)
 __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* partial, const act_t* dout,
                                                        const act_t* inp, const act_t* weight, const float* mean,
-                                                       const float* rstd, int N, int C, int rows_per_block,
-                                                       int rms) {
+                                                       const float* rstd, int N, int C, int rows_per_block) {
     extern __shared__ float sm[];  // [2][C]
     int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int npk = C / PACK;
@@ -482,7 +481,7 @@ __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* parti
     int r1 = min(N, r0 + rows_per_block);
     for (int row = r0 + warp; row < r1; row += warps) {
         long long base = (long long)row * C;
-        float m = rms ? 0.0f : mean[row], r = rstd[row];
+        float m = RMS ? 0.0f : mean[row], r = rstd[row];
         pack_t xp[P], gp[P];
         #pragma unroll
         for (int k = 0; k < P; k++) {
@@ -497,7 +496,8 @@ __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* parti
                 for (int j = 0; j < PACK; j++) {
                     float xh = (to_f(xp[k].v[j]) - m) * r;
                     float dn = to_f(gp[k].v[j]) * to_f(w[k].v[j]);
-                    s1 += dn; s2 += dn * xh;
+                    if (!RMS) s1 += dn;
+                    s2 += dn * xh;
                 }
             }
         }
@@ -513,10 +513,10 @@ __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* parti
                     float xh = (to_f(xp[k].v[j]) - m) * r;
                     float gg = to_f(gp[k].v[j]);
                     float dn = gg * to_f(w[k].v[j]);
-                    float d = rms ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
+                    float d = RMS ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
                     dp.v[j] = from_f(to_f(dp.v[j]) + d);
                     dw[k][j] += gg * xh;
-                    db[k][j] += gg;
+                    if (!RMS) db[k][j] += gg;
                 }
                 store_pack(di, dp);
             }
@@ -553,8 +553,13 @@ extern "C" __global__ void norm_forward_vec##P(act_t* out, float* mean, float* r
 }                                                                                                                 \
 extern "C" __global__ void __launch_bounds__(256) norm_backward_vec##P(act_t* dinp, float* partial,              \
         const act_t* dout, const act_t* inp, const act_t* weight, const float* mean, const float* rstd, int N,   \
-        int C, int rows_per_block, int rms) {                                                                     \
-    norm_backward_vec_impl<P>(dinp, partial, dout, inp, weight, mean, rstd, N, C, rows_per_block, rms);          \
+        int C, int rows_per_block) {                                                                              \
+    norm_backward_vec_impl<P, false>(dinp, partial, dout, inp, weight, mean, rstd, N, C, rows_per_block);        \
+}                                                                                                                 \
+extern "C" __global__ void __launch_bounds__(256) norm_backward_rms_vec##P(act_t* dinp, float* partial,          \
+        const act_t* dout, const act_t* inp, const act_t* weight, const float* mean, const float* rstd, int N,   \
+        int C, int rows_per_block) {                                                                              \
+    norm_backward_vec_impl<P, true>(dinp, partial, dout, inp, weight, mean, rstd, N, C, rows_per_block);         \
 }
 NORM_VEC(1)
 NORM_VEC(2)
@@ -589,8 +594,6 @@ extern "C" __global__ void norm_backward_reduce_vec(act_t* dweight, act_t* dbias
     }
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// bias: out (N,OC) += bias; column sums for dbias (two phases, fixed order)
 // Matmul for a few rows (decoding: one token per sequence), where a tiled GEMM leaves most of the GPU idle and the
 // cost is reading the weight once: out (N,OC) = inp (N,C) @ w(OC,C)^T [+ bias], one warp per output column reading
 // its weight row in 16-byte packs, N <= GEMV_MAX_N rows at once, a fixed reduction order. With gelu, pre gets the
@@ -635,6 +638,8 @@ extern "C" __global__ void matmul_forward_gemv(act_t* out, act_t* pre, const act
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// bias: out (N,OC) += bias; column sums for dbias (two phases, fixed order)
 extern "C" __global__ void add_bias(act_t* out, const act_t* bias, long long N, int OC) {
     long long n = N * OC;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
