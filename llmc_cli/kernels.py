@@ -489,6 +489,24 @@ def option_flag(options: dict[str, str] | None, name: str, default: bool, env: s
     raise BackendUnavailable(f"--backend-opt {name}={raw}: expected on or off")
 
 
+def option_int(options: dict[str, str] | None, name: str, default: int, env: str | None = None) -> int:
+    """An integer backend option (>= 0): `options[name]` if given, else the environment variable `env`, else
+    `default`. BackendUnavailable names the option on anything else."""
+    import os
+    raw = (options or {}).get(name)
+    if raw is None and env:
+        raw = os.environ.get(env)
+    if raw is None:
+        return default
+    try:
+        v = int(str(raw).strip())
+        if v < 0:
+            raise ValueError
+    except ValueError:
+        raise BackendUnavailable(f"--backend-opt {name}={raw}: expected an integer >= 0") from None
+    return v
+
+
 class BackendPlugin(abc.ABC):
     """What an entry point in group ``llmc.backends`` resolves to (a class or instance of this)."""
 

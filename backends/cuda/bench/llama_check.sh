@@ -49,9 +49,13 @@ decode)
   done | tee "$OUT/decode_summary.log"
   ;;
 1b)
-  (cd /tmp && timeout 300 $PY "$HERE/backends/cuda/bench/cuda_profile.py" --model llama3.2-1b -b 8 -t 2048 --steps 5 \
-    --json "$OUT/1b_profile.json") 2>&1 | tail -n 60 > "$OUT/1b_profile.log"
-  grep END2END "$OUT/1b_profile.log"
+  for ws in ${CUDNN_WS:-512}; do  # cuDNN's attention-backward workspace cap (MiB); several values: one profile each
+    (cd /tmp && LLMC_CUDNN_WORKSPACE_MIB=$ws timeout 300 $PY "$HERE/backends/cuda/bench/cuda_profile.py" \
+      --model llama3.2-1b -b 8 -t 2048 --steps 5 --json "$OUT/1b_profile_ws$ws.json") 2>&1 | tail -n 60 \
+      > "$OUT/1b_profile_ws$ws.log"
+    echo "workspace $ws MiB: $(grep END2END "$OUT/1b_profile_ws$ws.log")"
+    grep -E "^(attention_backward|rmsnorm_backward|swiglu|rope)" "$OUT/1b_profile_ws$ws.log"
+  done
   [ -n "${PROFILE_ONLY:-}" ] && continue
   cd /tmp
   timeout 60 $LLMC train --backend cuda --dtype bf16 --model llama3.2-1b -b 8 -t 2048 --recompute gelu --dry-run 2>&1 \

@@ -87,6 +87,8 @@ class CudaPlugin(BackendPlugin):
                      "LLMC_CUBLASLT_EPILOGUES)",
         "tune": "on|off: time cuBLASLt's candidate algorithms per shape and keep the fastest bit-identical one "
                 "(default on; env LLMC_CUBLASLT_TUNE)",
+        "cudnn_workspace_mib": "MiB: the most workspace cuDNN's deterministic attention backward may take; past it the "
+                               "batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
     }
 
     def create(self, device=None, dtype=None, options=None):

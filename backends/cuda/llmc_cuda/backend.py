@@ -23,6 +23,7 @@ from llmc_cli.kernels import (
     MemoryReport,
     check_decode_chunk,
     option_flag,
+    option_int,
 )
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
@@ -89,6 +90,7 @@ class CudaBackend(Backend):
         from .cublaslt import CublasLt
         self.lt = CublasLt(cp, tune=option_flag(options, "tune", True, env="LLMC_CUBLASLT_TUNE"))
         self._cudnn = None
+        self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB") << 20
         self.cudnn_reason = "not tried yet"
         self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
 
@@ -490,6 +492,7 @@ class CudaBackend(Backend):
             try:
                 from .cudnn_attention import CudnnAttention
                 self._cudnn = CudnnAttention(cp, self.stream.ptr)
+                self._cudnn.bwd_workspace_max = self.cudnn_workspace
                 self.cudnn_reason = "ok"
             except Exception as e:
                 self.use_cudnn = False

@@ -12,7 +12,6 @@ kernel takes (base buffer, element offset) pairs, so views need no sub-buffers.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.kernels import (CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
-                              MemoryReport, check_decode_chunk, guard_scale)
+                              MemoryReport, check_decode_chunk, guard_scale, option_int)
 
 try:
     import pyopencl as cl
@@ -173,20 +172,6 @@ def _bo(a):
     return a.base_data, a.offset // a.dtype.itemsize
 
 
-def _int_option(opts: dict, name: str, env: str, default: int) -> int:
-    """An integer backend option (>= 0): `--backend-opt NAME=N`, else the environment variable, else `default`."""
-    raw = opts.get(name, os.environ.get(env))
-    if raw is None:
-        return default
-    try:
-        v = int(raw)
-        if v < 0:
-            raise ValueError
-    except ValueError:
-        raise BackendUnavailable(f"--backend-opt {name}={raw}: expected an integer >= 0") from None
-    return v
-
-
 class OpenCLBackend(Backend):
     name = "opencl"
     dtype = FLOAT32
@@ -200,12 +185,12 @@ class OpenCLBackend(Backend):
         ls = 1
         # reductions: 256 items per row on GPUs; one item per row on CPU devices, where PoCL would otherwise
         # run every work-item to each barrier in turn and stride through memory (option red_ls overrides)
-        cap = _int_option(opts, "red_ls", "LLMC_OPENCL_RED_LS", 1 if device.type & cl.device_type.CPU else 256)
+        cap = option_int(opts, "red_ls", 1 if device.type & cl.device_type.CPU else 256, env="LLMC_OPENCL_RED_LS")
         while ls * 2 <= min(cap, device.max_work_group_size):
             ls *= 2
         self.red_ls = ls
         # split-K chunk for long-K NN products on CPU devices (0 = off; option splitk overrides)
-        self._splitk = _int_option(opts, "splitk", "LLMC_OPENCL_SPLITK", 512 if device.type & cl.device_type.CPU else 0)
+        self._splitk = option_int(opts, "splitk", 512 if device.type & cl.device_type.CPU else 0, env="LLMC_OPENCL_SPLITK")
         _, self.k = build_program(self.ctx, "kernels.cl", f"-DRED_LS={ls}")
         self._allocated: dict[str, int] = defaultdict(int)
         self._scratch: dict[str, object] = {}
