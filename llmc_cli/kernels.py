@@ -67,6 +67,9 @@ _GELU_C = float(np.sqrt(2.0 / np.pi))
 FLOAT32 = "float32"
 BFLOAT16 = "bfloat16"
 INT32 = "int32"
+# Not a buffer dtype: `create(dtype=FP8)` asks for a CAP_FP8 backend, whose `dtype` is BFLOAT16 (every buffer the
+# engine sees) and whose `matmul_dtype` is FP8.
+FP8 = "fp8"
 
 # Capabilities a backend may announce.
 CAP_BF16 = "bf16"                      # Backend can run with dtype=bfloat16
@@ -74,6 +77,7 @@ CAP_REFERENCE = "reference"            # float32 on the host: the backend others
 CAP_DEVICE_EVENTS = "device_events"    # timer() measures device time rather than host time
 CAP_KV_CACHE = "kv_cache"              # attention_decode works (incremental decoding over a key/value cache)
 CAP_GRAPHS = "graphs"                  # capture() records a run of kernel calls once and replays it cheaply
+CAP_FP8 = "fp8"                        # matmuls in 8-bit floats with per-tensor scales (matmul_dtype == FP8)
 
 
 @dataclass
@@ -91,6 +95,9 @@ class Backend(abc.ABC):
 
     name: str = "?"
     dtype: str = FLOAT32
+    # What matmul_forward/_backward compute in, when not `dtype`: FP8 on a CAP_FP8 backend (inputs cast to e4m3,
+    # gradients to e5m2, each tensor with its own scale; outputs, accumulations and everything else in `dtype`).
+    matmul_dtype: str | None = None
     capabilities: frozenset[str] = frozenset()
 
     # ---- memory --------------------------------------------------------------------------------------------
@@ -194,7 +201,10 @@ class Backend(abc.ABC):
     def matmul_forward(self, out: Buffer, inp: Buffer, weight: Buffer, bias: Buffer | None = None,
                        pre_gelu: Buffer | None = None) -> None:
         """inp (N,C) @ weight(OC,C)^T + bias(OC) -> (N,OC). Without `pre_gelu` that is `out`; with it, the
-        product goes to `pre_gelu` and `out` = gelu(pre_gelu) (the fused GELU epilogue)."""
+        product goes to `pre_gelu` and `out` = gelu(pre_gelu) (the fused GELU epilogue).
+        A CAP_FP8 backend also takes `precise: bool = False` here and in matmul_backward: True (the engine passes
+        it for the classifier, whose logits feed the loss directly) keeps that product in `dtype` unless the
+        backend's own options say otherwise."""
 
     @abc.abstractmethod
     def matmul_backward(self, dinp: Buffer | None, dweight: Buffer, dbias: Buffer | None, dout: Buffer,

@@ -85,13 +85,13 @@ def _preset_for(cfg: Config) -> tuple[str, dict]:
 
 
 def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: str, *, steps: int,
-               warmup: int, seed: int) -> dict:
+               warmup: int, seed: int, recompute: str = "none") -> dict:
     """`steps` timed training steps after `warmup` ones, through llmc's Trainer (data loader + optimizer)."""
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer
     model, over = _preset_for(cfg)
     args = TrainArgs(data=data, model=model, **over, batch_size=B, seq_len=T, steps=warmup + steps, seed=seed,
-                     optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0)
+                     optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0, recompute=recompute)
     trainer = Trainer(args, backend, say=lambda s: None)
     times, losses = [], []
     try:
@@ -105,7 +105,7 @@ def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: 
         del trainer
         gc.collect()
     r = _train_record(label, "llmc", times, losses, B, T, flops_per_step(cfg, B, T), _peak_flops(backend))
-    r.update(describe=backend.describe(), dtype=backend.dtype, allocated_bytes=mem.allocated,
+    r.update(describe=backend.describe(), dtype=backend.matmul_dtype or backend.dtype, allocated_bytes=mem.allocated,
              device_total_bytes=mem.device_total,
              device_used_bytes=(mem.device_total - mem.device_free) if (mem.device_total and mem.device_free is not None)
              else None, host_rss_peak_bytes=_rss_peak_bytes())
@@ -211,15 +211,19 @@ def torch_dtype_for(backends: Sequence[tuple[str, Backend]]) -> str:
 
 def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: int, *, steps: int = 10,
               warmup: int = 2, seed: int = 1337, data: str | None = None, compare: Sequence[str] = (),
-              torch_dtype: str | None = FLOAT32, progress: Callable[[str], None] | None = None) -> dict:
+              torch_dtype: str | None = FLOAT32, progress: Callable[[str], None] | None = None,
+              recompute: str = "none") -> dict:
     """Training steps on every backend (and PyTorch for `compare` entries "torch-eager" / "torch-compile").
     `data`: a glob of shards; None writes a temporary shard of random tokens. `torch_dtype` None: the
-    backends' dtype where they share one (bf16 runs PyTorch under bf16 autocast), else float32. Returns
+    backends' dtype where they share one (bf16 runs PyTorch under bf16 autocast), else float32. `recompute`:
+    llmc's --recompute (PyTorch has none here, so it cannot be compared with one). Returns
     {"config", "results", "notes"}; a PyTorch variant that fails is a note, not an error."""
     if steps < 1 or warmup < 0:
         raise BenchError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     if T > cfg.block_size:
         raise BenchError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    if recompute != "none" and any(m.startswith("torch") for m in compare):
+        raise BenchError(f"--recompute {recompute} times llmc only; --compare runs PyTorch without it, so leave one out")
     if torch_dtype is None:
         torch_dtype = torch_dtype_for(backends)
     results, notes = [], []
@@ -233,7 +237,8 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
             if progress:
                 progress(f"training on {label}")
             try:
-                results.append(train_llmc(label, be, cfg, B, T, data, steps=steps, warmup=warmup, seed=seed))
+                results.append(train_llmc(label, be, cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
+                                          recompute=recompute))
             except ValueError as e:  # TrainError / DataError: options the trainer refuses
                 raise BenchError(f"training on {label}: {e}") from None
         torch_modes = [m for m in compare if m.startswith("torch")]

@@ -70,8 +70,11 @@ def _model_options(f=None, *, batch: int = 4, seq: int = 64, seq_help: str = "Se
                      help="Backend to benchmark (repeatable; default: every usable one, see `llmc backends`)."),
         click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE",
                      help=BACKEND_OPT_HELP + " Each backend takes the ones it declares."),
-        click.option("--dtype", type=click.Choice(["fp32", "bf16", "auto"]), default="auto", show_default=True,
-                     help="Compute dtype for every backend; auto = each backend's default."),
+        click.option("--dtype", "dtypes", type=click.Choice(["fp32", "bf16", "fp8", "auto"]), multiple=True,
+                     default=("auto",), show_default=True,
+                     help="Compute dtype for every backend; auto = each backend's default; fp8 = bf16 with FP8 "
+                          "matmuls (cuda, compute capability 8.9+). Repeatable: each backend once per dtype, "
+                          "e.g. --dtype bf16 --dtype fp8."),
         click.option("--model", default="d12", show_default=True,
                      help="Preset: GPT-2 d2, d6, d12 (124M), d24, d36, d48, or Llama 3 "
                           "(llama3-tiny, llama3.2-1b, ...: rmsnorm, RoPE, GQA attention, SwiGLU)."),
@@ -119,8 +122,10 @@ def _setup(o: dict):
         except (BenchError, PlotError) as e:
             fail(str(e))
     try:
-        backends, skipped = resolve_backends(o["backend_names"], DTYPES[o["dtype"]],
-                                             options=backend_options(o["backend_opt"]))
+        dtypes = list(dict.fromkeys(o["dtypes"]))
+        backends, skipped = resolve_backends(o["backend_names"], [DTYPES[d] for d in dtypes],
+                                             options=backend_options(o["backend_opt"]),
+                                             labels=dtypes if len(dtypes) > 1 else None)
     except BenchError as e:
         fail(str(e))
     return cfg, B, T, backends, skipped
@@ -178,7 +183,8 @@ def bench() -> None:
 @click.option("--repeat", type=POSITIVE, default=10, show_default=True, help="Timed calls per kernel (median taken).")
 @click.option("--warmup", type=COUNT, default=2, show_default=True, help="Untimed calls per kernel first.")
 @click.option("--tol", type=Real(0, min_open=True), default=None,
-              help="Max relative error before a kernel is flagged [default: 1e-4 for fp32, 3e-2 for bf16].")
+              help="Max relative error before a kernel is flagged [default: 1e-4 for fp32, 3e-2 for bf16, 0.1 for "
+                   "fp8 matmuls].")
 @click.option("--only", multiple=True, help="Only kernels whose name starts with this (repeatable), e.g. matmul.")
 def kernels(**o) -> None:
     """Time every kernel of the interface on the model's real shapes and check it against the cpu backend.
@@ -226,6 +232,8 @@ def kernels(**o) -> None:
 @click.option("--steps", type=POSITIVE, default=10, show_default=True, help="Timed training steps (median taken).")
 @click.option("--warmup", type=COUNT, default=2, show_default=True, help="Untimed training steps first.")
 @click.option("--data", default=None, help="Glob of token shards [default: a temporary shard of random tokens].")
+@click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default="none",
+              show_default=True, help="Activations llmc recomputes in backward instead of keeping (as `llmc train`).")
 @click.option("--compare", type=click.Choice(["torch", "torch-eager", "torch-compile"]), multiple=True,
               help="Also time PyTorch on the same model, weights, data and optimizer: torch = eager and "
                    "torch.compile (skipped with a note when torch is not installed). AdamW is fused on CUDA, "
@@ -259,6 +267,7 @@ def train(**o) -> None:
             status.start()
         res = run_train(backends, cfg, B, T, steps=o["steps"], warmup=o["warmup"], seed=o["seed"], data=o["data"],
                         compare=list(dict.fromkeys(compare)), torch_dtype=DTYPES[o["torch_dtype"]],
+                        recompute=o["recompute"],
                         progress=(lambda s: status.update(f"bench: {s}")) if status else None)
     except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
         fail(str(e))

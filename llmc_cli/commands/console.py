@@ -9,7 +9,7 @@ from rich.console import Console
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False)
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "auto": None}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8", "auto": None}  # fp8: bf16 with FP8 matmuls
 
 
 _RANK: dict = {}  # set when this process is one rank of many: {"rank", "world", "comm"} (data parallel)

@@ -73,7 +73,8 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--device", default=None, help="Backend-specific device selector (default: the backend's best).")
 @click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE", help=BACKEND_OPT_HELP)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
-              help="Compute dtype; auto = the backend's default (fp32 on cpu/opencl, bf16 on cuda).")
+              help="Compute dtype; auto = the backend's default (fp32 on cpu/opencl, bf16 on cuda); fp8 = bf16 with "
+                   "the layers' matmuls in FP8 (cuda, compute capability 8.9+; checkpoints stay bf16).")
 @click.option("--data", default=None,
               help="Training shards: a directory (its NAME_train_* shards, and its NAME_val_* shards validate "
                    "unless --val-data is given) or a quoted glob, e.g. 'datasets/shakespeare/*train*.bin' "
@@ -265,7 +266,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         except Exception:
             trainer.decode = None
     cfg = trainer.cfg
-    console.print(f"backend: {backend.describe()} ({backend.dtype})")
+    console.print(f"backend: {backend.describe()} ({backend.matmul_dtype or backend.dtype})")
     console.print(f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} "
                   f"(padded {cfg.padded_vocab_size}) maxT={cfg.block_size}, {trainer.model.num_params:,} params")
     console.print(f"batch: B={args.batch_size} T={args.seq_len}, {trainer.tokens_per_step} tokens/step, "

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from llmc_cli.kernels import Backend
+from llmc_cli.kernels import CAP_FP8, Backend
 
 
 def check_config_fields(cfg) -> None:
@@ -121,6 +121,12 @@ class Model:
     # whose ids the weights were trained on ("gpt2", "llama3"), when known: load_model and the trainer set it, so
     # that an eval on data of another vocabulary is refused (None: unknown, only the vocab size is checked)
     tokenizer: str | None = None
+
+    @property
+    def head_kw(self) -> dict:
+        """Keywords of the classifier's matmuls: on a CAP_FP8 backend they are `precise` (the logits feed the loss
+        directly), which keeps them in bf16 unless the backend is told otherwise."""
+        return {"precise": True} if CAP_FP8 in self.backend.capabilities else {}
 
     def _alloc_parameters(self, stacked: set[str], training: bool, share_params: "Model | None") -> None:
         dt, backend = self.backend.dtype, self.backend

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.formats import hf_gpt2, hf_llama3, llama_file, llmc_bin
-from llmc_cli.kernels import BFLOAT16
+from llmc_cli.kernels import BFLOAT16, FP8
 from llmc_cli.models import gpt2, llama3
 from llmc_cli.models.family import Family, HFMapping, ModelFile
 
@@ -73,18 +73,33 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
     ZeRO (`zero` >= 1) over `world_size` ranks a rank holds its shard of the optimizer state: n // W elements plus
     the tail of fewer than W that every rank keeps (parallel.zero.ShardedAdamW)."""
     fam = family_of(cfg)
-    act_bytes = 2 if dtype == BFLOAT16 else 4
+    half = dtype in (BFLOAT16, FP8)  # fp8 keeps every buffer in bf16 (only the matmuls' operands are cast)
+    act_bytes = 2 if half else 4
     n = fam.num_parameters(cfg)
     plan = {"parameters": n * act_bytes}
     if training:
         plan["gradients"] = n * act_bytes
         held = n if zero < 1 or world_size <= 1 else n // world_size + n % world_size
-        key = "optimizer (m, v" + (", fp32 master)" if dtype == BFLOAT16 else ")")
+        key = "optimizer (m, v" + (", fp32 master)" if half else ")")
         if held < n:
             key += f", ZeRO-{zero} shard 1/{world_size}"
-        plan[key] = held * 4 * (3 if dtype == BFLOAT16 else 2)
+        plan[key] = held * 4 * (3 if half else 2)
     plan["activations"] = fam.activation_bytes(cfg, B, T, training, act_bytes, recompute)
+    if dtype == FP8:
+        plan["FP8 casts"] = fp8_cast_bytes(fam, cfg, B * T, training)
     return plan
+
+
+def fp8_cast_bytes(fam: Family, cfg, N: int, training: bool) -> int:
+    """The one scratch buffer FP8 matmuls cast their operands into (one byte an element), sized by the layer
+    matmul that needs most (the classifier stays bf16). Forward: the input (N,C) and the weight (OC,C). Backward:
+    the gradient transposed (N*OC), beside the gradient and the transposed weight, which the transposed input
+    (N*C) then overwrites (the CUDA backend's _fp8_arena)."""
+    mats = [s[1:] for _, s in fam.parameter_shapes(cfg) if len(s) == 3]  # per-layer (OC, C) weights
+    need = [N * c + oc * c for oc, c in mats]
+    if training:
+        need += [N * oc + max(N * oc + oc * c, N * c) for oc, c in mats]
+    return max(need)
 
 
 def flops_per_token(cfg, T: int) -> int:

@@ -257,13 +257,13 @@ class GPT2(Model):
         self._layers(a["encoded"], lambda name, l: al[name][l],
                      lambda l, atty, qkv: k.attention_forward(atty, al["att_lse"][l], qkv, NH, NH))
         if targets is None:
-            k.matmul_forward(a["logits"], a["lnf"], p.wte)
+            k.matmul_forward(a["logits"], a["lnf"], p.wte, **self.head_kw)
             return
         for lnf, dlnf, losses, tgt in self.chunk_views:
-            k.matmul_forward(a["logits"], lnf, p.wte)
+            k.matmul_forward(a["logits"], lnf, p.wte, **self.head_kw)
             k.classifier_forward_backward(a["logits"], losses, tgt, cfg.vocab_size, dloss)
             if dloss is not None:  # dwte accumulates over the chunks (the interface's += on dweight)
-                k.matmul_backward(dlnf, self.grads.wte, None, a["logits"], lnf, p.wte)
+                k.matmul_backward(dlnf, self.grads.wte, None, a["logits"], lnf, p.wte, **self.head_kw)
 
     def _layers(self, encoded, act, attend) -> None:
         """The layer loop, written once for the forward pass and for decoding: `act(name, l)` is layer l's buffer
@@ -334,7 +334,7 @@ class GPT2(Model):
         shared = self._DECODE_SHARED
         self._layers(v["x"], lambda name, l: v[shared.get(name, name)],
                      lambda l, atty, qkv: k.attention_decode(atty, qkv, k_cache[l], v_cache[l], pos, NH, NH))
-        k.matmul_forward(v["logits"], v["ln"], p.wte)
+        k.matmul_forward(v["logits"], v["ln"], p.wte, **self.head_kw)
 
     def backward(self) -> None:
         """Accumulates every parameter gradient; needs forward(..., dloss=...) first, which already ran the lm-head's

@@ -294,13 +294,14 @@ class Llama3(Model):
         self._layers(a["encoded"], lambda name, l: al[name][l], self.freqs,
                      lambda l, atty, qkv: k.attention_forward(atty, al["att_lse"][l], qkv, NH, NKV))
         if targets is None:
-            k.matmul_forward(a["logits"], a["lnf"], self.head(p))
+            k.matmul_forward(a["logits"], a["lnf"], self.head(p), **self.head_kw)
             return
         for lnf, dlnf, losses, tgt, logits in self.chunk_views:
-            k.matmul_forward(logits, lnf, self.head(p))
+            k.matmul_forward(logits, lnf, self.head(p), **self.head_kw)
             k.classifier_forward_backward(logits, losses, tgt, cfg.vocab_size, dloss)
             if dloss is not None:  # the head's gradient accumulates over the chunks (the interface's += on dweight)
-                k.matmul_backward(dlnf, self.head(self.grads), None, logits, lnf, self.head(p))
+                k.matmul_backward(dlnf, self.head(self.grads), None, logits, lnf, self.head(p),
+                                  **self.head_kw)
 
     def _layers(self, encoded, act, freqs, attend) -> None:
         """The layer loop, written once for the forward pass and for decoding (see GPT2._layers); `freqs` is the
@@ -365,7 +366,7 @@ class Llama3(Model):
         shared = self._DECODE_SHARED
         self._layers(v["x"], lambda name, l: v[shared.get(name, name)], freqs,
                      lambda l, atty, qkv: k.attention_decode(atty, qkv, k_cache[l], v_cache[l], pos, NH, NKV))
-        k.matmul_forward(v["logits"], v["ln"], self.head(p))
+        k.matmul_forward(v["logits"], v["ln"], self.head(p), **self.head_kw)
 
     def backward(self) -> None:
         """Accumulates every parameter gradient; needs forward(..., dloss=...) first, which already ran the lm-head's

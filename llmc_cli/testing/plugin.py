@@ -1,5 +1,6 @@
 """The kit's pytest fixtures and hooks: `backend` runs a test once per chosen backend (testing.backends),
-`bf16_backend` the same backend computing in bfloat16, `kv_backend` it where it can decode over a key/value cache, `rng` a generator seeded from the test's id. A test
+`bf16_backend` the same backend computing in bfloat16, `fp8_backend` it with FP8 matmuls, `kv_backend` it where it can
+decode over a key/value cache, `rng` a generator seeded from the test's id. A test
 carrying a backend's marker (cpu, opencl, cuda, or the backend's own name) skips with that backend's reason
 where it cannot run. Load it with ``from llmc_cli.testing.plugin import *`` in a conftest.py."""
 
@@ -10,13 +11,13 @@ import zlib
 import numpy as np
 import pytest
 
-from llmc_cli.kernels import BFLOAT16, CAP_BF16, CAP_KV_CACHE, Backend
+from llmc_cli.kernels import BFLOAT16, CAP_BF16, CAP_KV_CACHE, FP8, Backend
 from llmc_cli.testing.backends import backend_names, make_backend, unusable_reason
 
 BACKEND_MARKERS = ("cpu", "opencl", "cuda")  # pytest markers: a test that needs that backend
 
 __all__ = ["pytest_configure", "pytest_collection_modifyitems", "pytest_runtest_setup", "backend_name", "backend",
-           "bf16_backend", "kv_backend", "cpu", "rng"]
+           "bf16_backend", "fp8_backend", "kv_backend", "cpu", "rng"]
 
 
 def pytest_configure(config):
@@ -60,6 +61,13 @@ def bf16_backend(backend_name, backend) -> Backend:
     if CAP_BF16 not in backend.capabilities:
         pytest.skip(f"backend '{backend_name}' does not announce the bf16 capability")
     return make_backend(backend_name, BFLOAT16)
+
+
+@pytest.fixture(scope="session")
+def fp8_backend(backend_name, backend) -> Backend:
+    """The same backend created with dtype=FP8 (bf16 buffers, FP8 matmuls); skipped, with the plugin's reason,
+    where it refuses FP8 (every backend but one on a GPU with FP8 tensor cores)."""
+    return make_backend(backend_name, FP8)
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, INT32, MemoryReport
+from llmc_cli.kernels import BFLOAT16, CAP_FP8, FLOAT32, FP8, INT32, MemoryReport
 from llmc_cli.testing.helpers import (
+    FP8_TOL,
     assert_close,
     bf16_neighbours,
     bf16_round,
@@ -420,6 +421,112 @@ def test_matmul_backward(backend, rng, B, T, C, OC, variant):
     # the inputs are left alone
     np.testing.assert_array_equal(from_device(backend, dout), dout_h)
     np.testing.assert_array_equal(from_device(backend, inp), x)
+
+
+# =============================================================================================================
+# FP8 matmuls (CAP_FP8: dtype=FP8 asked at creation). Shapes with every dimension a multiple of 16 (what FP8 tensor
+# cores take) and one without, which the backend may serve in bf16; the bounds are FP8's either way.
+
+FP8_SHAPES = [(2, 64, 128, 192), (4, 32, 256, 64), (1, 48, 64, 2048), (3, 17, 128, 200)]
+
+
+def test_fp8_backend_declares_itself(fp8_backend):
+    assert CAP_FP8 in fp8_backend.capabilities
+    assert fp8_backend.dtype == BFLOAT16, "an FP8 backend keeps its buffers in bfloat16"
+    assert fp8_backend.matmul_dtype == FP8
+
+
+@pytest.mark.parametrize("bias,gelu", [(False, False), (True, False), (True, True)], ids=["plain", "bias", "gelu"])
+@pytest.mark.parametrize("B,T,C,OC", FP8_SHAPES)
+def test_fp8_matmul_forward(fp8_backend, rng, B, T, C, OC, bias, gelu):
+    k = fp8_backend
+    inp, x = to_device(k, randn(rng, B, T, C))
+    w, w_h = to_device(k, randn(rng, OC, C, scale=1 / math.sqrt(C)))
+    b, b_h = to_device(k, randn(rng, OC)) if bias else (None, None)
+    out, again = empty(k, (B, T, OC)), empty(k, (B, T, OC))
+    pre = empty(k, (B, T, OC)) if gelu else None
+    k.matmul_forward(out, inp, w, b, pre_gelu=pre)
+    ref = F.linear(t64(x), t64(w_h), t64(b_h) if bias else None)
+    if gelu:
+        assert_close(from_device(k, pre), np64(ref), FP8_TOL["forward"], "pre_gelu")
+        ref = F.gelu(ref, approximate="tanh")
+    assert_close(from_device(k, out), np64(ref), FP8_TOL["forward"], "out")
+    k.matmul_forward(again, inp, w, b, pre_gelu=pre)
+    np.testing.assert_array_equal(from_device(k, again), from_device(k, out), "a second call differs (determinism)")
+    np.testing.assert_array_equal(from_device(k, inp), x)
+    np.testing.assert_array_equal(from_device(k, w), w_h)
+
+
+@pytest.mark.parametrize("variant", ["full", "no-dinp", "gelu"])
+@pytest.mark.parametrize("B,T,C,OC", FP8_SHAPES)
+def test_fp8_matmul_backward(fp8_backend, rng, B, T, C, OC, variant):
+    k = fp8_backend
+    w, w_h = to_device(k, randn(rng, OC, C, scale=1 / math.sqrt(C)))
+    dout, dout_h = to_device(k, randn(rng, B, T, OC, scale=1e-3))  # gradients are small: scales must follow
+    pre, pre_h = None, None
+    if variant == "gelu":
+        pre, pre_h = to_device(k, randn(rng, B, T, C, scale=1.5))
+        inp, x = to_device(k, np64(F.gelu(t64(pre_h), approximate="tanh")))
+    else:
+        inp, x = to_device(k, randn(rng, B, T, C))
+    xt, wt, bt = t64(x, True), t64(w_h, True), t64(randn(rng, OC), True)
+    F.linear(xt, wt, bt).backward(t64(dout_h))
+    dinp_ref = xt.grad
+    if pre is not None:
+        pt = t64(pre_h, True)
+        F.gelu(pt, approximate="tanh").backward(dinp_ref)
+        dinp_ref = pt.grad
+    dinp = empty(k, (B, T, C)) if variant != "no-dinp" else None
+    dw, dw0 = prefill(k, rng, (OC, C), scale=1e-3)
+    db, db0 = prefill(k, rng, (OC,), scale=1e-3)
+    k.matmul_backward(dinp, dw, db, dout, inp, w, pre_gelu=pre)
+    if dinp is not None:
+        assert_close(from_device(k, dinp), np64(dinp_ref), FP8_TOL["backward"], "dinp (overwritten)")
+    check_accumulated(k, dw, dw0, np64(wt.grad), FP8_TOL["backward"], "dweight")
+    check_accumulated(k, db, db0, np64(bt.grad), tol(k, "reduction"), "dbias")
+    np.testing.assert_array_equal(from_device(k, dout), dout_h)
+    np.testing.assert_array_equal(from_device(k, inp), x)
+
+
+def test_fp8_scales_follow_the_magnitudes(fp8_backend, rng):
+    """Per-tensor scales: inputs far from 1 (1e-30, 1e30 in bf16) keep FP8's relative error, and all-zero
+    operands give exact zeros, not NaN (a scale of 1/0)."""
+    k = fp8_backend
+    B, T, C, OC = 2, 32, 128, 64
+    for s in (1e-30, 1e30):
+        inp, x = to_device(k, randn(rng, B, T, C, scale=s))
+        w, w_h = to_device(k, randn(rng, OC, C, scale=1 / (s * math.sqrt(C))))
+        out = empty(k, (B, T, OC))
+        k.matmul_forward(out, inp, w)
+        assert_close(from_device(k, out), np64(F.linear(t64(x), t64(w_h))), FP8_TOL["forward"], f"scale {s}")
+    zero, _ = to_device(k, np.zeros((B, T, OC), np.float32))
+    inp, _ = to_device(k, randn(rng, B, T, C))
+    w, _ = to_device(k, randn(rng, OC, C))
+    dinp = empty(k, (B, T, C))
+    dw, dw0 = prefill(k, rng, (OC, C))
+    k.matmul_backward(dinp, dw, None, zero, inp, w)
+    assert (from_device(k, dinp) == 0).all(), "a zero gradient must give dinp = 0 exactly"
+    np.testing.assert_array_equal(from_device(k, dw), dw0, "dweight += 0 must leave it as it was")
+
+
+def test_fp8_precise_products_stay_in_the_compute_dtype(fp8_backend, rng):
+    """`precise=True` (the classifier) is computed in bf16: within bf16's bound, far inside FP8's."""
+    k = fp8_backend
+    B, T, C, OC = 2, 64, 128, 256
+    inp, x = to_device(k, randn(rng, B, T, C))
+    w, w_h = to_device(k, randn(rng, OC, C, scale=1 / math.sqrt(C)))
+    out = empty(k, (B, T, OC))
+    k.matmul_forward(out, inp, w, precise=True)
+    ref = F.linear(t64(x), t64(w_h))
+    assert_close(from_device(k, out), np64(ref), tol(k, "reduction"), "out")
+    dout, dout_h = to_device(k, randn(rng, B, T, OC))
+    dinp = empty(k, (B, T, C))
+    dw, dw0 = prefill(k, rng, (OC, C))
+    k.matmul_backward(dinp, dw, None, dout, inp, w, precise=True)
+    xt, wt = t64(x, True), t64(w_h, True)
+    F.linear(xt, wt).backward(t64(dout_h))
+    assert_close(from_device(k, dinp), np64(xt.grad), tol(k, "reduction"), "dinp")
+    check_accumulated(k, dw, dw0, np64(wt.grad), tol(k, "reduction"), "dweight")
 
 
 # =============================================================================================================

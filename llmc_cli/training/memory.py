@@ -10,7 +10,8 @@ def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int, recomp
     asked = None
     try:
         from llmc_cli.models.families import memory_plan
-        asked = sum(memory_plan(cfg, B, T, backend.dtype, recompute=recompute).values())
+        asked = sum(memory_plan(cfg, B, T, getattr(backend, "matmul_dtype", None) or backend.dtype,
+                                recompute=recompute).values())
     except Exception:
         pass
     parts = [f"out of memory on --backend {getattr(backend, 'name', '?')} planning B={B} T={T}"]

@@ -403,7 +403,7 @@ class Trainer:
             raise TrainError(f"step {step}: the {' and '.join(bad)} hold NaN or inf, so no checkpoint was written")
         state = {"step": step, "config": asdict(self.cfg), "rng": self.rng.bit_generator.state,
                  "dataloader": loader_state if loader_state is not None else self.train_loader.state(),
-                 "dtype": self.backend.dtype, "backend": self.backend.name,
+                 "dtype": self.backend.matmul_dtype or self.backend.dtype, "backend": self.backend.name,
                  "args": {k: v for k, v in asdict(self.a).items() if k != "optim"} | {"optim": asdict(self.a.optim)}}
         state |= {"version": ckpt.RUN_STATE_VERSION, "optimizer_steps": self.opt.step_count,
                   "outliers": {"loss": self.loss_outliers.state(), "norm": self.norm_outliers.state(),

@@ -34,6 +34,7 @@ extern "C" __global__ void spin(long long cycles) {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="d12")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16, or fp8 (bf16 with FP8 matmuls)")
     ap.add_argument("-b", type=int, default=64)
     ap.add_argument("-t", type=int, default=1024)
     ap.add_argument("--recompute", default="none")
@@ -61,7 +62,7 @@ def main():
               f"GiB used / {pool.total_bytes() / 2**30:.2f} GiB held", flush=True)
 
     plugin = next(p for p in registry.discover() if p.name == "cuda").plugin
-    be = plugin.create(dtype="bfloat16")
+    be = plugin.create(dtype=o.dtype)
     used("backend created")
     B, T = o.b, o.t
     tmp = tempfile.mkdtemp()

@@ -6,9 +6,10 @@ loads (and `llmc backends` can say why it cannot run) on machines without a GPU 
 
 from __future__ import annotations
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, BackendPlugin, BackendUnavailable
+from llmc_cli.kernels import BFLOAT16, FLOAT32, FP8, BackendPlugin, BackendUnavailable
 
-_DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32}
+_DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32, FP8: FP8}
+FP8_MIN_CC = 89  # Ada and Hopper have FP8 tensor cores (cuBLASLt's FP8 matmuls need them)
 
 
 def _driver_error() -> str | None:
@@ -89,6 +90,10 @@ class CudaPlugin(BackendPlugin):
                 "(default on; env LLMC_CUBLASLT_TUNE)",
         "cudnn_workspace_mib": "MiB: the most workspace cuDNN's deterministic attention backward may take; past it the "
                                "batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
+        "fp8_classifier": "on|off: with --dtype fp8, the classifier's matmuls in FP8 too (default off: bf16; env "
+                          "LLMC_FP8_CLASSIFIER)",
+        "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
+                          "env LLMC_FP8_FAST_ACCUM)",
     }
 
     def create(self, device=None, dtype=None, options=None):
@@ -96,7 +101,7 @@ class CudaPlugin(BackendPlugin):
         if not ok:
             raise BackendUnavailable(reason)
         if dtype not in _DTYPES:
-            raise BackendUnavailable(f"the cuda backend computes in bf16 or fp32 (asked for {dtype})")
+            raise BackendUnavailable(f"the cuda backend computes in bf16, fp8 or fp32 (asked for {dtype})")
         dt = _DTYPES[dtype] or self.default_dtype
         index = 0
         if device not in (None, ""):
@@ -106,6 +111,17 @@ class CudaPlugin(BackendPlugin):
                 index = int(d)
             except ValueError:
                 raise BackendUnavailable(f"cuda device must be an index or cuda:N (got '{device}')") from None
+        if dt == FP8:
+            import cupy
+            try:
+                p = cupy.cuda.runtime.getDeviceProperties(index)
+            except Exception as e:
+                raise BackendUnavailable(f"cuda device {index}: {type(e).__name__}: {e}") from None
+            cc = p["major"] * 10 + p["minor"]
+            if cc < FP8_MIN_CC:
+                name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+                raise BackendUnavailable(f"fp8 needs compute capability 8.9 or newer (capability 'fp8'); cuda:{index} "
+                                         f"{name} is {cc // 10}.{cc % 10}")
         from .backend import CudaBackend
         return CudaBackend(device=index, dtype=dt, options=options)
 

@@ -14,9 +14,11 @@ from llmc_cli.kernels import (
     BFLOAT16,
     CAP_BF16,
     CAP_DEVICE_EVENTS,
+    CAP_FP8,
     CAP_GRAPHS,
     CAP_KV_CACHE,
     FLOAT32,
+    FP8,
     INT32,
     Backend,
     BackendUnavailable,
@@ -64,10 +66,14 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int = 0, dtype: str = BFLOAT16, options: dict[str, str] | None = None):
-        if dtype not in (FLOAT32, BFLOAT16):
-            raise BackendUnavailable(f"the cuda backend computes in float32 or bfloat16 (asked for {dtype})")
-        self.dtype = dtype
-        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS, CAP_GRAPHS, CAP_KV_CACHE})
+        if dtype not in (FLOAT32, BFLOAT16, FP8):
+            raise BackendUnavailable(f"the cuda backend computes in float32, bfloat16 or fp8 (asked for {dtype})")
+        # fp8: every buffer bf16, the matmuls FP8 (see the FP8 section below)
+        self.fp8 = dtype == FP8
+        self.dtype = BFLOAT16 if self.fp8 else dtype
+        self.matmul_dtype = FP8 if self.fp8 else None
+        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS, CAP_GRAPHS, CAP_KV_CACHE}
+                                      | ({CAP_FP8} if self.fp8 else set()))
         self.device = cp.cuda.Device(device)
         self.device.use()
         props = cp.cuda.runtime.getDeviceProperties(device)
@@ -92,6 +98,11 @@ class CudaBackend(Backend):
         self._cudnn = None
         self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB") << 20
         self.cudnn_reason = "not tried yet"
+        self.fp8_classifier = option_flag(options, "fp8_classifier", False, env="LLMC_FP8_CLASSIFIER")
+        self.fp8_fast_accum = option_flag(options, "fp8_fast_accum", True, env="LLMC_FP8_FAST_ACCUM")
+        # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
+        # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them.
+        self._fp8_slots = cp.zeros(8, dtype=np.uint32) if self.fp8 else None
         self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
 
     # ---- compilation -----------------------------------------------------------------------------------------
@@ -246,7 +257,7 @@ class CudaBackend(Backend):
                             device_total=int(total), device_free=int(free))
 
     def describe(self):
-        dt = "bf16" if self.dtype == BFLOAT16 else "fp32"
+        dt = "fp8 matmuls, bf16" if self.fp8 else "bf16" if self.dtype == BFLOAT16 else "fp32"
         return (f"{self.device_name} (sm_{self.cc}, {self.sm_count} SMs), CuPy {cp.__version__}, {dt}, "
                 f"attention: {'cuDNN SDPA' if self._cudnn_ready() else 'own kernels (' + self.cudnn_reason + ')'}")
 
@@ -375,10 +386,13 @@ class CudaBackend(Backend):
         from .cublaslt import CUDA_R_16BF, CUDA_R_32F
         return CUDA_R_16BF if self._is_bf16(buf) else CUDA_R_32F
 
-    def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None):
+    def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None, precise=False):
         from nvmath.bindings.cublasLt import Epilogue as E
         OC, C = weight.shape
         N = inp.size // C
+        if self._fp8_serves(N, C, OC, precise, inp, weight, out) and self._fp8_forward(out, inp, weight, bias,
+                                                                                   pre_gelu, N, C, OC):
+            return
         if N <= _GEMV_MAX_N and self._vec(C, out, inp, weight, *(b for b in (bias, pre_gelu) if b is not None)):
             self._launch(self._kk("matmul_forward_gemv", out), -(-OC // 8), 256,
                          (out, pre_gelu if pre_gelu is not None else np.uint64(0), inp, weight,
@@ -408,9 +422,12 @@ class CudaBackend(Backend):
             self._launch(self._kk("add_bias", out), self._grid(N * OC), _BLOCK,
                          (out, bias, np.int64(N), np.int32(OC)))
 
-    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu=None):
+    def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu=None, precise=False):
         OC, C = weight.shape
         N = inp.size // C
+        if self._fp8_serves(N, C, OC, precise, inp, weight, dout, dweight, *(x for x in (dinp,) if x is not None)) \
+                and self._fp8_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC):
+            return
         dt = self._lt_dtype(inp)
         s = self.stream.ptr
         if dinp is not None:
@@ -433,6 +450,96 @@ class CudaBackend(Backend):
             raise RuntimeError(f"cuBLASLt found no algorithm for dweight ({OC}x{N}) @ ({N}x{C})")
         if dbias is not None:
             self._column_sums(dbias, dout, N, OC)
+
+    # ---- FP8 matmuls (--dtype fp8) ---------------------------------------------------------------------------
+    # Each product casts its operands just before it runs: x and w to e4m3, dout to e5m2, each tensor with its own
+    # scale from its current amax (kernels.cu's FP8 section), into scratch that every matmul shares. Nothing is
+    # kept from one call to the next, so the forward and the backward of a layer are independent, a recomputed
+    # activation casts exactly as it did, and a resumed run computes the same bits (no amax history to save).
+    # The backward products take transposed copies (Hopper's FP8 matmuls are "TN" only) made by the same cast.
+    def _fp8_serves(self, N, C, OC, precise, *bufs) -> bool:
+        """FP8 for this product: dims multiples of 16 (cuBLASLt's FP8 rule), more rows than the GEMV path
+        takes, 16-byte aligned operands, and not a `precise` product unless fp8_classifier is on."""
+        return (self.fp8 and (not precise or self.fp8_classifier) and N > _GEMV_MAX_N and N % 16 == 0
+                and C % 16 == 0 and OC % 16 == 0 and self._aligned(*bufs))
+
+    def _fp8_slot(self, i):
+        """(amax pointer, inverse-scale pointer) of slot i (0 = x, 1 = w, 2 = dout)."""
+        base = self._fp8_slots.data.ptr
+        return base + 4 * i, base + 16 + 4 * i
+
+    def _fp8_cast(self, src, slot, rows, cols, out=None, out_t=None, e5m2=False):
+        """amax of src into `slot`, then src -> out (rows, cols) and/or out_t (cols, rows) in FP8."""
+        amax, inv = self._fp8_slot(slot)
+        n = rows * cols
+        self._launch(self._k("fp8_amax", True), self._grid(n, 8), _BLOCK, (np.uint64(amax), src, np.int64(n)))
+        if out_t is None:
+            self._launch(self._k("fp8_quantize", True), self._grid(n, 8), _BLOCK,
+                         (out, np.uint64(inv), np.uint64(amax), src, np.int64(n), np.int32(e5m2)))
+        else:
+            self._launch(self._k("fp8_quantize_t", True), ((cols + 63) // 64, (rows + 63) // 64), 256,
+                         (out if out is not None else np.uint64(0), out_t, np.uint64(inv), np.uint64(amax), src,
+                          np.int32(rows), np.int32(cols), np.int32(e5m2)))
+
+    def _fp8_zero(self):
+        cp.cuda.runtime.memsetAsync(self._fp8_slots.data.ptr, 0, 16, self.stream.ptr)
+
+    def _fp8_arena(self, *sizes):
+        """Views of one scratch buffer (the largest request of any call; models.families.fp8_cast_bytes)."""
+        a = self.scratch("fp8", sum(sizes), np.uint8)
+        out, at = [], 0
+        for n in sizes:
+            out.append(a[at:at + n])
+            at += n
+        return out
+
+    def _fp8_forward(self, out, inp, weight, bias, pre_gelu, N, C, OC) -> bool:
+        from nvmath.bindings.cublasLt import Epilogue as E
+        x8, w8 = self._fp8_arena(N * C, OC * C)
+        self._fp8_zero()
+        self._fp8_cast(inp, 0, N, C, out=x8)
+        self._fp8_cast(weight, 1, OC, C, out=w8)
+        scales = (self._fp8_slot(1)[1], self._fp8_slot(0)[1])
+        b = bias.data.ptr if bias is not None else 0
+        args = (x8.data.ptr, w8.data.ptr, N, C, OC, self.stream.ptr, scales)
+        fast = self.fp8_fast_accum
+        if pre_gelu is not None:
+            if self.use_epilogues and self.lt.forward_fp8(out.data.ptr, *args, bias=b, aux=pre_gelu.data.ptr,
+                                                          epilogue=E.GELU_AUX_BIAS if b else E.GELU_AUX,
+                                                          fast_accum=fast):
+                return True
+            if not self.lt.forward_fp8(pre_gelu.data.ptr, *args, bias=b, fast_accum=fast):
+                return False
+            self.gelu_forward(out, pre_gelu)
+            return True
+        return self.lt.forward_fp8(out.data.ptr, *args, bias=b, fast_accum=fast)
+
+    def _fp8_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
+        # the transposed gradient first; after it, the gradient and the weight for dinp, then (over them) the
+        # transposed input for dweight
+        d8t, rest = self._fp8_arena(N * OC, max(N * OC + OC * C, N * C))
+        d8, w8t = rest[:N * OC], rest[N * OC:N * OC + OC * C]
+        x8t = rest[:N * C]
+        s = self.stream.ptr
+        self._fp8_zero()
+        self._fp8_cast(dout, 2, N, OC, out=d8 if dinp is not None else None, out_t=d8t, e5m2=True)
+        if dinp is not None:
+            self._fp8_cast(weight, 1, OC, C, out_t=w8t)
+            scales = (self._fp8_slot(1)[1], self._fp8_slot(2)[1])
+            done = pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
+                dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr)
+            if not done:
+                if not self.lt.backward_input_fp8(dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales):
+                    return False  # (nothing accumulated yet: the bf16 path redoes the product)
+                if pre_gelu is not None:
+                    self.gelu_backward(dinp, pre_gelu, dinp)
+        self._fp8_cast(inp, 0, N, C, out_t=x8t)
+        if not self.lt.backward_weight_fp8(dweight.data.ptr, d8t.data.ptr, x8t.data.ptr, N, C, OC, s,
+                                           (self._fp8_slot(0)[1], self._fp8_slot(2)[1])):
+            return False  # (dinp is overwritten by the bf16 path; dweight and dbias untouched so far)
+        if dbias is not None:
+            self._column_sums(dbias, dout, N, OC)
+        return True
 
     def _column_sums(self, dbias, dout, N, OC):
         rows_per = 256

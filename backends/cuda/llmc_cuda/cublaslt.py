@@ -28,6 +28,8 @@ from nvmath.bindings import cublasLt as lt
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
+CUDA_R_8F_E4M3 = 28
+CUDA_R_8F_E5M2 = 29
 COMPUTE_32F = 68
 OP_N, OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
@@ -64,10 +66,16 @@ class Plan:
     """One cached cuBLASLt problem: D (m,n) = op(A) (m,k) @ op(B) (k,n) [+ beta C], column-major."""
 
     def __init__(self, handle, m, n, k, transa, transb, lda, ldb, ldd, dtype, epilogue, aux_ld, bias_dtype,
-                 align=(256, 256, 256, 256), candidates=1):
+                 align=(256, 256, 256, 256), candidates=1, scales=None, fast_accum=False):
         self.handle = handle
         self.epilogue = epilogue
+        a_dt, b_dt, dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype, dtype)  # FP8: A, B 8-bit, D bf16
         self.desc = lt.matmul_desc_create(COMPUTE_32F, CUDA_R_32F)
+        if scales is not None:  # FP8: D = (scale_a * scale_b) A B, the dequantizing scales read on the device
+            _set(self.desc, _DESC.A_SCALE_POINTER, scales[0], np.uint64)
+            _set(self.desc, _DESC.B_SCALE_POINTER, scales[1], np.uint64)
+        if fast_accum:
+            _set(self.desc, _DESC.FAST_ACCUM, 1, np.int8)
         _set(self.desc, _DESC.TRANSA, transa, np.int32)
         _set(self.desc, _DESC.TRANSB, transb, np.int32)
         _set(self.desc, _DESC.EPILOGUE, int(epilogue), np.uint32)
@@ -77,8 +85,8 @@ class Plan:
             _set(self.desc, _DESC.BIAS_DATA_TYPE, bias_dtype, np.int32)
         a_rows, a_cols = (k, m) if transa == OP_T else (m, k)
         b_rows, b_cols = (n, k) if transb == OP_T else (k, n)
-        self.a = lt.matrix_layout_create(dtype, a_rows, a_cols, lda)
-        self.b = lt.matrix_layout_create(dtype, b_rows, b_cols, ldb)
+        self.a = lt.matrix_layout_create(a_dt, a_rows, a_cols, lda)
+        self.b = lt.matrix_layout_create(b_dt, b_rows, b_cols, ldb)
         self.d = lt.matrix_layout_create(dtype, m, n, ldd)
         pref = lt.matmul_preference_create()
         ws = np.array([WORKSPACE_BYTES], dtype=np.uint64)
@@ -162,11 +170,11 @@ class CublasLt:
         self._bits_sq = cupy.ReductionKernel("T x", "uint64 y", "(unsigned long long)x * (unsigned long long)x",
                                              "a + b", "y = a", "0", "llmc_bits_sq")
 
-    def plan(self, key, *args, align=(256, 256, 256, 256)):
+    def plan(self, key, *args, align=(256, 256, 256, 256), **fp8):
         key = key + align
         p = self.plans.get(key)
         if p is None and key not in self.plans:
-            p = Plan(self.handle, *args, align=align, candidates=self.candidates)
+            p = Plan(self.handle, *args, align=align, candidates=self.candidates, **fp8)
             if p.ok:
                 p.key = key
             else:
@@ -300,4 +308,47 @@ class CublasLt:
             return False
         self.matmul(p, inp, dout, dweight, stream, accumulate=True, bias=dbias_tmp,
                     outputs=((dbias_tmp, OC * p.elsize),) if dbias_tmp else ())
+        return True
+
+    # ---- the same three products with FP8 operands (e4m3 weights and activations, e5m2 gradients) -----------
+    # Hopper's FP8 matmuls take only "TN" problems: both operands with the summed dimension contiguous. The
+    # forward product already is; the two backward ones take transposed copies the backend makes as it casts.
+    # The scales are fixed device addresses (the backend's slots), so they are set once per plan.
+    def forward_fp8(self, out, inp8, weight8, N, C, OC, stream, scales, bias=0, aux=0, epilogue=None,
+                    fast_accum=True):
+        """out (N,OC) bf16 = inp8 (N,C) @ weight8 (OC,C)^T, both e4m3; `scales` = (weight's, input's)."""
+        epi = epilogue if epilogue is not None else (_EPI.BIAS if bias else _EPI.DEFAULT)
+        has_aux = epi in (_EPI.GELU_AUX, _EPI.GELU_AUX_BIAS)
+        key = ("fwd8", N, C, OC, int(epi), scales, fast_accum)
+        p = self.plan(key, OC, N, C, OP_T, OP_N, C, C, OC, (CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF), epi,
+                      OC if has_aux else None, None, align=_align(weight8, inp8, out, out, bias, aux), scales=scales,
+                      fast_accum=fast_accum)
+        if p is None:
+            return False
+        self.matmul(p, weight8, inp8, out, stream, bias=bias, aux=aux,
+                    outputs=((aux, N * OC * p.elsize),) if has_aux else ())
+        return True
+
+    def backward_input_fp8(self, dinp, dout8, weight8_t, N, C, OC, stream, scales, pre_gelu=0):
+        """dinp (N,C) bf16 = dout8 (N,OC) e5m2 @ weight (OC,C), the weight given as weight8_t (C,OC) e4m3;
+        `scales` = (weight's, dout's)."""
+        epi = _EPI.DGELU if pre_gelu else _EPI.DEFAULT
+        key = ("bwd_in8", N, C, OC, int(epi), scales)
+        p = self.plan(key, C, N, OC, OP_T, OP_N, OC, OC, C, (CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, CUDA_R_16BF), epi,
+                      C if pre_gelu else None, None, align=_align(weight8_t, dout8, dinp, dinp, pre_gelu),
+                      scales=scales)
+        if p is None:
+            return False
+        self.matmul(p, weight8_t, dout8, dinp, stream, aux=pre_gelu)
+        return True
+
+    def backward_weight_fp8(self, dweight, dout8_t, inp8_t, N, C, OC, stream, scales):
+        """dweight (OC,C) bf16 += dout^T @ inp from the transposed copies dout8_t (OC,N) e5m2 and inp8_t (C,N)
+        e4m3; `scales` = (input's, dout's)."""
+        key = ("bwd_w8", N, C, OC, scales)
+        p = self.plan(key, C, OC, N, OP_T, OP_N, N, N, C, (CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, CUDA_R_16BF),
+                      _EPI.DEFAULT, None, None, align=_align(inp8_t, dout8_t, dweight, dweight), scales=scales)
+        if p is None:
+            return False
+        self.matmul(p, inp8_t, dout8_t, dweight, stream, accumulate=True)
         return True

@@ -668,6 +668,94 @@ extern "C" __global__ void accumulate_act(act_t* dst, const act_t* src, int n) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// FP8 (--dtype fp8): the per-tensor scaled casts in front of cuBLASLt's FP8 matmuls. e4m3 (largest finite 448)
+// for weights and activations, e5m2 (57344) for gradients. Current scaling: fp8_amax first, then every block of
+// the cast derives scale = largest finite / amax itself (no host sync, no extra launch) and block 0 writes the
+// inverse the matmul dequantizes with. amax is a max over the float's bits (|x| >= 0 orders like its bits, NaN
+// above infinity): order-free, so deterministic, and a NaN or infinity reaches the loss instead of vanishing.
+#ifdef ACT_BF16
+__device__ __forceinline__ float fp8_scale(const unsigned int* amax, float fmax) {
+    float a = __uint_as_float(*amax);
+    // all zeros: 1; a tiny amax must not overflow the scale (0 * inf would be NaN); NaN stays NaN
+    return a > 0.0f ? fminf(fmax / a, 3.0e38f) : (a == 0.0f ? 1.0f : a);
+}
+// two floats to two fp8 bytes (lo in the low byte), round to nearest even, saturating at the largest finite
+__device__ __forceinline__ unsigned int fp8x2(float lo, float hi, int e5m2) {
+    unsigned short r = 0;
+#if LLMC_CC >= 89
+    if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+#endif  // (below 8.9 the backend never launches these: --dtype fp8 is refused there)
+    return r;
+}
+struct __align__(8) fp8x8_t { unsigned int x, y; };  // 8 fp8 bytes (no headers: not CUDA's uint2)
+__device__ __forceinline__ fp8x8_t fp8_pack8(const pack_t& p, float s, int e5m2) {
+    fp8x8_t q;
+    q.x = fp8x2(to_f(p.v[0]) * s, to_f(p.v[1]) * s, e5m2) | (fp8x2(to_f(p.v[2]) * s, to_f(p.v[3]) * s, e5m2) << 16);
+    q.y = fp8x2(to_f(p.v[4]) * s, to_f(p.v[5]) * s, e5m2) | (fp8x2(to_f(p.v[6]) * s, to_f(p.v[7]) * s, e5m2) << 16);
+    return q;
+}
+// amax |= max |x| over n elements (n % 8 == 0, 16-byte aligned); amax zeroed by the caller
+extern "C" __global__ void fp8_amax(unsigned int* amax, const act_t* x, long long n) {
+    unsigned int m = 0;
+    for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 8; i < n;
+         i += (long long)gridDim.x * blockDim.x * 8) {
+        pack_t p = load_pack(x + i);
+#pragma unroll
+        for (int j = 0; j < 8; j++) m = max(m, __float_as_uint(fabsf(to_f(p.v[j]))));
+    }
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __shared__ unsigned int wm[32];
+    if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (blockDim.x + 31) / 32; w++) m = max(m, wm[w]);
+        atomicMax(amax, m);
+    }
+}
+// out (n bytes) = fp8(x * scale); inv_scale[0] = 1 / scale
+extern "C" __global__ void fp8_quantize(unsigned char* out, float* inv_scale, const unsigned int* amax,
+                                        const act_t* x, long long n, int e5m2) {
+    float s = fp8_scale(amax, e5m2 ? 57344.0f : 448.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
+    for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 8; i < n;
+         i += (long long)gridDim.x * blockDim.x * 8)
+        *reinterpret_cast<fp8x8_t*>(out + i) = fp8_pack8(load_pack(x + i), s, e5m2);
+}
+// x (rows, cols) -> out (rows, cols) and/or out_t (cols, rows), through a 64x64 tile in shared memory (either may
+// be null); rows % 8 == 0, cols % 8 == 0. One block per tile, 256 threads, 8 elements per access.
+#define FP8_TILE 64
+extern "C" __global__ void __launch_bounds__(256) fp8_quantize_t(unsigned char* out, unsigned char* out_t,
+        float* inv_scale, const unsigned int* amax, const act_t* x, int rows, int cols, int e5m2) {
+    __shared__ __align__(8) unsigned char tile[FP8_TILE][FP8_TILE + 8];
+    float s = fp8_scale(amax, e5m2 ? 57344.0f : 448.0f);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
+    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    for (int i = threadIdx.x; i < FP8_TILE * FP8_TILE / 8; i += blockDim.x) {
+        int r = i / (FP8_TILE / 8), c = (i % (FP8_TILE / 8)) * 8;
+        fp8x8_t q = {0u, 0u};
+        if (r0 + r < rows && c0 + c < cols) {
+            long long at = (long long)(r0 + r) * cols + c0 + c;
+            q = fp8_pack8(load_pack(x + at), s, e5m2);
+            if (out) *reinterpret_cast<fp8x8_t*>(out + at) = q;
+        }
+        *reinterpret_cast<fp8x8_t*>(&tile[r][c]) = q;
+    }
+    if (!out_t) return;
+    __syncthreads();
+    for (int i = threadIdx.x; i < FP8_TILE * FP8_TILE / 8; i += blockDim.x) {
+        int c = i / (FP8_TILE / 8), r = (i % (FP8_TILE / 8)) * 8;
+        if (c0 + c < cols && r0 + r < rows) {
+            fp8x8_t q;
+            q.x = tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) | ((unsigned int)tile[r + 3][c] << 24);
+            q.y = tile[r + 4][c] | (tile[r + 5][c] << 8) | (tile[r + 6][c] << 16) | ((unsigned int)tile[r + 7][c] << 24);
+            *reinterpret_cast<fp8x8_t*>(out_t + (long long)(c0 + c) * rows + r0 + r) = q;
+        }
+    }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
 // fused classifier: one block per row. losses[row] = lse - logit[target]; with dloss != 0 (has_d), logits are
 // overwritten by (softmax - onehot) * dloss, zero in the padded columns. Logits stay in act dtype.
 extern "C" __global__ void classifier_fwd_bwd(act_t* logits, float* losses, const int* targets, int N, int V, int Vp,

@@ -426,3 +426,82 @@ def test_tiny_gpt2_bf16_close_to_cpu(cpu):
     np.testing.assert_allclose(ng, nc, rtol=5e-2)
     l2, n2 = _train(b)
     assert np.array_equal(lg, l2), "bf16 training is not deterministic"
+
+
+# =============================================================================================================
+# FP8 matmuls (--dtype fp8)
+
+def _fp8_held(x, e5m2=False):
+    """What the backend's current-scaling cast makes of `x` (float64 values held in bf16), dequantized: float32
+    scale = largest finite / amax, round to nearest even in e4m3 / e5m2, times the float32 inverse."""
+    import ml_dtypes
+    x32 = np.asarray(x, dtype=np.float32)
+    amax = np.float32(np.abs(x32).max())
+    s = np.float32(57344.0 if e5m2 else 448.0) / amax if amax > 0 else np.float32(1.0)
+    s = np.minimum(s, np.float32(3.0e38))
+    q = (x32 * s).astype(ml_dtypes.float8_e5m2 if e5m2 else ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float64) * np.float64(np.float32(1.0) / s)
+
+
+def test_fp8_matmuls_compute_the_cast_operands():
+    """The three products against float64 products of the operands cast as the backend casts them: close to
+    that (bf16 output rounding, fp32 accumulation), and far from the uncast product, so FP8 really ran."""
+    b = cuda("fp8")
+    rng = np.random.default_rng(3)
+    B, T, C, OC = 2, 64, 256, 192
+    x = held(b, rng.standard_normal((B, T, C)))
+    w = held(b, rng.standard_normal((OC, C)) / math.sqrt(C))
+    dout = held(b, rng.standard_normal((B, T, OC)) * 1e-2)
+    out = poisoned(b, (B, T, OC))
+    b.matmul_forward(out, up(b, x), up(b, w))
+    dinp, dw = poisoned(b, (B, T, C)), up(b, np.zeros((OC, C)))
+    b.matmul_backward(dinp, dw, None, up(b, dout), up(b, x), up(b, w))
+    xq, wq, dq = _fp8_held(x), _fp8_held(w), _fp8_held(dout, e5m2=True)
+    for name, got, cast, exact in (
+            ("out", down(b, out), xq @ wq.T, x @ w.T),
+            ("dinp", down(b, dinp), dq @ wq, dout @ w),
+            ("dweight", down(b, dw), dq.reshape(-1, OC).T @ xq.reshape(-1, C),
+             dout.reshape(-1, OC).T @ x.reshape(-1, C))):
+        e_cast, e_exact = rel(got, cast), rel(got, exact)
+        print(f"{name}: vs cast operands {e_cast:.2e}, vs exact {e_exact:.2e}")
+        assert e_cast < 6e-3, f"{name}: {e_cast:.2e} from the FP8 product of the cast operands"
+        assert e_exact > 1e-2, f"{name}: {e_exact:.2e} from the exact product: was it FP8 at all?"
+    assert any(k[0] == "fwd8" for k, p in b.lt.plans.items() if p is not None), "no FP8 cuBLASLt plan"
+
+
+def _train_llama(backend, steps=6):
+    from llmc_cli.models.llama3 import Llama3, Llama3Config, init_parameters
+    from llmc_cli.optim import AdamW, AdamWConfig
+    cfg = Llama3Config(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                       ffn_dim_multiplier=1.0, multiple_of=32)
+    B, T = 4, 32
+    model = Llama3(cfg, backend, B, T)
+    model.load_parameters(init_parameters(cfg, 7))
+    ocfg = AdamWConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
+    opt = AdamW(backend, model.params, model.grads, model.tensor_names(), ocfg)
+    opt.sync_master_from_params()
+    rng = np.random.default_rng(0)
+    losses = []
+    for s in range(steps):
+        x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+        model.zero_grad()
+        model.forward(x, np.roll(x, -1, axis=1), dloss=1.0 / (B * T))
+        model.backward()
+        losses.append(model.mean_loss())
+        opt.step(ocfg.lr, opt.grad_norm(), seed=s)
+    return np.array(losses)
+
+
+def test_tiny_models_train_in_fp8_close_to_bf16_and_deterministic():
+    f8, bf = cuda("fp8"), cuda(BFLOAT16)
+    lg8, ng8 = _train(f8)
+    lgb, _ = _train(bf)
+    print("bf16", lgb, "\nfp8 ", lg8)
+    assert np.isfinite(lg8).all() and np.isfinite(ng8).all()
+    np.testing.assert_allclose(lg8, lgb, atol=5e-2)
+    l2, _ = _train(f8)
+    assert np.array_equal(lg8, l2), "fp8 training is not deterministic"
+    ll8, llb = _train_llama(f8), _train_llama(bf)
+    print("llama bf16", llb, "\nllama fp8 ", ll8)
+    np.testing.assert_allclose(ll8, llb, atol=5e-2)
+    assert np.array_equal(ll8, _train_llama(f8)), "fp8 Llama training is not deterministic"
