@@ -101,8 +101,9 @@ class CudaBackend(Backend):
         self.fp8_classifier = option_flag(options, "fp8_classifier", False, env="LLMC_FP8_CLASSIFIER")
         self.fp8_fast_accum = option_flag(options, "fp8_fast_accum", True, env="LLMC_FP8_FAST_ACCUM")
         # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
-        # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them.
-        self._fp8_slots = cp.zeros(8, dtype=np.uint32) if self.fp8 else None
+        # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
+        # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
+        self._fp8_slots = cp.zeros(256, dtype=np.uint32) if self.fp8 else None
         self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
 
     # ---- compilation -----------------------------------------------------------------------------------------
@@ -466,7 +467,7 @@ class CudaBackend(Backend):
     def _fp8_slot(self, i):
         """(amax pointer, inverse-scale pointer) of slot i (0 = x, 1 = w, 2 = dout)."""
         base = self._fp8_slots.data.ptr
-        return base + 4 * i, base + 16 + 4 * i
+        return base + 4 * i, base + 256 * (i + 1)
 
     def _fp8_cast(self, src, slot, rows, cols, out=None, out_t=None, e5m2=False):
         """amax of src into `slot`, then src -> out (rows, cols) and/or out_t (cols, rows) in FP8."""
