@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 NG=$(nvidia-smi -L | wc -l)
 # carried wheels to /tmp/site; each tree (engine, cpu reference, cuda backend) installed into its own folder, so
 # either runs with PYTHONPATH=/tmp/<tree>:/tmp/site from a neutral directory
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 for t in after before; do
   src=$([ $t = after ] && echo "$HERE" || echo "$BEFORE")
   $PY -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/$t "$src" "$src/backends/cpu" \
