@@ -17,6 +17,7 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-/opt/torch/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+rm -rf /tmp/llmc
 $PY -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/llmc . backends/cpu backends/opencl \
   backends/cuda 2>&1 | tail -2
 export PYTHONPATH=/tmp/llmc:/tmp/site
