@@ -2,7 +2,7 @@
 # The FP8 issue's measurements on the GPU machine, one call per part (logs under $OUT or ./fp8_out):
 #   PART=tests    the FP8 conformance cases (kit, fp8_backend) and the CUDA backend's FP8 tests, then the matmul and
 #                 model tests of both (nothing else must have moved)
-#   PART=kernels  `llmc bench kernels --dtype bf16 --dtype fp8 --only matmul`: d12 B=64 T=1024, Llama 3.2-1B B=8 T=2048
+#   PART=kernels  `llmc bench kernels --dtype bf16 --dtype fp8 --only matmul`: d12 B=16 T=1024, Llama 3.2-1B B=8 T=2048
 #   PART=train    `llmc bench train`, bf16 and fp8 alternated ROUNDS times (default 2), one process each:
 #                 d12 B=64 T=1024, d48 B=16 T=1024 --recompute gelu, Llama 3.2-1B B=8 T=2048
 #   PART=profile  cuda_profile.py per kernel, bf16 then fp8 (MODEL, B, T from the environment; default d12 64 1024)
@@ -45,7 +45,7 @@ tests)
   ;;
 kernels)
   cd /tmp
-  timeout 250 $LLMC bench kernels --backend cuda --dtype bf16 --dtype fp8 --only matmul --model d12 -b 64 -t 1024 \
+  timeout 250 $LLMC bench kernels --backend cuda --dtype bf16 --dtype fp8 --only matmul --model d12 -b 16 -t 1024 \
     --repeat 20 --json > "$OUT/kernels_d12.json" 2> "$OUT/kernels_d12.err" || rc=1
   timeout 250 $LLMC bench kernels --backend cuda --dtype bf16 --dtype fp8 --only matmul --model llama3.2-1b -b 8 \
     -t 2048 --repeat 20 --json > "$OUT/kernels_1b.json" 2> "$OUT/kernels_1b.err" || rc=1
