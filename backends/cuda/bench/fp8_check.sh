@@ -5,6 +5,7 @@
 #   PART=kernels  `llmc bench kernels --dtype bf16 --dtype fp8 --only matmul`: d12 B=16 T=1024, Llama 3.2-1B B=8 T=2048
 #   PART=train    `llmc bench train`, bf16 and fp8 alternated ROUNDS times (default 2), one process each:
 #                 d12 B=64 T=1024, d48 B=16 T=1024 --recompute gelu, Llama 3.2-1B B=8 T=2048
+#   PART=variants `llmc bench train` once per VARIANTS entry ("MODEL OPTIONS; ..."), e.g. FP8 backend options
 #   PART=profile  cuda_profile.py per kernel, bf16 then fp8 (MODEL, B, T from the environment; default d12 64 1024)
 #   PART=quality  GPT-2 d12 on Shakespeare from the same init, 1,000 steps (B=16, T=1024, lr 6e-4, 100 warmup),
 #                 bf16 then fp8, validating every 100 steps; the logs come back for `llmc plot`
@@ -67,8 +68,21 @@ train)
         timeout 300 $LLMC bench train --backend cuda --dtype $dt --model $m "$@" --steps "${STEPS:-10}" --warmup 3 \
           --json > "$OUT/train_${m}_${dt}_$round.json" 2> "$OUT/train_${m}_${dt}_$round.err" || rc=1
         summary "$OUT/train_${m}_${dt}_$round.json" | tee -a "$OUT/train_summary.log"
+        rm -f "$OUT/train_${m}_${dt}_$round.err"
       done
     done
+  done
+  ;;
+variants)  # VARIANTS="d12 -b 64 -t 1024 --dtype fp8 --backend-opt fp8_wgrad=off; ..." (each once, in order)
+  cd /tmp
+  i=0
+  IFS=';' read -ra VS <<< "${VARIANTS:-}"
+  for v in "${VS[@]}"; do
+    i=$((i + 1))
+    timeout 300 $LLMC bench train --backend cuda --model $v --steps "${STEPS:-10}" --warmup 3 --json \
+      > "$OUT/variant_$i.json" 2> "$OUT/variant_$i.err" || { rc=1; tail -n 3 "$OUT/variant_$i.err"; }
+    echo "[$v] $(summary "$OUT/variant_$i.json")" | tee -a "$OUT/variants_summary.log"
+    rm -f "$OUT/variant_$i.json" "$OUT/variant_$i.err"
   done
   ;;
 profile)

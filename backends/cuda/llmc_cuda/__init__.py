@@ -92,6 +92,8 @@ class CudaPlugin(BackendPlugin):
                                "batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
         "fp8_classifier": "on|off: with --dtype fp8, the classifier's matmuls in FP8 too (default off: bf16; env "
                           "LLMC_FP8_CLASSIFIER)",
+        "fp8_wgrad": "on|off: with --dtype fp8, the weight gradients' matmuls in FP8 too (default on; off: bf16, "
+                     "which skips the transposed casts; env LLMC_FP8_WGRAD)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }

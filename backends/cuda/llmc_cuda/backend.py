@@ -100,6 +100,7 @@ class CudaBackend(Backend):
         self.cudnn_reason = "not tried yet"
         self.fp8_classifier = option_flag(options, "fp8_classifier", False, env="LLMC_FP8_CLASSIFIER")
         self.fp8_fast_accum = option_flag(options, "fp8_fast_accum", True, env="LLMC_FP8_FAST_ACCUM")
+        self.fp8_wgrad = option_flag(options, "fp8_wgrad", True, env="LLMC_FP8_WGRAD")
         # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
         # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
@@ -516,6 +517,8 @@ class CudaBackend(Backend):
         return self.lt.forward_fp8(out.data.ptr, *args, bias=b, fast_accum=fast)
 
     def _fp8_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
+        if not self.fp8_wgrad:
+            return self._fp8_backward_dinp(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
         # the transposed gradient first; after it, the gradient and the weight for dinp, then (over them) the
         # transposed input for dweight
         d8t, rest = self._fp8_arena(N * OC, max(N * OC + OC * C, N * C))
@@ -538,6 +541,33 @@ class CudaBackend(Backend):
         if not self.lt.backward_weight_fp8(dweight.data.ptr, d8t.data.ptr, x8t.data.ptr, N, C, OC, s,
                                            (self._fp8_slot(0)[1], self._fp8_slot(2)[1])):
             return False  # (dinp is overwritten by the bf16 path; dweight and dbias untouched so far)
+        if dbias is not None:
+            self._column_sums(dbias, dout, N, OC)
+        return True
+
+    def _fp8_backward_dinp(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
+        """fp8_wgrad=off: dinp in FP8 (no transposed gradient needed), the weight gradient in bf16."""
+        dt, s = self._lt_dtype(inp), self.stream.ptr
+        if dinp is not None:
+            d8, w8t = self._fp8_arena(N * OC, OC * C)
+            self._fp8_zero()
+            self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True)
+            self._fp8_cast(weight, 1, OC, C, out_t=w8t)
+            scales = (self._fp8_slot(1)[1], self._fp8_slot(2)[1])
+            done = pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
+                dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr)
+            if not done:
+                if not self.lt.backward_input_fp8(dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales):
+                    return False
+                if pre_gelu is not None:
+                    self.gelu_backward(dinp, pre_gelu, dinp)
+        tmp = self.scratch("dbias_" + str(dweight.dtype), OC, dtype=dweight.dtype) if dbias is not None else None
+        if tmp is not None and self.use_epilogues and self.lt.backward_weight(
+                dweight.data.ptr, dout.data.ptr, inp.data.ptr, N, C, OC, dt, s, dbias_tmp=tmp.data.ptr):
+            self._launch(self._kk("accumulate_act", dbias), (OC + 255) // 256, 256, (dbias, tmp, np.int32(OC)))
+            return True
+        if not self.lt.backward_weight(dweight.data.ptr, dout.data.ptr, inp.data.ptr, N, C, OC, dt, s):
+            raise RuntimeError(f"cuBLASLt found no algorithm for dweight ({OC}x{N}) @ ({N}x{C})")
         if dbias is not None:
             self._column_sums(dbias, dout, N, OC)
         return True

@@ -505,3 +505,23 @@ def test_tiny_models_train_in_fp8_close_to_bf16_and_deterministic():
     print("llama bf16", llb, "\nllama fp8 ", ll8)
     np.testing.assert_allclose(ll8, llb, atol=5e-2)
     assert np.array_equal(ll8, _train_llama(f8)), "fp8 Llama training is not deterministic"
+
+
+def test_fp8_wgrad_off_keeps_the_weight_gradient_in_bf16():
+    b = cuda("fp8")
+    rng = np.random.default_rng(4)
+    B, T, C, OC = 2, 64, 256, 192
+    x = held(b, rng.standard_normal((B, T, C)))
+    w = held(b, rng.standard_normal((OC, C)) / math.sqrt(C))
+    dout = held(b, rng.standard_normal((B, T, OC)) * 1e-2)
+    b.fp8_wgrad = False
+    try:
+        dinp, dw, db = poisoned(b, (B, T, C)), up(b, np.zeros((OC, C))), up(b, np.zeros(OC))
+        b.matmul_backward(dinp, dw, db, up(b, dout), up(b, x), up(b, w))
+    finally:
+        b.fp8_wgrad = True
+    dq, wq = _fp8_held(dout, e5m2=True), _fp8_held(w)
+    assert rel(down(b, dinp), dq @ wq) < 6e-3
+    exact = dout.reshape(-1, OC).T @ x.reshape(-1, C)
+    assert rel(down(b, dw), exact) < 1e-2, "the weight gradient should be a bf16 product"
+    assert rel(down(b, db), dout.reshape(-1, OC).sum(0)) < 1e-2
