@@ -159,13 +159,21 @@ def auto_classifier_chunks(cfg: Llama3Config, B: int, T: int, training: bool, ac
     return pick_classifier_chunks(N, V * act_bytes, lambda n: -(-N // n) * V, ragged=True)
 
 
+def chunk_rows(N: int, chunks: int) -> int:
+    """Rows of one classifier chunk: ceil(N/chunks), from 256 rows up rounded up to a multiple of 16 (the
+    granularity of tensor-core tiles, and what FP8 matmuls require), so that every chunk but a ragged last one
+    runs at full speed; the count of chunks may then drop by one."""
+    r = -(-N // chunks)
+    return r if r < 256 else min(N, -(-r // 16) * 16)
+
+
 def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool, recompute: str = "none",
                       chunks: int = 1) -> list[tuple[str, tuple, str, bool]]:
     """(name, shape, dtype, one per layer) planned once for (B, T); "act" is the backend's compute dtype.
     Without training nothing is kept per layer (one buffer serves every layer). `recompute` (models.base:
     RECOMPUTE) keeps one shared SwiGLU output ("gelu": hs) and/or shared RMSNorm outputs ("layernorm": ln1,
-    ln2) that the backward pass recomputes. With `chunks` > 1 the logits buffer holds ceil(B*T/chunks) rows (see
-    auto_classifier_chunks); the last chunk may be smaller."""
+    ln2) that the backward pass recomputes. With `chunks` > 1 the logits buffer holds chunk_rows(B*T, chunks) rows
+    (see auto_classifier_chunks); the last chunk may be smaller."""
     check_recompute(recompute)
     N = B * T
     if not 1 <= chunks <= N:
@@ -189,7 +197,7 @@ def activation_shapes(cfg: Llama3Config, B: int, T: int, training: bool, recompu
         ("h13", (B, T, 2 * H), act, True), ("hs", (B, T, H), act, True),
         ("residual3", (B, T, C), act, True),
         ("lnf", (B, T, C), act, False), ("lnf_rstd", (B, T), FLOAT32, False),
-        ("logits", (B, T, V) if chunks == 1 else (-(-N // chunks), V), act, False),
+        ("logits", (B, T, V) if chunks == 1 else (chunk_rows(N, chunks), V), act, False),
         ("losses", (B, T), FLOAT32, False),
         ("inputs", (B, T), INT32, False), ("targets", (B, T), INT32, False),
         ("btc", (B, T, C), act, False),
@@ -265,7 +273,7 @@ class Llama3(Model):
         # per chunk of rows: (lnf rows, dlnf rows, losses rows, targets rows, logits rows), contiguous views; the
         # last chunk may be shorter
         N, C, V, a = B * T, cfg.n_embd, cfg.vocab_size, self.acts
-        R = -(-N // classifier_chunks)
+        R = chunk_rows(N, classifier_chunks)
         self.chunk_views = [
             (backend.view(a["lnf"], r * C, (n, C)), backend.view(a["dbtc"], r * C, (n, C)) if training else None,
              backend.view(a["losses"], r, (n,)), backend.view(a["targets"], r, (n,)),

@@ -93,13 +93,17 @@ profile)
     grep END2END "$OUT/profile_${MODEL:-d12}_$dt.log"
   done
   ;;
-quality)
-  for dt in bf16 fp8; do
-    rm -rf "/tmp/q_$dt"
-    timeout 280 $LLMC train --backend cuda --dtype $dt --model d12 --data "$HERE/datasets/shakespeare" -b 16 -t 1024 \
+quality)  # QUALITY="bf16;fp8;fp8 --backend-opt fp8_classifier=on": one run each, logs quality_<i>.jsonl
+  i=0
+  IFS=';' read -ra QS <<< "${QUALITY:-bf16;fp8}"
+  for q in "${QS[@]}"; do
+    i=$((i + 1))
+    echo "quality_$i: --dtype $q"
+    timeout 280 $LLMC train --backend cuda --dtype $q --model d12 --data "$HERE/datasets/shakespeare" -b 16 -t 1024 \
       --steps "${QSTEPS:-1000}" --lr 6e-4 --warmup 100 --weight-decay 0.1 --seed 1337 --val-every 100 --val-batches 20 \
-      --sample-every 0 --log "$OUT/quality_$dt.jsonl" > "$OUT/quality_$dt.log" 2>&1 || rc=1
-    tail -n 4 "$OUT/quality_$dt.log"
+      --sample-every 0 --log "$OUT/quality_$i.jsonl" > "$OUT/quality_$i.log" 2>&1 || rc=1
+    grep -E "val" "$OUT/quality_$i.log" | tail -n 3
+    tail -n 2 "$OUT/quality_$i.log"
   done
   ;;
 esac
