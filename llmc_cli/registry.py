@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from llmc_cli.kernels import FLOAT32, Backend, BackendPlugin, BackendUnavailable
+from llmc_cli.kernels import CAP_FP8, FLOAT32, FP8, Backend, BackendPlugin, BackendUnavailable
 
 GROUP = "llmc.backends"
 
@@ -44,15 +44,20 @@ def discover() -> list[PluginInfo]:
 
 
 def create_with(plugin: BackendPlugin, device: str | None, dtype: str | None, options: dict[str, str] | None) -> Backend:
-    if not options:  # plugins written before options existed keep working
-        return plugin.create(device=device, dtype=dtype)
-    known = getattr(plugin, "options", {}) or {}
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        have = ", ".join(known) or "none"
-        raise BackendUnavailable(f"--backend-opt {unknown[0]}: backend '{plugin.name}' has no such option "
-                                 f"(options: {have}; see `llmc backends --options`)")
-    return plugin.create(device=device, dtype=dtype, options=dict(options))
+    try:
+        if not options:  # plugins written before options existed keep working
+            return plugin.create(device=device, dtype=dtype)
+        known = getattr(plugin, "options", {}) or {}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            have = ", ".join(known) or "none"
+            raise BackendUnavailable(f"--backend-opt {unknown[0]}: backend '{plugin.name}' has no such option "
+                                     f"(options: {have}; see `llmc backends --options`)")
+        return plugin.create(device=device, dtype=dtype, options=dict(options))
+    except BackendUnavailable as e:
+        if dtype == FP8 and f"'{CAP_FP8}'" not in str(e):  # say what fp8 asks of a backend, whatever it said
+            raise BackendUnavailable(f"{e} (fp8 needs a backend with the '{CAP_FP8}' capability: FP8 matmuls)") from None
+        raise
 
 
 def create_backend(name: str = "auto", device: str | None = None, dtype: str | None = None,

@@ -38,7 +38,8 @@ def test_fp8_plan_is_bf16_plus_the_cast_scratch(model, B, T):
 def test_fp8_on_a_backend_without_it_is_one_line_and_writes_nothing(backend, tmp_path):
     out = tmp_path / "run"
     one_line_error(run("train", "--backend", backend, "--dtype", "fp8", "--model", "d2", "--data", tmp_path,
-                       "--out", out, "--steps", 1, ok=False), f"--backend {backend}", "fp8")
+                       "--out", out, "--steps", 1, ok=False), f"--backend {backend}", "fp8",
+                   "capability")
     assert not out.exists()
     one_line_error(run("bench", "kernels", "--backend", backend, "--dtype", "fp8", "--model", "d2", "-b", 1, "-t",
                        16, ok=False), f"--backend {backend}", "fp8")
