@@ -278,7 +278,8 @@ class Backend(abc.ABC):
         the same buffers and scalar arguments, for far less host time than the calls themselves. Whatever changes
         between replays must live in buffers written before each replay (tokens, a position: see
         attention_decode). Run `fn` once uncaptured first, so that anything it allocates or tunes on first use is
-        in place."""
+        in place. Memory a kernel takes for itself while recorded (a sort's temporaries) must stay the graph's for
+        as long as the replay function lives. The trainer replays each micro-step this way (training.trainer)."""
         raise NotImplementedError(f"backend '{self.name}' cannot capture graphs (capability {CAP_GRAPHS!r})")
 
     # ---- fused classifier: softmax + cross-entropy + dlogits -----------------------------------------------

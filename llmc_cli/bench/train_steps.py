@@ -85,13 +85,14 @@ def _preset_for(cfg: Config) -> tuple[str, dict]:
 
 
 def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: str, *, steps: int,
-               warmup: int, seed: int, recompute: str = "none") -> dict:
+               warmup: int, seed: int, recompute: str = "none", graphs: bool = True) -> dict:
     """`steps` timed training steps after `warmup` ones, through llmc's Trainer (data loader + optimizer)."""
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer
     model, over = _preset_for(cfg)
     args = TrainArgs(data=data, model=model, **over, batch_size=B, seq_len=T, steps=warmup + steps, seed=seed,
-                     optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0, recompute=recompute)
+                     optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0, recompute=recompute,
+                     graphs=graphs)
     trainer = Trainer(args, backend, say=lambda s: None)
     times, losses = [], []
     try:
@@ -212,7 +213,7 @@ def torch_dtype_for(backends: Sequence[tuple[str, Backend]]) -> str:
 def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: int, *, steps: int = 10,
               warmup: int = 2, seed: int = 1337, data: str | None = None, compare: Sequence[str] = (),
               torch_dtype: str | None = FLOAT32, progress: Callable[[str], None] | None = None,
-              recompute: str = "none") -> dict:
+              recompute: str = "none", graphs: bool = True) -> dict:
     """Training steps on every backend (and PyTorch for `compare` entries "torch-eager" / "torch-compile").
     `data`: a glob of shards; None writes a temporary shard of random tokens. `torch_dtype` None: the
     backends' dtype where they share one (bf16 runs PyTorch under bf16 autocast), else float32. `recompute`:
@@ -238,7 +239,7 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
                 progress(f"training on {label}")
             try:
                 results.append(train_llmc(label, be, cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
-                                          recompute=recompute))
+                                          recompute=recompute, graphs=graphs))
             except ValueError as e:  # TrainError / DataError: options the trainer refuses
                 raise BenchError(f"training on {label}: {e}") from None
         torch_modes = [m for m in compare if m.startswith("torch")]

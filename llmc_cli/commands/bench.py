@@ -234,6 +234,8 @@ def kernels(**o) -> None:
 @click.option("--data", default=None, help="Glob of token shards [default: a temporary shard of random tokens].")
 @click.option("--recompute", type=click.Choice(["none", "gelu", "layernorm", "gelu+layernorm"]), default="none",
               show_default=True, help="Activations llmc recomputes in backward instead of keeping (as `llmc train`).")
+@click.option("--graphs/--no-graphs", default=True, show_default=True,
+              help="Replay captured graphs of the micro-steps where the backend can (as `llmc train`).")
 @click.option("--compare", type=click.Choice(["torch", "torch-eager", "torch-compile"]), multiple=True,
               help="Also time PyTorch on the same model, weights, data and optimizer: torch = eager and "
                    "torch.compile (skipped with a note when torch is not installed). AdamW is fused on CUDA, "
@@ -267,7 +269,7 @@ def train(**o) -> None:
             status.start()
         res = run_train(backends, cfg, B, T, steps=o["steps"], warmup=o["warmup"], seed=o["seed"], data=o["data"],
                         compare=list(dict.fromkeys(compare)), torch_dtype=DTYPES[o["torch_dtype"]],
-                        recompute=o["recompute"],
+                        recompute=o["recompute"], graphs=o["graphs"],
                         progress=(lambda s: status.update(f"bench: {s}")) if status else None)
     except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
         fail(str(e))

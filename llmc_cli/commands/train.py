@@ -112,6 +112,9 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--beta2", type=Real(0, 1, max_open=True), default=_OPT.beta2, show_default=True)
 @click.option("--seed", type=SEED, default=_ARGS.seed, show_default=True, help="Seed for init, shuffling, sampling.")
 @click.option("--overfit-batch", is_flag=True, help="Train on the first batch every step (llm.c -a 1).")
+@click.option("--graphs/--no-graphs", default=_ARGS.graphs, show_default=True,
+              help="Where the backend can capture graphs (cuda): after a few steps each micro-step's kernels are "
+                   "captured once and replayed (one launch instead of hundreds); the same bits either way.")
 @click.option("--shuffle", is_flag=True, help="Shuffle shards and sample positions per epoch (seeded).")
 @click.option("--val-every", type=COUNT, default=_ARGS.val_every, show_default=True, help="Validate every N steps (0 = off).")
 @click.option("--val-batches", type=COUNT, default=_ARGS.val_batches, show_default=True, help="Batches per validation.")

@@ -112,6 +112,11 @@ class Tensors:
         return self.per_layer[name][l]
 
 
+# forward(STAGED, STAGED, ...): the batch is already in acts["inputs"] / acts["targets"] (Model.stage), so the call
+# enqueues kernels only: what a captured graph of the step (CAP_GRAPHS) may hold.
+STAGED = object()
+
+
 class Model:
     """Base of a model spec. The subclass plans its activations and writes forward/backward; it sets
     `param_shapes(cfg)` and `DECAYED` (the tensors that get weight decay) as class attributes."""
@@ -148,6 +153,12 @@ class Model:
 
     def parameters_host(self) -> np.ndarray:
         return self.backend.download(self.params.buf).astype(np.float32, copy=False)
+
+    def stage(self, inputs: np.ndarray, targets: np.ndarray | None) -> None:
+        """Upload a batch for a following forward(STAGED, STAGED or None, ...)."""
+        self.backend.upload(self.acts["inputs"], inputs)
+        if targets is not None:
+            self.backend.upload(self.acts["targets"], targets)
 
     def zero_grad(self) -> None:
         self.backend.fill(self.grads.buf, 0.0)

@@ -10,7 +10,8 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import Model, check_config_fields, check_recompute, pick_classifier_chunks, split_flat
+from llmc_cli.models.base import (STAGED, Model, check_config_fields, check_recompute, pick_classifier_chunks,
+                               split_flat)
 
 
 @dataclass(frozen=True)
@@ -241,16 +242,16 @@ class GPT2(Model):
         with `dloss` too, the lm-head's backward runs here as well, chunk by chunk (the fused classifier turns each
         logits chunk into dlogits, which the lm-head backward consumes at once): dlnf lands in acts['dbtc'] and
         wte's gradient accumulates, for `backward` to continue from. Without targets (a model planned with
-        classifier chunks cannot do that) the logits buffer keeps the logits."""
+        classifier chunks cannot do that) the logits buffer keeps the logits. `inputs` STAGED (models.base): the
+        batch `stage` uploaded (targets STAGED too, or None), so only kernels are enqueued."""
         k, p, a, cfg = self.backend, self.params, self.acts, self.cfg
         NH = cfg.n_head
         al = self.acts_layer
         if targets is None and self.chunks > 1:
             raise ValueError(f"this model computes its logits in {self.chunks} chunks of the batch (a training "
                              f"plan); a forward without targets needs an inference model (training=False)")
-        k.upload(a["inputs"], inputs)
-        if targets is not None:  # both uploads first: none waits behind the forward pass queued after it
-            k.upload(a["targets"], targets)
+        if inputs is not STAGED:  # both uploads first: none waits behind the forward pass queued after it
+            self.stage(inputs, targets)
         k.encoder_forward(a["encoded"], a["inputs"], p.wte, p.wpe)
         k.layernorm_forward(al["ln1"][0], al["ln1_mean"][0], al["ln1_rstd"][0], a["encoded"],
                             p.layer("ln1w", 0), p.layer("ln1b", 0))

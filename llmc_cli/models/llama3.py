@@ -16,7 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import (Model, Tensors, check_config_fields, check_recompute, pick_classifier_chunks,
+from llmc_cli.models.base import (STAGED, Model, Tensors, check_config_fields, check_recompute, pick_classifier_chunks,
                                    split_flat)
 
 
@@ -295,9 +295,8 @@ class Llama3(Model):
         if targets is None and self.chunks > 1:
             raise ValueError(f"this model computes its logits in {self.chunks} chunks of the B*T rows (a training "
                              f"plan); a forward without targets needs an inference model (training=False)")
-        k.upload(a["inputs"], inputs)
-        if targets is not None:  # both uploads first: none waits behind the forward pass queued after it
-            k.upload(a["targets"], targets)
+        if inputs is not STAGED:  # both uploads first: none waits behind the forward pass queued after it
+            self.stage(inputs, targets)
         k.encoder_forward(a["encoded"], a["inputs"], p.wte, None)
         self._layers(a["encoded"], lambda name, l: al[name][l], self.freqs,
                      lambda l, atty, qkv: k.attention_forward(atty, al["att_lse"][l], qkv, NH, NKV))

@@ -19,8 +19,8 @@ from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.formats.shards import has_split
 from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.inference.sampling import generate
-from llmc_cli.kernels import AVG, BFLOAT16, MAX, Backend, update_applies
-from llmc_cli.models.base import check_recompute
+from llmc_cli.kernels import AVG, BFLOAT16, CAP_GRAPHS, MAX, Backend, update_applies
+from llmc_cli.models.base import STAGED, check_recompute
 from llmc_cli.models.families import family_for, family_of
 from llmc_cli.optim import AdamW, AdamWConfig, lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
@@ -37,6 +37,9 @@ class TrainDiverged(TrainError):
     """--max-bad-steps consecutive steps were non-finite or skipped as outliers: the run stops."""
 
 
+# uncaptured steps before the micro-steps are captured as graphs (CAP_GRAPHS): enough for every scratch buffer to
+# reach its size and for the CUDA backend's cuBLASLt tuner to settle the layers' products (d12: by step 5)
+GRAPH_AFTER = 6
 SHARD_VOCAB = {"gpt2": 50257, "llama3": 128256}  # the vocabulary a shard format records (dataloader.SHARD_FORMATS)
 
 # options that fix the model's shape or the meaning of a step: a resumed run must not change them
@@ -66,6 +69,7 @@ class TrainArgs:
     lr_decay_frac: float = 1.0
     seed: int = 1337
     overfit_batch: bool = False
+    graphs: bool = True  # replay each micro-step's kernels as one captured graph where the backend can (CAP_GRAPHS)
     shuffle: bool = False
     val_every: int = 20
     val_batches: int = 20
@@ -198,6 +202,9 @@ class Trainer:
             raise TrainError(f"--total-batch-size {total} is not a multiple of {what} = {tokens_per_micro}")
         self.grad_accum = total // tokens_per_micro
         self.tokens_per_step = total
+        # None: not captured yet (False: never); the list of replays once captured (see _replays)
+        self.graphs = None if a.graphs and CAP_GRAPHS in backend.capabilities else False
+        self.steps_run = 0
 
         try:
             self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute)
@@ -308,24 +315,52 @@ class Trainer:
         x, y = self.train_loader.next_batch()
         return x, y
 
+    def _micro_step(self, i: int, dloss: float, on_device: bool) -> None:
+        """The kernels of micro-step i over the staged batch (gradients zeroed first at i = 0): all a captured
+        graph holds, since nothing here moves data to or from the host."""
+        model = self.model
+        if i == 0:
+            model.zero_grad()
+        model.forward(STAGED, STAGED, dloss=dloss)
+        model.backward()
+        if on_device:
+            self.backend.loss_sum(self.opt.loss_buf, model.acts["losses"], dloss, accumulate=i > 0)
+
+    def _replays(self, dloss: float, on_device: bool) -> list | None:
+        """The micro-steps as captured graphs (the first, and one for every later micro-step), captured once
+        GRAPH_AFTER steps ran uncaptured (they size every scratch buffer and let the backend tune its kernels);
+        None while not (yet) captured. A capture that fails turns graphs off for the run, with one line said."""
+        if self.graphs is None and self.steps_run >= GRAPH_AFTER:
+            try:
+                cap = self.backend.capture
+                self.graphs = [cap(lambda i=i: self._micro_step(i, dloss, on_device))
+                               for i in range(min(self.grad_accum, 2))]
+                self.say(f"graphs: each micro-step replays one captured graph from step {self.steps_run + 1} "
+                         "(--no-graphs to compare)")
+            except Exception as e:  # the step runs uncaptured: nothing a failed capture recorded has run
+                self.graphs = False
+                self.say(f"graphs: off ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return self.graphs or None
+
     def train_step(self, step: int) -> dict:
         a, model = self.a, self.model
         timer = self.backend.timer()
         timer.start()
-        model.zero_grad()
         loss = 0.0
         dloss = 1.0 / (a.batch_size * a.seq_len * self.grad_accum)
         # one process: the loss, the norm and the skip verdict stay on the device until the update is queued
         # (AdamW reads them there), so the device never idles waiting for the host inside a step
         on_device = self.comm.world_size == 1 and isinstance(self.opt, AdamW)
+        replays = self._replays(dloss, on_device)
         for i in range(self.grad_accum):
-            x, y = self._batch()
-            model.forward(x, y, dloss=dloss)
-            model.backward()
-            if on_device:
-                self.backend.loss_sum(self.opt.loss_buf, model.acts["losses"], dloss, accumulate=i > 0)
+            model.stage(*self._batch())
+            if replays:
+                replays[min(i, 1)]()
             else:
+                self._micro_step(i, dloss, on_device)
+            if not on_device:
                 loss += model.mean_loss() / self.grad_accum
+        self.steps_run += 1
         lr = lr_at(step, a.optim.lr, a.warmup, a.steps, a.lr_decay_frac)
         # llm.c's rule: z-scores against the last 128 steps; a spike skips the update (never a non-finite step).
         # z > Z is taken as value > mean + Z * std, the form the device evaluates too

@@ -719,18 +719,35 @@ class CudaBackend(Backend):
     # ---- graphs ----------------------------------------------------------------------------------------------
     def capture(self, fn):
         """CUDA graph of the work `fn` enqueues on the backend's stream (recorded, not run); the returned function
-        launches it. The cuBLASLt tuner's races (events, host waits) are held off while recording."""
+        launches it. The cuBLASLt tuner's races end first (a graph would freeze a race's current candidate; every
+        candidate is bit-identical to the heuristic's first, so only speed is at stake) and stay off while
+        recording."""
+        self.lt.settle_all()
         self.lt.capturing = True
+        # Memory CuPy hands out while recording (encoder_backward's sort: keys, CUB's temporary storage) is freed
+        # when the recording ends, yet the graph writes it on every replay: it is kept out of the pool for as
+        # long as the graph lives, so nothing allocated later can land there (PyTorch's private graph pool).
+        pool, kept = cp.get_default_memory_pool(), []
+
+        def alloc(size):
+            mem = pool.malloc(size)
+            kept.append(mem)
+            return mem
         try:
-            self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
-            try:
-                fn()
-            finally:
-                graph = self.stream.end_capture()
+            with cp.cuda.using_allocator(alloc):
+                self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+                try:
+                    fn()
+                finally:
+                    graph = self.stream.end_capture()
         finally:
             self.lt.capturing = False
         stream = self.stream
-        return lambda: graph.launch(stream)
+
+        def replay():
+            graph.launch(stream)
+        replay.kept = kept  # (the graph's memory, held with it)
+        return replay
 
     # ---- classifier ------------------------------------------------------------------------------------------
     def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):

@@ -192,6 +192,20 @@ class CublasLt:
                 return self._trial_call(plan, args, accumulate, bias, aux, outputs)
         plan.run(*args, bias_ptr=bias, aux_ptr=aux)
 
+    def settle_all(self) -> None:
+        """End every race now (before a graph is captured, which would freeze whichever candidate a plan under
+        trial last ran): a plan keeps the fastest candidate timed so far if that beats the heuristic's first by
+        TUNE_MARGIN, else the first; plans that never raced keep the first."""
+        for p in self.plans.values():
+            if p is None or p.tuned:
+                continue
+            times: dict[int, list] = {}
+            if p.samples:
+                p.samples[-1][2].synchronize()
+                for c, s0, s1 in p.samples:
+                    times.setdefault(c, []).append(self.cp.cuda.get_elapsed_time(s0, s1))
+            self._settle(p, None, 0, 0, {c: float(np.median(t)) for c, t in times.items()})
+
     def _stream(self, ptr):
         s = self._streams.get(ptr)
         if s is None:

@@ -525,3 +525,30 @@ def test_fp8_wgrad_off_keeps_the_weight_gradient_in_bf16():
     exact = dout.reshape(-1, OC).T @ x.reshape(-1, C)
     assert rel(down(b, dw), exact) < 1e-2, "the weight gradient should be a bf16 product"
     assert rel(down(b, db), dout.reshape(-1, OC).sum(0)) < 1e-2
+
+
+# =============================================================================================================
+# training steps replayed as CUDA graphs
+
+@pytest.mark.parametrize("model,dtype", [("d2", BFLOAT16), ("llama3-tiny", BFLOAT16), ("d2", "fp8"), ("d2", FLOAT32)])
+def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
+    """The trainer captures each micro-step once GRAPH_AFTER steps ran and replays it: the losses are the
+    uncaptured run's, bit for bit (two micro-steps a step, so both graphs replay)."""
+    from llmc_cli.formats.shards import write_shard
+    from llmc_cli.training.trainer import GRAPH_AFTER, TrainArgs, Trainer
+    llama = model.startswith("llama")
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "g_train_000001.bin", rng.integers(0, 1000, 40_000), tokenizer="llama3" if llama else "gpt2")
+    runs = {}
+    for graphs in (False, True):
+        said = []
+        b = _INFO.plugin.create(dtype=dtype) if _INFO and _INFO.usable else cuda(dtype)
+        a = TrainArgs(data=str(tmp_path / "g_train_*.bin"), model=model, batch_size=4, seq_len=64,
+                      total_batch_size=2 * 4 * 64, steps=GRAPH_AFTER + 4, val_every=0, sample_every=0, graphs=graphs,
+                      **({} if llama else {"n_embd": 128}))
+        tr = Trainer(a, b, say=said.append)
+        runs[graphs] = [tr.train_step(s)["loss"] for s in range(a.steps)]
+        if graphs:
+            assert any("graphs: each micro-step" in s for s in said), said
+    print(model, dtype, runs[True])
+    assert runs[True] == runs[False]
