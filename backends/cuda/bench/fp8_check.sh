@@ -79,7 +79,7 @@ variants)  # VARIANTS="d12 -b 64 -t 1024 --dtype fp8 --backend-opt fp8_wgrad=off
   IFS=';' read -ra VS <<< "${VARIANTS:-}"
   for v in "${VS[@]}"; do
     i=$((i + 1))
-    timeout 300 $LLMC bench train --backend cuda --model $v --steps "${STEPS:-10}" --warmup 3 --json \
+    timeout 300 $LLMC bench train --backend cuda --model $v --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" --json \
       > "$OUT/variant_$i.json" 2> "$OUT/variant_$i.err" || { rc=1; tail -n 3 "$OUT/variant_$i.err"; }
     echo "[$v] $(summary "$OUT/variant_$i.json")" | tee -a "$OUT/variants_summary.log"
     rm -f "$OUT/variant_$i.json" "$OUT/variant_$i.err"
