@@ -125,3 +125,14 @@ def write_hf_dir(d, tensors):
     index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
              "weight_map": {n: f for f, ns in parts.items() for n in ns}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def one_line_error(r, *needles) -> str:
+    """A command's failure as the brief wants it: exit 2, one line starting with "error:", no traceback, naming
+    each of `needles`; returns the line."""
+    msg = r.output.strip()
+    assert r.exit_code == 2, r.output
+    assert msg.startswith("error:") and "\n" not in msg and "Traceback" not in msg, msg
+    for n in needles:
+        assert str(n) in msg, msg
+    return msg

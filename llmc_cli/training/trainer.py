@@ -38,7 +38,7 @@ class TrainDiverged(TrainError):
 
 
 # uncaptured steps before the micro-steps are captured as graphs (CAP_GRAPHS): enough for every scratch buffer to
-# reach its size and for the CUDA backend's cuBLASLt tuner to settle the layers' products (d12: by step 5)
+# reach its size and for a backend's own tuning of its products to settle (the CUDA backend's, d12: by step 5)
 GRAPH_AFTER = 6
 SHARD_VOCAB = {"gpt2": 50257, "llama3": 128256}  # the vocabulary a shard format records (dataloader.SHARD_FORMATS)
 

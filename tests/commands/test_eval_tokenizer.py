@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from llmc_test_support import run
+from llmc_test_support import one_line_error, run
 
 from llmc_cli.data.loader import ValLoader
 from llmc_cli.evals.evaluate import HellaSwag, evaluate_loss
@@ -26,15 +26,6 @@ V = 512
 GPT2_CFG = gpt2.GPT2Config(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_embd=16)
 LLAMA_CFG = llama3.Llama3Config(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
                                 multiple_of=16, ffn_dim_multiplier=None, rope_scaling=None)
-
-
-def one_line_error(r, *needles) -> str:
-    msg = r.output.strip()
-    assert r.exit_code == 2, r.output
-    assert msg.startswith("error:") and "\n" not in msg and "Traceback" not in msg, msg
-    for n in needles:
-        assert str(n) in msg, msg
-    return msg
 
 
 @pytest.fixture(scope="module")

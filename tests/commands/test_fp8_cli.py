@@ -6,17 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from llmc_test_support import run
+from llmc_test_support import one_line_error, run
 
 from llmc_cli.models.families import family_for, fp8_cast_bytes, memory_plan
-
-
-def one_line_error(r, *needles):
-    msg = r.output.strip()
-    assert r.exit_code == 2, r.output
-    assert msg.startswith("error:") and "\n" not in msg and "Traceback" not in msg, msg
-    for n in needles:
-        assert n in msg, msg
 
 
 @pytest.mark.parametrize("model,B,T", [("d12", 64, 1024), ("llama3.2-1b", 8, 2048)])

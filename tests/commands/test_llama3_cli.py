@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from llmc_test_support import dtype_tol, losses, phrase_tokens, rewind_run, run
+from llmc_test_support import dtype_tol, losses, one_line_error, phrase_tokens, rewind_run, run
 from llmc_test_support import LLAMA_HF_CONFIG as CONFIG
 from llmc_test_support import hf_tensors, write_hf_dir
 
@@ -28,14 +28,6 @@ TRAIN = ["train", "--backend", "cpu", "--model", "llama3-tiny", "-b", 2, "-t", 1
          "--sample-every", 0]
 # an HF Llama whose vocabulary holds a byte-level Llama 3 tokenizer: 256 ranks + 256 specials
 HF_CONFIG = CONFIG | {"vocab_size": 512}
-
-
-def one_line_error(r, *needles):
-    msg = r.output.strip()
-    assert r.exit_code == 2, r.output
-    assert msg.startswith("error:") and "\n" not in msg and "Traceback" not in msg, msg
-    for n in needles:
-        assert n in msg, msg
 
 
 @pytest.fixture(scope="module")

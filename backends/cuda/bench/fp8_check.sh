@@ -8,24 +8,13 @@
 #   PART=variants `llmc bench train` once per VARIANTS entry ("MODEL OPTIONS; ..."), e.g. FP8 backend options
 #   PART=profile  cuda_profile.py per kernel, bf16 then fp8 (MODEL, B, T from the environment; default d12 64 1024)
 #   PART=quality  GPT-2 d12 on Shakespeare from the same init, 1,000 steps (B=16, T=1024, lr 6e-4, 100 warmup),
-#                 bf16 then fp8, validating every 100 steps; the logs come back for `llmc plot`
+#                 once per QUALITY entry (default "bf16;fp8"), validating every 100 steps; logs for `llmc plot`
 # Expects python3.12 at /opt/torch/.venv (CuPy, torch), the carried cp312 wheels in .whl/ (nvmath-python,
 # cudnn-frontend), and for PART=quality datasets/shakespeare (carried: `llmc tokenize shakespeare` here first).
 set -u
 PART=${PART:-tests}
 export OUT=${OUT:-$PWD/fp8_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-/opt/torch/.venv/bin/python}
-[ -x "$PY" ] || PY=python3
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-rm -rf /tmp/llmc
-$PY -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/llmc . backends/cpu backends/opencl \
-  backends/cuda 2>&1 | tail -2
-export PYTHONPATH=/tmp/llmc:/tmp/site
-HERE=$PWD
-LLMC="$PY -m llmc_cli"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.log"
-rc=0
+. "$(dirname "$0")/device_setup.sh"
 summary() {  # one line per bench-train JSON: label, median ms, tok/s, device GiB
   $PY -c "import json,sys
 for f in sys.argv[1:]:

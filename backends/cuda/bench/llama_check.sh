@@ -11,20 +11,9 @@
 set -u
 PART=${PART:-decode}  # several parts: PART="1b profile"
 export OUT=${OUT:-$PWD/llama_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-PY=${PY:-/opt/torch/.venv/bin/python}
-[ -x "$PY" ] || PY=python3
 ICD_DIR=/tmp/llmc_icd; mkdir -p "$ICD_DIR"; echo "libnvidia-opencl.so.1" > "$ICD_DIR/nvidia.icd"
 export OCL_ICD_VENDORS="$ICD_DIR"
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-rm -rf /tmp/llmc
-$PY -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/llmc . backends/cpu backends/opencl \
-  backends/cuda 2>&1 | tail -2
-export PYTHONPATH=/tmp/llmc:/tmp/site
-HERE=$PWD
-LLMC="$PY -m llmc_cli"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.log"
-rc=0
+. "$(dirname "$0")/device_setup.sh"
 for part in $PART; do
 cd "$HERE"
 case "$part" in

@@ -442,6 +442,12 @@ class CudaBackend(Backend):
                     raise RuntimeError(f"cuBLASLt found no algorithm for dinp ({N}x{OC}) @ ({OC}x{C})")
                 if pre_gelu is not None:
                     self.gelu_backward(dinp, pre_gelu, dinp)
+        self._dweight(dweight, dbias, dout, inp, N, C, OC)
+
+    def _dweight(self, dweight, dbias, dout, inp, N, C, OC):
+        """dweight += dout^T @ inp and dbias += column sums of dout, in the buffers' dtype (BGRADB epilogue
+        where cuBLASLt has it)."""
+        dt, s = self._lt_dtype(inp), self.stream.ptr
         if dbias is not None and self.use_epilogues:
             tmp = self.scratch("dbias_" + str(dbias.dtype), OC, dtype=dbias.dtype)
             if self.lt.backward_weight(dweight.data.ptr, dout.data.ptr, inp.data.ptr, N, C, OC, dt, s,
@@ -527,16 +533,8 @@ class CudaBackend(Backend):
         s = self.stream.ptr
         self._fp8_zero()
         self._fp8_cast(dout, 2, N, OC, out=d8 if dinp is not None else None, out_t=d8t, e5m2=True)
-        if dinp is not None:
-            self._fp8_cast(weight, 1, OC, C, out_t=w8t)
-            scales = (self._fp8_slot(1)[1], self._fp8_slot(2)[1])
-            done = pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
-                dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr)
-            if not done:
-                if not self.lt.backward_input_fp8(dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales):
-                    return False  # (nothing accumulated yet: the bf16 path redoes the product)
-                if pre_gelu is not None:
-                    self.gelu_backward(dinp, pre_gelu, dinp)
+        if dinp is not None and not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
+            return False  # (nothing accumulated yet: the bf16 path redoes the product)
         self._fp8_cast(inp, 0, N, C, out_t=x8t)
         if not self.lt.backward_weight_fp8(dweight.data.ptr, d8t.data.ptr, x8t.data.ptr, N, C, OC, s,
                                            (self._fp8_slot(0)[1], self._fp8_slot(2)[1])):
@@ -545,31 +543,30 @@ class CudaBackend(Backend):
             self._column_sums(dbias, dout, N, OC)
         return True
 
+    def _fp8_dinp(self, dinp, d8, w8t, weight, pre_gelu, N, C, OC) -> bool:
+        """dinp from the cast gradient d8 (slot 2) and the weight cast transposed into w8t here; False if
+        cuBLASLt has no FP8 algorithm for it."""
+        s = self.stream.ptr
+        self._fp8_cast(weight, 1, OC, C, out_t=w8t)
+        scales = (self._fp8_slot(1)[1], self._fp8_slot(2)[1])
+        if pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
+                dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr):
+            return True
+        if not self.lt.backward_input_fp8(dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales):
+            return False
+        if pre_gelu is not None:
+            self.gelu_backward(dinp, pre_gelu, dinp)
+        return True
+
     def _fp8_backward_dinp(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
         """fp8_wgrad=off: dinp in FP8 (no transposed gradient needed), the weight gradient in bf16."""
-        dt, s = self._lt_dtype(inp), self.stream.ptr
         if dinp is not None:
             d8, w8t = self._fp8_arena(N * OC, OC * C)
             self._fp8_zero()
             self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True)
-            self._fp8_cast(weight, 1, OC, C, out_t=w8t)
-            scales = (self._fp8_slot(1)[1], self._fp8_slot(2)[1])
-            done = pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
-                dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr)
-            if not done:
-                if not self.lt.backward_input_fp8(dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales):
-                    return False
-                if pre_gelu is not None:
-                    self.gelu_backward(dinp, pre_gelu, dinp)
-        tmp = self.scratch("dbias_" + str(dweight.dtype), OC, dtype=dweight.dtype) if dbias is not None else None
-        if tmp is not None and self.use_epilogues and self.lt.backward_weight(
-                dweight.data.ptr, dout.data.ptr, inp.data.ptr, N, C, OC, dt, s, dbias_tmp=tmp.data.ptr):
-            self._launch(self._kk("accumulate_act", dbias), (OC + 255) // 256, 256, (dbias, tmp, np.int32(OC)))
-            return True
-        if not self.lt.backward_weight(dweight.data.ptr, dout.data.ptr, inp.data.ptr, N, C, OC, dt, s):
-            raise RuntimeError(f"cuBLASLt found no algorithm for dweight ({OC}x{N}) @ ({N}x{C})")
-        if dbias is not None:
-            self._column_sums(dbias, dout, N, OC)
+            if not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
+                return False
+        self._dweight(dweight, dbias, dout, inp, N, C, OC)
         return True
 
     def _column_sums(self, dbias, dout, N, OC):
