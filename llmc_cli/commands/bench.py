@@ -21,6 +21,7 @@ The functions here take lists of ``(label, Backend)`` so tests (or other tools) 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import click
 
@@ -131,10 +132,20 @@ def _setup(o: dict):
     return cfg, B, T, backends, skipped
 
 
+@contextmanager
 def _progress(as_json: bool):
+    """A spinner on a terminal (not with --json) for the duration: yields the `progress` callback a bench
+    workflow takes (None when there is no spinner)."""
     from llmc_cli.commands.console import err_console
     status = err_console.status("") if (err_console.is_terminal and not as_json) else None
-    return status
+    if status is None:
+        yield None
+        return
+    status.start()
+    try:
+        yield lambda s: status.update(f"bench: {s}")
+    finally:
+        status.stop()
 
 
 def _report_header(console, res: dict, backends, skipped, as_json: bool) -> bool:
@@ -202,19 +213,13 @@ def kernels(**o) -> None:
     """
     from llmc_cli.commands.console import console, fail
     cfg, B, T, backends, skipped = _setup(o)
-    status = _progress(o["as_json"])
-    try:
-        if status:
-            status.start()
-        ref = reference_backend(backends)
-        res = run_kernels(backends, cfg, B, T, repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"],
-                          reference=ref, tol=o["tol"], only=o["only"] or None,
-                          progress=(lambda s: status.update(f"bench: {s}")) if status else None)
-    except BenchError as e:
-        fail(str(e))
-    finally:
-        if status:
-            status.stop()
+    with _progress(o["as_json"]) as progress:
+        try:
+            ref = reference_backend(backends)
+            res = run_kernels(backends, cfg, B, T, repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"],
+                              reference=ref, tol=o["tol"], only=o["only"] or None, progress=progress)
+        except BenchError as e:
+            fail(str(e))
     if _report_header(console, res, backends, skipped, o["as_json"]):
         if ref is None:
             console.print("[yellow]no reference backend (CAP_REFERENCE, the cpu one) usable: errors are not checked[/]")
@@ -263,19 +268,13 @@ def train(**o) -> None:
     compare = []
     for c in o["compare"]:
         compare += ["torch-eager", "torch-compile"] if c == "torch" else [c]
-    status = _progress(o["as_json"])
-    try:
-        if status:
-            status.start()
-        res = run_train(backends, cfg, B, T, steps=o["steps"], warmup=o["warmup"], seed=o["seed"], data=o["data"],
-                        compare=list(dict.fromkeys(compare)), torch_dtype=DTYPES[o["torch_dtype"]],
-                        recompute=o["recompute"], graphs=o["graphs"],
-                        progress=(lambda s: status.update(f"bench: {s}")) if status else None)
-    except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
-        fail(str(e))
-    finally:
-        if status:
-            status.stop()
+    with _progress(o["as_json"]) as progress:
+        try:
+            res = run_train(backends, cfg, B, T, steps=o["steps"], warmup=o["warmup"], seed=o["seed"],
+                            data=o["data"], compare=list(dict.fromkeys(compare)), torch_dtype=DTYPES[o["torch_dtype"]],
+                            recompute=o["recompute"], graphs=o["graphs"], progress=progress)
+        except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
+            fail(str(e))
     if _report_header(console, res, backends, skipped, o["as_json"]):
         console.print(f"[dim]data: {res['config']['data']}; {res['config']['flops_per_step'] / 1e9:.2f} GFLOP/step[/]")
         print_wide(console, train_table(res))
@@ -308,17 +307,12 @@ def decode(**o) -> None:
     from llmc_cli.bench.report import decode_table
     from llmc_cli.commands.console import console, fail
     cfg, B, S, backends, skipped = _setup(o)
-    status = _progress(o["as_json"])
-    try:
-        if status:
-            status.start()
-        res = run_decode(backends, cfg, B, S, prompt_len=o["prompt_len"], tokens=o["tokens"], warmup=o["warmup"],
-                         seed=o["seed"], progress=(lambda s: status.update(f"bench: {s}")) if status else None)
-    except ValueError as e:
-        fail(str(e))
-    finally:
-        if status:
-            status.stop()
+    with _progress(o["as_json"]) as progress:
+        try:
+            res = run_decode(backends, cfg, B, S, prompt_len=o["prompt_len"], tokens=o["tokens"],
+                             warmup=o["warmup"], seed=o["seed"], progress=progress)
+        except ValueError as e:
+            fail(str(e))
     if _report_header(console, res, backends, skipped, o["as_json"]):
         print_wide(console, decode_table(res))
     if o["plot"]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from llmc_cli.kernels import BFLOAT16, FLOAT32, FP8, BackendPlugin, BackendUnavailable
 
 _DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32, FP8: FP8}
-FP8_MIN_CC = 89  # Ada and Hopper have FP8 tensor cores (cuBLASLt's FP8 matmuls need them)
 
 
 def _driver_error() -> str | None:
@@ -113,17 +112,6 @@ class CudaPlugin(BackendPlugin):
                 index = int(d)
             except ValueError:
                 raise BackendUnavailable(f"cuda device must be an index or cuda:N (got '{device}')") from None
-        if dt == FP8:
-            import cupy
-            try:
-                p = cupy.cuda.runtime.getDeviceProperties(index)
-            except Exception as e:
-                raise BackendUnavailable(f"cuda device {index}: {type(e).__name__}: {e}") from None
-            cc = p["major"] * 10 + p["minor"]
-            if cc < FP8_MIN_CC:
-                name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
-                raise BackendUnavailable(f"fp8 needs compute capability 8.9 or newer (capability 'fp8'); cuda:{index} "
-                                         f"{name} is {cc // 10}.{cc % 10}")
         from .backend import CudaBackend
         return CudaBackend(device=index, dtype=dt, options=options)
 

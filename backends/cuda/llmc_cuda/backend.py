@@ -33,6 +33,7 @@ _BLOCK = 256
 _DECODE_SPLIT = 64  # keys per block of attention_decode_part, one thread each (kernels.cu's DECODE_SPLIT)
 _DECODE_MAX_HD = 256  # its shared query row
 _GEMV_MAX_N = 8  # matmul_forward for at most this many rows: a warp per output column (kernels.cu's GEMV_MAX_N)
+FP8_MIN_CC = 89  # --dtype fp8 below this is refused
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
 
 
@@ -80,6 +81,9 @@ class CudaBackend(Backend):
         self.props = props
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.cc = self.device.compute_capability  # e.g. "90"
+        if self.fp8 and int(self.cc) < FP8_MIN_CC:  # FP8 tensor cores (cuBLASLt's FP8 matmuls): Ada, Hopper on
+            raise BackendUnavailable(f"fp8 needs compute capability 8.9 or newer (capability 'fp8'); cuda:{device} "
+                                     f"{self.device_name} is {self.cc[:-1]}.{self.cc[-1]}")
         self.sm_count = props["multiProcessorCount"]
         # every launch, copy and library call of this backend goes to its own stream (entered explicitly, so
         # two backends in one process, e.g. bf16 and fp32 in the tests, never share or steal a stream)

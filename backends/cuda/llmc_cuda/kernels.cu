@@ -141,7 +141,6 @@ extern "C" __global__ void gelu_backward(act_t* dinp, const act_t* inp, const ac
     }
 }
 
-// inp (N, 2H) = [gate | up]; out (N, H) = silu(gate) * up
 // swiglu: out (N,H) = silu(gate) * up with inp (N,2H) = [gate | up] per row. vec: H a multiple of PACK and the
 // buffers 16-byte aligned, PACK elements per thread in 16-byte loads and stores (these kernels are pure bandwidth)
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
