@@ -40,4 +40,7 @@ pip install -q --no-deps --upgrade --target "$DATA_HOME/packages" "openai-whispe
 pip install -e ".[test]" "torch==2.13.0"
 # data parallel through MPI (llmc train --procs N, mpirun): PyPI's MPICH and mpi4py, also what CI tests with
 pip install -e ".[mpi]"
+# compile every usable backend's kernels into its cache now, so the first run starts at once (nothing to do, and
+# quick, on a machine whose backends compile nothing ahead)
+llmc backends --prepare || echo "install.sh: 'llmc backends --prepare' failed; kernels will compile on first use"
 echo "llmc installed: run 'llmc backends' to see what can run here"

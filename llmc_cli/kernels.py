@@ -70,6 +70,9 @@ INT32 = "int32"
 # Not a buffer dtype: `create(dtype=FP8)` asks for a CAP_FP8 backend, whose `dtype` is BFLOAT16 (every buffer the
 # engine sees) and whose `matmul_dtype` is FP8.
 FP8 = "fp8"
+# Not a buffer dtype either: a float32 backend whose matmuls round their operands to TF32 (10-bit mantissa) on
+# tensor cores says so with `matmul_dtype == TF32` (what llm.c's fp32 CUDA build does by default)
+TF32 = "tf32"
 
 # Capabilities a backend may announce.
 CAP_BF16 = "bf16"                      # Backend can run with dtype=bfloat16
@@ -518,6 +521,19 @@ def option_int(options: dict[str, str] | None, name: str, default: int, env: str
     return v
 
 
+def cache_dir(backend: str) -> "Path":
+    """Where a backend keeps what it compiled or tuned, so the next run starts at once: $LLMC_CACHE_DIR/<backend>,
+    else $XDG_CACHE_HOME/llmc/<backend>, else ~/.cache/llmc/<backend> (created by whoever writes there first).
+    Everything in it can be deleted at any time; it is rebuilt on the next run."""
+    import os
+    from pathlib import Path
+    env = os.environ.get("LLMC_CACHE_DIR")
+    if env:
+        return Path(env) / backend
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmc" / backend
+
+
 class BackendPlugin(abc.ABC):
     """What an entry point in group ``llmc.backends`` resolves to (a class or instance of this)."""
 
@@ -542,6 +558,13 @@ class BackendPlugin(abc.ABC):
         """A ready backend on `device` (plugin-specific selector, None = default) computing in `dtype`
         (None = `default_dtype`), with `options` (names from `self.options`, values as the user typed them; only
         passed when given). Raises BackendUnavailable with a one-line reason, a bad option value included."""
+
+    def prepare(self) -> str:
+        """Optional: do now, once, the slow work a first run would do (compile kernels into a persistent cache,
+        for every dtype and device here), so that runs start at once. Called by `llmc backends --prepare` (and
+        by install.sh) only when `probe()` says usable; returns one line saying what was done. Must be safe to
+        call again (a warm cache makes it quick)."""
+        return "nothing to prepare"
 
     def communicator(self, backend: Backend, info: RankInfo, rendezvous: Rendezvous) -> "Communicator | None":
         """Optional: a Communicator over the device's own fabric for `info.world_size` ranks (every rank calls

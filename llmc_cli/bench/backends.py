@@ -11,12 +11,14 @@ from llmc_cli.kernels import (
     FLOAT32,
     FP8,
     INT32,
+    TF32,
     Backend,
     BackendUnavailable,
 )
 
 # relative error (max |got - ref| / max |ref|) above which a kernel is a mismatch, by the backend's dtype
-TOLERANCES = {FLOAT32: 1e-4, BFLOAT16: 3e-2, FP8: 1e-1}  # FP8: a matmul's, operands rounded to 3 or 2 mantissa bits
+TOLERANCES = {FLOAT32: 1e-4, BFLOAT16: 3e-2, FP8: 1e-1,  # FP8: a matmul's, operands rounded to 3 or 2 mantissa bits
+              TF32: 3e-3}  # a float32 matmul on TF32 tensor cores: operands rounded to 10 mantissa bits
 DTYPE_BYTES = {FLOAT32: 4, BFLOAT16: 2, INT32: 4}
 
 

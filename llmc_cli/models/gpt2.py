@@ -10,8 +10,8 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import (STAGED, Model, check_config_fields, check_recompute, pick_classifier_chunks,
-                               split_flat)
+from llmc_cli.models.base import (STAGED, Model, check_config_fields, check_recompute, init_normal,
+                                   pick_classifier_chunks, split_flat)
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,16 @@ def num_parameters(cfg: GPT2Config) -> int:
 def init_parameters(cfg: GPT2Config, seed: int) -> np.ndarray:
     """GPT-2 initialisation on the host (so every backend starts identical): N(0, 0.02) weights, residual
     projections scaled by 1/sqrt(2L), layernorm weights 1, biases 0, padded vocabulary rows 0."""
-    rng = np.random.default_rng(seed)
     out = np.zeros(num_parameters(cfg), dtype=np.float32)
+    normal = []
     for name, t in split_flat(out, parameter_shapes(cfg)).items():
         if name in ("ln1w", "ln2w", "lnfw"):
             t[...] = 1.0
         elif name == "wte":
-            t[:cfg.vocab_size] = rng.normal(0.0, 0.02, (cfg.vocab_size, cfg.n_embd))
+            normal.append((t[:cfg.vocab_size], 0.02))
         elif name in DECAYED:
-            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("attprojw", "fcprojw") else 0.02
-            t[...] = rng.normal(0.0, std, t.shape)
+            normal.append((t, 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("attprojw", "fcprojw") else 0.02))
+    init_normal(normal, seed)
     return out
 
 

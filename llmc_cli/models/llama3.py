@@ -16,8 +16,8 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import (STAGED, Model, Tensors, check_config_fields, check_recompute, pick_classifier_chunks,
-                                   split_flat)
+from llmc_cli.models.base import (STAGED, Model, Tensors, check_config_fields, check_recompute, init_normal,
+                                   pick_classifier_chunks, split_flat)
 
 
 @dataclass(frozen=True)
@@ -116,14 +116,14 @@ def num_parameters(cfg: Llama3Config) -> int:
 
 def init_parameters(cfg: Llama3Config, seed: int) -> np.ndarray:
     """N(0, 0.02) matrices, output projections (wo, w2) scaled by 1/sqrt(2L), norms 1 (host, seeded)."""
-    rng = np.random.default_rng(seed)
     out = np.zeros(num_parameters(cfg), dtype=np.float32)
+    normal = []
     for name, t in split_flat(out, parameter_shapes(cfg)).items():
         if name in ("attn_norm", "ffn_norm", "norm"):
             t[...] = 1.0
         else:
-            std = 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("wo", "w2") else 0.02
-            t[...] = rng.normal(0.0, std, t.shape)
+            normal.append((t, 0.02 / math.sqrt(2 * cfg.n_layer) if name in ("wo", "w2") else 0.02))
+    init_normal(normal, seed)
     return out
 
 

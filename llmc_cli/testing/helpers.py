@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, INT32, Backend
+from llmc_cli.kernels import BFLOAT16, FLOAT32, INT32, TF32, Backend
 
 POISON = {FLOAT32: math.nan, BFLOAT16: math.nan, INT32: -2_000_000_011}
 
@@ -65,7 +65,15 @@ TOLERANCES = {
 FP8_TOL = {"forward": 0.08, "backward": 0.12}
 
 
+# a float32 backend whose matmuls run on TF32 tensor cores (matmul_dtype TF32): operands rounded to 10 mantissa
+# bits (relative error up to 2^-11 each), accumulated in float32
+TF32_TOL = 2e-3
+
+
 def tol(backend: Backend, kind: str = "elementwise") -> float:
+    """The bound for `kind` ("elementwise", "reduction", or "matmul": a product's outputs) on this backend."""
+    if kind == "matmul":
+        return TF32_TOL if getattr(backend, "matmul_dtype", None) == TF32 else TOLERANCES[backend.dtype]["reduction"]
     return TOLERANCES[backend.dtype][kind]
 
 

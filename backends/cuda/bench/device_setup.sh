@@ -4,9 +4,11 @@
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-/opt/torch/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# (byte-compiled, as any pip install is: an image with PYTHONDONTWRITEBYTECODE would otherwise recompile every
+# module on every start, a second and a half of the start-up time start_check.sh measures)
+$PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 rm -rf /tmp/llmc
-$PY -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/llmc . backends/cpu backends/opencl \
+$PY -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/llmc . backends/cpu backends/opencl \
   backends/cuda 2>&1 | tail -2
 export PYTHONPATH=/tmp/llmc:/tmp/site
 HERE=$PWD

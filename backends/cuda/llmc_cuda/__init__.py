@@ -87,6 +87,8 @@ class CudaPlugin(BackendPlugin):
                      "LLMC_CUBLASLT_EPILOGUES)",
         "tune": "on|off: time cuBLASLt's candidate algorithms per shape and keep the fastest bit-identical one "
                 "(default on; env LLMC_CUBLASLT_TUNE)",
+        "tf32": "on|off: with --dtype fp32, matmuls on TF32 tensor cores (operands rounded to 10 mantissa bits, "
+                "float32 accumulation; llm.c's default) rather than IEEE fp32 (default on; env LLMC_TF32)",
         "cudnn_workspace_mib": "MiB: the most workspace cuDNN's deterministic attention backward may take; past it the "
                                "batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
         "fp8_classifier": "on|off: with --dtype fp8, the classifier's matmuls in FP8 too (default off: bf16; env "
@@ -114,6 +116,23 @@ class CudaPlugin(BackendPlugin):
                 raise BackendUnavailable(f"cuda device must be an index or cuda:N (got '{device}')") from None
         from .backend import CudaBackend
         return CudaBackend(device=index, dtype=dt, options=options)
+
+    def prepare(self):
+        """Compile kernels.cu for both activation dtypes on every GPU architecture here, in parallel, into CuPy's
+        kernel cache (the NVRTC work a first run would otherwise wait for: seconds per module)."""
+        ok, reason = self.probe()
+        if not ok:
+            raise BackendUnavailable(reason)
+        import cupy
+        from .backend import _Compiling
+        archs = {}
+        for i in range(cupy.cuda.runtime.getDeviceCount()):
+            p = cupy.cuda.runtime.getDeviceProperties(i)
+            archs.setdefault(f"{p['major']}{p['minor']}", i)
+        jobs = [_Compiling(dev, cc, (False, True)) for cc, dev in archs.items()]
+        for job in jobs:
+            job.get(False), job.get(True)
+        return f"kernels compiled for sm_{', sm_'.join(sorted(archs))} (fp32 and bf16) into CuPy's kernel cache"
 
     def communicator(self, backend, info, rendezvous):
         """NCCL on the backend's stream (see nccl.py)."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,9 +24,11 @@ from llmc_cli.kernels import (
     FLOAT32,
     FP8,
     INT32,
+    TF32,
     Backend,
     BackendUnavailable,
     MemoryReport,
+    cache_dir,
     check_decode_chunk,
     option_flag,
     option_int,
@@ -35,6 +41,77 @@ _DECODE_MAX_HD = 256  # its shared query row
 _GEMV_MAX_N = 8  # matmul_forward for at most this many rows: a warp per output column (kernels.cu's GEMV_MAX_N)
 FP8_MIN_CC = 89  # --dtype fp8 below this is refused
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
+
+
+def compile_options(cc: str, bf16: bool) -> tuple[str, ...]:
+    # CuPy's RawModule passes -arch for the current device itself (sm_XY cubin through NVRTC) and caches the result
+    # on disk keyed by source, options and NVRTC version ($CUPY_CACHE_DIR, ~/.cupy/kernel_cache).
+    return ("--std=c++17", "-DLLMC_CC=" + str(cc)) + (("-DACT_BF16",) if bf16 else ())
+
+
+def compile_module(device: int, cc: str, bf16: bool) -> cp.RawModule:
+    """kernels.cu for one activation dtype, compiled (or read from CuPy's cache) and loaded on `device`."""
+    with cp.cuda.Device(device):
+        m = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=compile_options(cc, bf16))
+        m.compile()
+    return m
+
+
+class _Compiling:
+    """The kernel modules compiled on threads from the moment the backend is created, so NVRTC (seconds on a
+    fresh machine) runs while the host initialises the model; `get` waits for one."""
+
+    def __init__(self, device: int, cc: str, which: tuple[bool, ...]):
+        self.done: dict[bool, object] = {}
+        self.threads = {bf16: threading.Thread(target=self._run, args=(device, cc, bf16), daemon=True)
+                        for bf16 in which}
+        for t in self.threads.values():
+            t.start()
+
+    def _run(self, device, cc, bf16):
+        try:
+            self.done[bf16] = compile_module(device, cc, bf16)
+        except BaseException as e:  # noqa: BLE001  (raised where the module is asked for)
+            self.done[bf16] = e
+
+    def get(self, bf16: bool):
+        t = self.threads.get(bf16)
+        if t is None:
+            return None
+        t.join()
+        m = self.done[bf16]
+        if isinstance(m, BaseException):
+            raise m
+        return m
+
+
+def device_cache(device_name: str, cc: str) -> Path:
+    """This GPU model's folder in llmc's cache: cuBLASLt's decisions, cuDNN's plans."""
+    return cache_dir("cuda") / (re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-") + f"-sm{cc}")
+
+
+def _decisions_file(device_name: str, cc: str) -> Path:
+    from nvmath.bindings import cublasLt
+    return device_cache(device_name, cc) / f"cublaslt-{cublasLt.get_version()}.json"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # none yet, or damaged: start again (it is only a cache)
+        return {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomically (a temporary name, then rename), so a reader never sees half a file; a failure is ignored."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _bf16_dtype():
@@ -97,8 +174,17 @@ class CudaBackend(Backend):
         self._staging: dict[int, list] = {}  # nbytes -> [[pinned memory, event of its last copy], ...]
         self.use_cudnn = option_flag(options, "cudnn", True, env="LLMC_CUDNN")
         self.use_epilogues = option_flag(options, "epilogues", True, env="LLMC_CUBLASLT_EPILOGUES")
+        # float32 runs multiply on TF32 tensor cores unless told not to (llm.c's fp32 default; PyTorch's "high")
+        self.tf32 = self.dtype == FLOAT32 and option_flag(options, "tf32", True, env="LLMC_TF32")
+        if self.tf32:
+            self.matmul_dtype = TF32
+        # both kernel modules start compiling now (bf16 runs use the float32 one too: master weights, AdamW)
+        self._compiling = _Compiling(device, self.cc, (False, True) if self.dtype == BFLOAT16 else (False,))
         from .cublaslt import CublasLt
-        self.lt = CublasLt(cp, tune=option_flag(options, "tune", True, env="LLMC_CUBLASLT_TUNE"))
+        self._decisions_path = _decisions_file(self.device_name, self.cc)
+        self.lt = CublasLt(cp, tune=option_flag(options, "tune", True, env="LLMC_CUBLASLT_TUNE"),
+                           signature=self._signature, decisions=_read_json(self._decisions_path),
+                           on_decided=lambda: _write_json(self._decisions_path, self.lt.decisions), tf32=self.tf32)
         self._cudnn = None
         self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB") << 20
         self.cudnn_reason = "not tried yet"
@@ -113,18 +199,18 @@ class CudaBackend(Backend):
 
     # ---- compilation -----------------------------------------------------------------------------------------
     def compile_options(self, bf16: bool) -> tuple[str, ...]:
-        # CuPy's RawModule passes -arch for the current device itself (sm_XY cubin through NVRTC) and caches the
-        # result on disk keyed by source, options and NVRTC version.
-        opts = ("--std=c++17", "-DLLMC_CC=" + str(self.cc))
-        return opts + (("-DACT_BF16",) if bf16 else ())
+        return compile_options(self.cc, bf16)
 
     def module(self, bf16: bool) -> cp.RawModule:
         m = self._modules.get(bf16)
         if m is None:
-            m = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=self.compile_options(bf16))
-            m.compile()
+            m = self._compiling.get(bf16) or compile_module(self.device.id, self.cc, bf16)
             self._modules[bf16] = m
         return m
+
+    def _signature(self, *args, **kw):
+        """The cuBLASLt tuner's bit signature kernel (kernels.cu: bits_signature)."""
+        return self._k("bits_signature", self.dtype == BFLOAT16)(*args, **kw)
 
     def _k(self, name: str, bf16: bool):
         key = (name, bf16)
@@ -263,24 +349,26 @@ class CudaBackend(Backend):
                             device_total=int(total), device_free=int(free))
 
     def describe(self):
-        dt = "fp8 matmuls, bf16" if self.fp8 else "bf16" if self.dtype == BFLOAT16 else "fp32"
-        return (f"{self.device_name} (sm_{self.cc}, {self.sm_count} SMs), CuPy {cp.__version__}, {dt}, "
-                f"attention: {'cuDNN SDPA' if self._cudnn_ready() else 'own kernels (' + self.cudnn_reason + ')'}")
+        dt = ("fp8 matmuls, bf16" if self.fp8 else "bf16" if self.dtype == BFLOAT16
+              else "fp32, TF32 matmuls (--backend-opt tf32=off: IEEE fp32)" if self.tf32 else "fp32")
+        att = ("own tiled kernels (cuDNN's SDPA takes bf16)" if self.dtype != BFLOAT16 else "cuDNN SDPA"
+               if self._cudnn_ready() else "own kernels (" + self.cudnn_reason + ")")
+        return f"{self.device_name} (sm_{self.cc}, {self.sm_count} SMs), CuPy {cp.__version__}, {dt}, attention: {att}"
 
     def timer(self):
         return EventTimer(self.stream)
 
-    # dense peaks by the vendor's datasheets (SXM parts): bf16 tensor cores, and plain fp32 (the fp32 mode uses
-    # no TF32), for MFU in `llmc bench train`
-    _PEAKS = {"H100": (989e12, 67e12), "H200": (989e12, 67e12), "H800": (989e12, 67e12), "A100": (312e12, 19.5e12)}
+    # dense peaks by the vendor's datasheets (SXM parts): bf16 and TF32 tensor cores, plain fp32; for MFU
+    _PEAKS = {"H100": (989e12, 495e12, 67e12), "H200": (989e12, 495e12, 67e12), "H800": (989e12, 495e12, 67e12),
+              "A100": (312e12, 156e12, 19.5e12)}
 
     def peak_flops(self, dtype=None):
-        dt = dtype or self.dtype
-        for key, (bf16, fp32) in self._PEAKS.items():
+        dt = dtype or (TF32 if self.tf32 else self.dtype)
+        for key, (bf16, tf32, fp32) in self._PEAKS.items():
             if key in self.device_name:
                 if key == "H100" and "PCIe" in self.device_name:
-                    bf16, fp32 = 756e12, 51e12
-                return bf16 if dt == BFLOAT16 else fp32
+                    bf16, tf32, fp32 = 756e12, 378e12, 51e12
+                return bf16 if dt in (BFLOAT16, FP8) else tf32 if dt == TF32 else fp32
         return None
 
     # ---- encoder ---------------------------------------------------------------------------------------------
@@ -630,7 +718,7 @@ class CudaBackend(Backend):
         if self._cudnn is None and self.use_cudnn:
             try:
                 from .cudnn_attention import CudnnAttention
-                self._cudnn = CudnnAttention(cp, self.stream.ptr)
+                self._cudnn = CudnnAttention(cp, self.stream.ptr, plan_dir=self._decisions_path.parent)
                 self._cudnn.bwd_workspace_max = self.cudnn_workspace
                 self.cudnn_reason = "ok"
             except Exception as e:
@@ -675,9 +763,30 @@ class CudaBackend(Backend):
             k.max_dynamic_shared_size_bytes = shared
         self._launch(k, (rows + warps - 1) // warps, 32 * warps, args, shared=shared)
 
+    # shared memory (bytes) of the tiled kernels for head size hd: forward, backward dk/dv, backward dq
+    @staticmethod
+    def _tiled_smem(hd):
+        ld, pld = 64 * (hd + 4), 64 * 68
+        return 4 * (3 * ld + pld), 4 * (4 * ld + 2 * pld + 128), 4 * (4 * ld + pld)
+
+    def _tiled(self, hd, which: int) -> bool:
+        """Whether the tiled kernels (kernels.cu) serve head size hd on this device."""
+        return hd in (64, 128) and self._tiled_smem(hd)[which] <= self.props.get("sharedMemPerBlockOptin", 48 << 10)
+
+    def _tiled_launch(self, name, hd, which, grid, args, buf):
+        k = self._kk(f"{name}_{hd}", buf)
+        shared = self._tiled_smem(hd)[which]
+        if k.max_dynamic_shared_size_bytes < shared:
+            k.max_dynamic_shared_size_bytes = shared
+        self._launch(k, grid, 256, args, shared=shared)
+
     def attention_forward_own(self, out, lse, qkv, n_head, n_kv_head):
         B, T, hd = self._attn_shape(qkv, n_head, n_kv_head)
         scale = np.float32(1.0 / math.sqrt(hd))
+        if self._tiled(hd, 0):
+            self._tiled_launch("attention_forward_tiled", hd, 0, ((T + 63) // 64, n_head, B),
+                               (out, lse, qkv, np.int32(T), np.int32(n_head), np.int32(n_kv_head), scale), out)
+            return
         self._att_launch("attention_forward_ref", B * n_head * T, T,
                          (out, lse, qkv, np.int32(B), np.int32(T), np.int32(n_head), np.int32(n_kv_head),
                           np.int32(hd), scale), out)
@@ -688,6 +797,14 @@ class CudaBackend(Backend):
             raise NotImplementedError("own attention backward supports head sizes up to 256")
         scale = np.float32(1.0 / math.sqrt(hd))
         D = self.scratch("att_D", B * n_head * T)
+        if self._tiled(hd, 1) and self._tiled(hd, 2):
+            rows = B * n_head * T
+            self._launch(self._kk("attention_backward_dsum", dout), (rows + 7) // 8, 256,
+                         (D, dout, out, np.int32(B), np.int32(T), np.int32(n_head), np.int32(hd)))
+            args = (dqkv, D, dout, qkv, lse, np.int32(T), np.int32(n_head), np.int32(n_kv_head), scale)
+            self._tiled_launch("attention_backward_dkv_tiled", hd, 1, ((T + 63) // 64, n_kv_head, B), args, dqkv)
+            self._tiled_launch("attention_backward_dq_tiled", hd, 2, ((T + 63) // 64, n_head, B), args, dqkv)
+            return
         dims = (np.int32(B), np.int32(T), np.int32(n_head), np.int32(n_kv_head), np.int32(hd), scale)
         self._att_launch("attention_backward_dq_ref", B * n_head * T, T, (dqkv, D, dout, qkv, out, lse) + dims, dqkv)
         self._att_launch("attention_backward_dkv_ref", B * n_kv_head * T, 2 * T, (dqkv, D, dout, qkv, lse) + dims,

@@ -19,6 +19,10 @@ only those whose outputs are bit-identical to the first candidate's stay in the 
 those candidates in turn, timed with events, and the fastest is kept. A run computes exactly what it would
 with the heuristic's choice, whichever candidate wins (`--backend-opt tune=off`, or `LLMC_CUBLASLT_TUNE=0`, keeps the
 heuristic's first).
+
+The bit-identity checks are spaced (CHECK_SPACING calls apart), so a fresh run spreads them over its first steps,
+and each decision is kept on disk (`decisions`, saved by the backend under llmc's cache directory, per GPU and
+cuBLASLt version): a later run with the same problems takes them at once and never races.
 """
 
 from __future__ import annotations
@@ -31,11 +35,15 @@ CUDA_R_16BF = 14
 CUDA_R_8F_E4M3 = 28
 CUDA_R_8F_E5M2 = 29
 COMPUTE_32F = 68
+COMPUTE_32F_FAST_TF32 = 77
 OP_N, OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 TUNE_AFTER = 12  # calls of a plan before its candidates are compared (d12: the first step runs untouched)
 TRIAL_CALLS = 4  # timed real calls per bit-identical candidate (d12, 8 candidates: done within step 5)
 TUNE_MARGIN = 0.02  # how much faster than the heuristic's first a candidate must be to be kept
+# matmul calls between two bit-identity checks (each runs every candidate of one plan once and waits for them): a
+# step holds a few checks, never all of them, so no step of a fresh run takes much longer than the others
+CHECK_SPACING = 24
 
 _DESC = lt.MatmulDescAttribute
 _EPI = lt.Epilogue
@@ -66,11 +74,12 @@ class Plan:
     """One cached cuBLASLt problem: D (m,n) = op(A) (m,k) @ op(B) (k,n) [+ beta C], column-major."""
 
     def __init__(self, handle, m, n, k, transa, transb, lda, ldb, ldd, dtype, epilogue, aux_ld, bias_dtype,
-                 align=(256, 256, 256, 256), candidates=1, scales=None, fast_accum=False):
+                 align=(256, 256, 256, 256), candidates=1, scales=None, fast_accum=False, compute=COMPUTE_32F):
         self.handle = handle
         self.epilogue = epilogue
         a_dt, b_dt, dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype, dtype)  # FP8: A, B 8-bit, D bf16
-        self.desc = lt.matmul_desc_create(COMPUTE_32F, CUDA_R_32F)
+        # `compute` (TF32 or not) only matters for float32 operands; bf16 and FP8 products use the float32 default
+        self.desc = lt.matmul_desc_create(compute if a_dt == CUDA_R_32F else COMPUTE_32F, CUDA_R_32F)
         if scales is not None:  # FP8: D = (scale_a * scale_b) A B, the dequantizing scales read on the device
             _set(self.desc, _DESC.A_SCALE_POINTER, scales[0], np.uint64)
             _set(self.desc, _DESC.B_SCALE_POINTER, scales[1], np.uint64)
@@ -152,8 +161,18 @@ class Plan:
 class CublasLt:
     """The plan cache and the constants (alpha = 1, beta = 0 / 1 live in host memory)."""
 
-    def __init__(self, cupy, tune: bool = True):
+    def __init__(self, cupy, tune: bool = True, signature=None, decisions: dict | None = None, on_decided=None,
+                 tf32: bool = False):
+        """`signature`: the bits_signature kernel (kernels.cu); `decisions`: plan key (str) -> the chosen candidate's
+        config, from earlier runs; `on_decided()` is called after a race adds one; `tf32`: float32 products on
+        TF32 tensor cores (fp32 inputs, outputs and accumulation; 10-bit mantissa products)."""
         self.cp = cupy
+        self.signature = signature
+        self.decisions = decisions if decisions is not None else {}
+        self.on_decided = on_decided
+        self.compute_fp32 = COMPUTE_32F_FAST_TF32 if tf32 else COMPUTE_32F
+        self.check_spacing = CHECK_SPACING
+        self._since_check = CHECK_SPACING  # the first plan to reach its race may check at once
         self.handle = lt.create()
         self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
         self._one = np.ones(1, dtype=np.float32)
@@ -165,22 +184,31 @@ class CublasLt:
         self._streams: dict[int, object] = {}
         self.capturing = False  # set by CudaBackend.capture while a graph is recorded
         self.tuning: dict[tuple, list] = {}  # key -> [(candidate, config, bit-identical, ms or None)], for bench
-        self._bits_sum = cupy.ReductionKernel("T x", "uint64 y", "(unsigned long long)x", "a + b", "y = a", "0",
-                                              "llmc_bits_sum")
-        self._bits_sq = cupy.ReductionKernel("T x", "uint64 y", "(unsigned long long)x * (unsigned long long)x",
-                                             "a + b", "y = a", "0", "llmc_bits_sq")
 
     def plan(self, key, *args, align=(256, 256, 256, 256), **fp8):
         key = key + align
         p = self.plans.get(key)
         if p is None and key not in self.plans:
-            p = Plan(self.handle, *args, align=align, candidates=self.candidates, **fp8)
+            p = Plan(self.handle, *args, align=align, candidates=self.candidates, compute=self.compute_fp32, **fp8)
             if p.ok:
                 p.key = key
+                self._decided(p)
             else:
                 p = None
             self.plans[key] = p
         return p
+
+    def _decided(self, p: Plan) -> None:
+        """Take an earlier run's decision for this plan, if one of today's candidates has that exact config."""
+        want = self.decisions.get(repr(p.key)) if self.tune else None
+        if want is None:
+            return
+        for i in range(p.count):
+            if list(p.config(i)) == list(want):
+                p.choose(i)
+                p.tuned = True
+                self.tuning[p.key] = [(i, p.config(i), True, None)]
+                return
 
     def matmul(self, plan: Plan, a, b, d, stream, accumulate=False, bias=0, aux=0, outputs=()):
         """D = op(A) op(B) [+ D]; `outputs`: the epilogue's other outputs as (pointer, bytes), for the tuner."""
@@ -188,7 +216,8 @@ class CublasLt:
                 self.workspace.data.ptr, stream)
         if not plan.tuned and not self.capturing:  # (a graph being recorded must not hold a race's events)
             plan.calls += 1
-            if plan.calls > self.tune_after:
+            self._since_check += 1
+            if plan.calls > self.tune_after and (plan.trials is not None or self._since_check >= self.check_spacing):
                 return self._trial_call(plan, args, accumulate, bias, aux, outputs)
         plan.run(*args, bias_ptr=bias, aux_ptr=aux)
 
@@ -249,43 +278,54 @@ class CublasLt:
         plan.choose(pick)
         plan.tuned = True
         self.tuning[plan.key] = [(i, plan.config(i), i in (plan.trials or [0]), ms.get(i)) for i in range(plan.count)]
+        if ms or plan.trials is not None:  # a race was run (settle_all before any: nothing learned to keep)
+            self.decisions[repr(plan.key)] = list(plan.config(pick))
+            if self.on_decided is not None:
+                self.on_decided()
         plan.samples = []
         if args is not None:
             plan.run(*args, bias_ptr=bias, aux_ptr=aux)
 
     def _identical(self, plan, args, accumulate, bias, aux, outputs) -> list[int]:
-        """The candidates whose outputs are bit-identical to the first candidate's, on these operands. Leaves an
-        accumulated output (beta = 1) as it found it."""
+        """The candidates whose outputs are bit-identical to the first candidate's, on these operands: each
+        candidate's outputs are signed on the device (bits_signature) and the host waits once, for all of them.
+        Leaves an accumulated output (beta = 1) as it found it."""
         cp = self.cp
+        self._since_check = 0
+        nbytes = plan.m * plan.n * plan.elsize
+        outs = [(args[2], nbytes)] + list(outputs)
         with self._stream(args[-1]) as stream:
-            d = self._raw(args[2], plan.m * plan.n * plan.elsize, plan.elsize)
-            outs = [d] + [self._raw(p, n, plan.elsize) for p, n in outputs]
-            before = d.copy() if accumulate else None  # weight gradients: at most vocab x C
-
-            def signature():
-                return tuple((int(self._bits_sum(o)), int(self._bits_sq(o))) for o in outs)
-
-            ref, same = None, []
+            sigs = cp.zeros((plan.count, len(outs), 2), dtype=cp.uint64)
+            before = cp.empty(nbytes, dtype=cp.uint8) if accumulate else None  # weight gradients: at most vocab x C
+            if before is not None:
+                cp.cuda.runtime.memcpyAsync(before.data.ptr, args[2], nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                            stream.ptr)
+            ran = []
             for i in range(plan.count):
                 plan.choose(i)
                 if before is not None:
-                    d[...] = before
+                    cp.cuda.runtime.memcpyAsync(args[2], before.data.ptr, nbytes,
+                                                cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
                 try:
                     plan.run(*args, bias_ptr=bias, aux_ptr=aux)
-                    sig = signature()
                 except Exception:  # a candidate this device cannot run after all
-                    sig = None
-                if i == 0:
-                    ref = sig
-                if sig is not None and sig == ref:
-                    same.append(i)
+                    continue
+                ran.append(i)
+                for j, (ptr, n) in enumerate(outs):
+                    wide = int(plan.elsize == 4)
+                    words = n // plan.elsize
+                    self.signature((min(1024, max(1, words // 4096)),), (256,),
+                                   (sigs[i, j], np.uint64(ptr), np.int64(words), np.int32(wide)), stream=stream)
             plan.choose(0)
             if before is not None:
-                d[...] = before
-                stream.synchronize()
+                cp.cuda.runtime.memcpyAsync(args[2], before.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                            stream.ptr)
+            host = sigs.get(stream=stream)  # the one wait of the check
+            stream.synchronize()
+            if before is not None:
                 del before
                 cp.get_default_memory_pool().free_all_blocks()  # the copy would stay in "device used"
-        return same
+        return [i for i in ran if ran and ran[0] == 0 and (host[i] == host[0]).all()]
 
     # ---- the three products of a linear layer, for row-major buffers ---------------------------------------
     def forward(self, out, inp, weight, N, C, OC, dtype, stream, bias=0, aux=0, epilogue=None):

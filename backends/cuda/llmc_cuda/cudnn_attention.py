@@ -9,11 +9,17 @@ pointers; the backward graph asks for cuDNN's deterministic algorithm.
 That deterministic backward wants a workspace that grows with B (about 1.5 GiB at GPT-2 124M, B=64, T=1024), so
 the backward runs over batch slices, the largest whose workspace stays within `bwd_workspace_max`: sequences
 are independent, so the slices compute exactly what one call would.
+
+Building a graph's plan takes cuDNN a few hundred milliseconds (its SDPA engines are compiled at run time), so
+each built plan is serialized into `plan_dir` (llmc's cache directory, per GPU and cuDNN version) and a later run
+deserializes it instead; a file that does not deserialize is rebuilt and replaced.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import cudnn
 
@@ -21,10 +27,11 @@ Q, K, V, O, STATS, DO, DQ, DK, DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 
 class CudnnAttention:
-    def __init__(self, cupy, stream_ptr: int):
+    def __init__(self, cupy, stream_ptr: int, plan_dir: Path | None = None):
         self.cp = cupy
         self.handle = cudnn.create_handle()
         cudnn.set_stream(self.handle, stream_ptr)
+        self.plan_dir = plan_dir / f"cudnn-{cudnn.backend_version()}" if plan_dir is not None else None
         self.graphs: dict[tuple, object] = {}
         self.failed: dict[tuple, str] = {}
         self.workspace = None
@@ -76,15 +83,49 @@ class CudnnAttention:
         g.build_plans()
         return g
 
+    def _plan_file(self, key) -> Path | None:
+        return self.plan_dir / ("sdpa-" + "-".join(map(str, key)) + ".plan") if self.plan_dir is not None else None
+
+    def _load(self, key):
+        """The plan an earlier run serialized for `key`, or None."""
+        path = self._plan_file(key)
+        if path is None or not path.is_file():
+            return None
+        try:
+            g = cudnn.pygraph(handle=self.handle)
+            g.deserialize(path.read_bytes())
+            g.get_workspace_size()
+            return g
+        except Exception:  # from another cuDNN build, or damaged: built again (and replaced) below
+            return None
+
+    def _keep(self, key, g) -> None:
+        path = self._plan_file(key)
+        if path is None:
+            return
+        try:
+            data = bytes(g.serialize())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except Exception:  # an engine cuDNN cannot serialize, a read-only cache: the next run builds it again
+            pass
+
     def graph(self, kind, B, T, NH, NKV, hd):
         """The built graph, or None when cuDNN cannot plan this shape (the reason is kept in `failed`)."""
         key = (kind, B, T, NH, NKV, hd)
         g = self.graphs.get(key)
         if g is None and key not in self.failed:
-            try:
-                g = self.graphs[key] = self._build(key)
-            except Exception as e:  # cudnnGraphNotSupportedError and friends
-                self.failed[key] = f"{type(e).__name__}: {e}"
+            g = self._load(key)
+            if g is None:
+                try:
+                    g = self._build(key)
+                except Exception as e:  # cudnnGraphNotSupportedError and friends
+                    self.failed[key] = f"{type(e).__name__}: {e}"
+                    return None
+                self._keep(key, g)
+            self.graphs[key] = g
         return g
 
     def forward(self, out_ptr, lse_ptr, qkv_ptr, B, T, NH, NKV, hd, elsize=2) -> bool:

@@ -870,6 +870,27 @@ extern "C" __global__ void step_guard(float* guard, const float* loss, const flo
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// The cuBLASLt tuner's bit signature of an output (cublaslt.py): sum and sum of squares of its 16- or 32-bit words
+// as 64-bit integers, added into sig[0], sig[1]. Integer atomics are exact, so the order of the additions (and the
+// grid) cannot change the result.
+extern "C" __global__ void bits_signature(unsigned long long* sig, const void* p, long long n, int wide) {
+    unsigned long long s = 0, q = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        unsigned long long x = wide ? ((const unsigned int*)p)[i] : ((const unsigned short*)p)[i];
+        s += x;
+        q += x * x;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+        q += __shfl_xor_sync(0xffffffffu, q, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicAdd(sig, s);
+        atomicAdd(sig + 1, q);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // AdamW (same operation order as the CPU backend / torch.optim.AdamW). master != 0: update the fp32 master and
 // write param = stochastic_round_bf16(master), seeded by (seed, index).
 __device__ __forceinline__ unsigned int hash_u32(unsigned int x) {
@@ -1195,3 +1216,352 @@ extern "C" __global__ void attention_backward_dkv_ref(act_t* dqkv, const float* 
         if (i < hd) { dk[i] = from_f(adk[u] * scale); dv[i] = from_f(adv[u]); }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Tiled attention (flash attention's order of work, on CUDA cores in float32): what runs where cuDNN does not
+// (--dtype fp32, or shapes it cannot plan) for head sizes 64 and 128. Same layouts as the _ref kernels above. A
+// block owns a 64-row tile of queries (forward, dq) or keys (dk/dv) of one (b, head) and walks the tiles of the
+// other side through shared memory, so nothing of size T x T is ever kept; 256 threads as 16 x 16, each owning 4
+// rows x 4 columns of a score tile. Every sum has a fixed order (no atomics): deterministic.
+#define AT_TILE 64
+#define AT_THREADS 256
+
+template <int HD> struct AttTile {
+    static constexpr int LD = HD + 4;         // row stride of a (64, HD) tile in shared memory (float4, no conflicts)
+    static constexpr int PLD = AT_TILE + 4;   // row stride of a (64, 64) score tile
+    static constexpr int CH = HD / 64;        // float4 columns of HD per thread (tx + 16 * jj)
+};
+
+// rows [row0, row0 + 64) of one head's HD columns (row stride `ld` elements, `col` the head's first column) into
+// shared memory as float, times `mul`; rows >= T as zeros
+template <int HD>
+__device__ __forceinline__ void at_load(float* dst, const act_t* src, long long row0, int T, int t0, long long ld,
+                                        int col, float mul) {
+    for (int idx = threadIdx.x; idx < AT_TILE * HD; idx += AT_THREADS) {
+        int r = idx / HD, d = idx % HD;
+        float v = 0.0f;
+        if (t0 + r < T) v = to_f(src[(row0 + r) * ld + col + d]) * mul;
+        dst[r * AttTile<HD>::LD + d] = v;
+    }
+}
+
+// s[i][k] = sum_d A[ty*4+i][d] * B[tx+16k][d] over a (64, HD) pair of tiles (scores of 4 rows x 4 columns)
+template <int HD>
+__device__ __forceinline__ void at_scores(float s[4][4], const float* A, const float* Bm, int ty, int tx) {
+    constexpr int LD = AttTile<HD>::LD;
+    #pragma unroll
+    for (int i = 0; i < 4; i++)
+        #pragma unroll
+        for (int k = 0; k < 4; k++) s[i][k] = 0.0f;
+    #pragma unroll 4
+    for (int d = 0; d < HD; d += 4) {
+        float4 a[4], b[4];
+        #pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = *reinterpret_cast<const float4*>(A + (ty * 4 + i) * LD + d);
+        #pragma unroll
+        for (int k = 0; k < 4; k++) b[k] = *reinterpret_cast<const float4*>(Bm + (tx + 16 * k) * LD + d);
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            #pragma unroll
+            for (int k = 0; k < 4; k++)
+                s[i][k] += a[i].x * b[k].x + a[i].y * b[k].y + a[i].z * b[k].z + a[i].w * b[k].w;
+    }
+}
+
+// acc[i][jj] += sum_c P[ty*4+i][c] * M[c][(tx+16jj)*4 ..+4] over the 64 columns of a score tile
+template <int HD>
+__device__ __forceinline__ void at_accumulate(float4 acc[4][AttTile<HD>::CH], const float* P, const float* M,
+                                              int ty, int tx) {
+    constexpr int LD = AttTile<HD>::LD, PLD = AttTile<HD>::PLD, CH = AttTile<HD>::CH;
+    #pragma unroll 2
+    for (int c = 0; c < AT_TILE; c += 4) {
+        float4 p[4];
+        #pragma unroll
+        for (int i = 0; i < 4; i++) p[i] = *reinterpret_cast<const float4*>(P + (ty * 4 + i) * PLD + c);
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) {
+            int d = (tx + 16 * jj) * 4;
+            float4 m0 = *reinterpret_cast<const float4*>(M + (c + 0) * LD + d);
+            float4 m1 = *reinterpret_cast<const float4*>(M + (c + 1) * LD + d);
+            float4 m2 = *reinterpret_cast<const float4*>(M + (c + 2) * LD + d);
+            float4 m3 = *reinterpret_cast<const float4*>(M + (c + 3) * LD + d);
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc[i][jj].x += p[i].x * m0.x + p[i].y * m1.x + p[i].z * m2.x + p[i].w * m3.x;
+                acc[i][jj].y += p[i].x * m0.y + p[i].y * m1.y + p[i].z * m2.y + p[i].w * m3.y;
+                acc[i][jj].z += p[i].x * m0.z + p[i].y * m1.z + p[i].z * m2.z + p[i].w * m3.z;
+                acc[i][jj].w += p[i].x * m0.w + p[i].y * m1.w + p[i].z * m2.w + p[i].w * m3.w;
+            }
+        }
+    }
+}
+
+// the 16 threads of a row group (same ty: one half of a warp) combine their values
+__device__ __forceinline__ float half_warp_max(float v) {
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float half_warp_sum(float v) {
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// grid (ceil(T/64), NH, B)
+template <int HD>
+__device__ void attention_forward_tiled(act_t* out, float* lse, const act_t* qkv, int T, int NH, int NKV,
+                                        float scale) {
+    constexpr int LD = AttTile<HD>::LD, PLD = AttTile<HD>::PLD, CH = AttTile<HD>::CH;
+    extern __shared__ float4 at_smem4[];
+    float* Qs = reinterpret_cast<float*>(at_smem4);
+    float* Ks = Qs + AT_TILE * LD;
+    float* Vs = Ks + AT_TILE * LD;
+    float* Ps = Vs + AT_TILE * LD;
+    int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int W = (NH + 2 * NKV) * HD, kvh = h / (NH / NKV);
+    int q0 = qt * AT_TILE;
+    long long base = (long long)b * T;
+    at_load<HD>(Qs, qkv, base + q0, T, q0, W, h * HD, scale);
+    float m[4], l[4];
+    float4 acc[4][CH];
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        m[i] = -LLMC_INF; l[i] = 0.0f;
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) acc[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    for (int kt = 0; kt <= qt; kt++) {
+        int k0 = kt * AT_TILE;
+        __syncthreads();  // the previous tile's K, V, P are used up
+        at_load<HD>(Ks, qkv, base + k0, T, k0, W, (NH + kvh) * HD, 1.0f);
+        at_load<HD>(Vs, qkv, base + k0, T, k0, W, (NH + NKV + kvh) * HD, 1.0f);
+        __syncthreads();
+        float s[4][4];
+        at_scores<HD>(s, Qs, Ks, ty, tx);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = q0 + ty * 4 + i;
+            float mx = -LLMC_INF;
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                int c = k0 + tx + 16 * k;
+                if (c > r || c >= T) s[i][k] = -LLMC_INF;
+                mx = fmaxf(mx, s[i][k]);
+            }
+            float mnew = fmaxf(m[i], half_warp_max(mx));
+            float corr = mnew == -LLMC_INF ? 1.0f : expf(m[i] - mnew);
+            float sum = 0.0f;
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                float p = mnew == -LLMC_INF ? 0.0f : expf(s[i][k] - mnew);
+                Ps[(ty * 4 + i) * PLD + tx + 16 * k] = p;
+                sum += p;
+            }
+            l[i] = l[i] * corr + half_warp_sum(sum);
+            m[i] = mnew;
+            #pragma unroll
+            for (int jj = 0; jj < CH; jj++) {
+                acc[i][jj].x *= corr; acc[i][jj].y *= corr; acc[i][jj].z *= corr; acc[i][jj].w *= corr;
+            }
+        }
+        __syncthreads();
+        at_accumulate<HD>(acc, Ps, Vs, ty, tx);
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int t = q0 + ty * 4 + i;
+        if (t >= T) continue;
+        float inv = 1.0f / l[i];
+        act_t* o = out + (base + t) * NH * HD + h * HD;
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) {
+            int d = (tx + 16 * jj) * 4;
+            o[d] = from_f(acc[i][jj].x * inv); o[d + 1] = from_f(acc[i][jj].y * inv);
+            o[d + 2] = from_f(acc[i][jj].z * inv); o[d + 3] = from_f(acc[i][jj].w * inv);
+        }
+        if (tx == 0) lse[((long long)b * NH + h) * T + t] = m[i] + logf(l[i]);
+    }
+}
+
+// Dsum[b,h,t] = dO[b,t,h] . O[b,t,h], one warp per row (the backward kernels read it for every score)
+extern "C" __global__ void attention_backward_dsum(float* Dsum, const act_t* dout, const act_t* out, int B, int T,
+                                                   int NH, int hd) {
+    long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= (long long)B * NH * T) return;
+    int t = (int)(row % T), h = (int)((row / T) % NH);
+    long long b = row / ((long long)T * NH);
+    const act_t* dO = dout + (b * T + t) * NH * hd + h * hd;
+    const act_t* O = out + (b * T + t) * NH * hd + h * hd;
+    float D = 0.0f;
+    for (int i = lane; i < hd; i += 32) D += to_f(dO[i]) * to_f(O[i]);
+    D = warp_sum(D);
+    if (lane == 0) Dsum[(b * NH + h) * T + t] = D;
+}
+
+// dk, dv of one 64-key tile of kv head kvh: over the heads of its group and the query tiles at or after it,
+// S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - D); dv += P^T dO, dk += dS^T Q.
+// grid (ceil(T/64), NKV, B)
+template <int HD>
+__device__ void attention_backward_dkv_tiled(act_t* dqkv, const float* Dsum, const act_t* dout, const act_t* qkv,
+                                             const float* lse, int T, int NH, int NKV, float scale) {
+    constexpr int LD = AttTile<HD>::LD, PLD = AttTile<HD>::PLD, CH = AttTile<HD>::CH;
+    extern __shared__ float4 at_smem4[];
+    float* Ks = reinterpret_cast<float*>(at_smem4);
+    float* Vs = Ks + AT_TILE * LD;
+    float* Qs = Vs + AT_TILE * LD;
+    float* dOs = Qs + AT_TILE * LD;
+    float* Pt = dOs + AT_TILE * LD;
+    float* dSt = Pt + AT_TILE * PLD;
+    float* lse_s = dSt + AT_TILE * PLD;
+    float* D_s = lse_s + AT_TILE;
+    int kt = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int W = (NH + 2 * NKV) * HD, group = NH / NKV, nt = (T + AT_TILE - 1) / AT_TILE;
+    int k0 = kt * AT_TILE;
+    long long base = (long long)b * T;
+    at_load<HD>(Ks, qkv, base + k0, T, k0, W, (NH + kvh) * HD, 1.0f);
+    at_load<HD>(Vs, qkv, base + k0, T, k0, W, (NH + NKV + kvh) * HD, 1.0f);
+    float4 dk[4][CH], dv[4][CH];
+    #pragma unroll
+    for (int i = 0; i < 4; i++)
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) {
+            dk[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            dv[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    for (int g = 0; g < group; g++) {
+        int h = kvh * group + g;
+        for (int qt = kt; qt < nt; qt++) {
+            int q0 = qt * AT_TILE;
+            __syncthreads();  // the previous query tile is used up
+            at_load<HD>(Qs, qkv, base + q0, T, q0, W, h * HD, 1.0f);
+            at_load<HD>(dOs, dout, base + q0, T, q0, (long long)NH * HD, h * HD, 1.0f);
+            for (int r = threadIdx.x; r < AT_TILE; r += AT_THREADS) {
+                bool ok = q0 + r < T;
+                long long li = ((long long)b * NH + h) * T + q0 + r;
+                lse_s[r] = ok ? lse[li] : LLMC_INF;  // a row past T: P = 0
+                D_s[r] = ok ? Dsum[li] : 0.0f;
+            }
+            __syncthreads();
+            float s[4][4], dp[4][4];
+            at_scores<HD>(s, Ks, Qs, ty, tx);   // s[i][k]: key ty*4+i, query tx+16k
+            at_scores<HD>(dp, Vs, dOs, ty, tx);
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int kj = k0 + ty * 4 + i;
+                #pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int qc = tx + 16 * k;
+                    float p = (q0 + qc < kj) ? 0.0f : expf(s[i][k] * scale - lse_s[qc]);
+                    Pt[(ty * 4 + i) * PLD + qc] = p;
+                    dSt[(ty * 4 + i) * PLD + qc] = p * (dp[i][k] - D_s[qc]);
+                }
+            }
+            __syncthreads();
+            at_accumulate<HD>(dv, Pt, dOs, ty, tx);
+            at_accumulate<HD>(dk, dSt, Qs, ty, tx);
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int t = k0 + ty * 4 + i;
+        if (t >= T) continue;
+        act_t* dK = dqkv + (base + t) * W + (NH + kvh) * HD;
+        act_t* dV = dqkv + (base + t) * W + (NH + NKV + kvh) * HD;
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) {
+            int d = (tx + 16 * jj) * 4;
+            dK[d] = from_f(dk[i][jj].x * scale); dK[d + 1] = from_f(dk[i][jj].y * scale);
+            dK[d + 2] = from_f(dk[i][jj].z * scale); dK[d + 3] = from_f(dk[i][jj].w * scale);
+            dV[d] = from_f(dv[i][jj].x); dV[d + 1] = from_f(dv[i][jj].y);
+            dV[d + 2] = from_f(dv[i][jj].z); dV[d + 3] = from_f(dv[i][jj].w);
+        }
+    }
+}
+
+// dq of one 64-query tile of head h: over the key tiles up to it, S = Q K^T, P = exp(scale S - lse),
+// dP = dO V^T, dS = P (dP - D); dq += dS K. grid (ceil(T/64), NH, B)
+template <int HD>
+__device__ void attention_backward_dq_tiled(act_t* dqkv, const float* Dsum, const act_t* dout, const act_t* qkv,
+                                            const float* lse, int T, int NH, int NKV, float scale) {
+    constexpr int LD = AttTile<HD>::LD, PLD = AttTile<HD>::PLD, CH = AttTile<HD>::CH;
+    extern __shared__ float4 at_smem4[];
+    float* Qs = reinterpret_cast<float*>(at_smem4);
+    float* dOs = Qs + AT_TILE * LD;
+    float* Ks = dOs + AT_TILE * LD;
+    float* Vs = Ks + AT_TILE * LD;
+    float* dS = Vs + AT_TILE * LD;
+    int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int W = (NH + 2 * NKV) * HD, kvh = h / (NH / NKV);
+    int q0 = qt * AT_TILE;
+    long long base = (long long)b * T;
+    at_load<HD>(Qs, qkv, base + q0, T, q0, W, h * HD, 1.0f);
+    at_load<HD>(dOs, dout, base + q0, T, q0, (long long)NH * HD, h * HD, 1.0f);
+    float lrow[4], Drow[4];
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int t = q0 + ty * 4 + i;
+        long long li = ((long long)b * NH + h) * T + t;
+        lrow[i] = t < T ? lse[li] : LLMC_INF;
+        Drow[i] = t < T ? Dsum[li] : 0.0f;
+    }
+    float4 dq[4][CH];
+    #pragma unroll
+    for (int i = 0; i < 4; i++)
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) dq[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int kt = 0; kt <= qt; kt++) {
+        int k0 = kt * AT_TILE;
+        __syncthreads();
+        at_load<HD>(Ks, qkv, base + k0, T, k0, W, (NH + kvh) * HD, 1.0f);
+        at_load<HD>(Vs, qkv, base + k0, T, k0, W, (NH + NKV + kvh) * HD, 1.0f);
+        __syncthreads();
+        float s[4][4], dp[4][4];
+        at_scores<HD>(s, Qs, Ks, ty, tx);
+        at_scores<HD>(dp, dOs, Vs, ty, tx);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = q0 + ty * 4 + i;
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                int c = k0 + tx + 16 * k;
+                float p = (c > r || c >= T) ? 0.0f : expf(s[i][k] * scale - lrow[i]);
+                dS[(ty * 4 + i) * PLD + tx + 16 * k] = p * (dp[i][k] - Drow[i]);
+            }
+        }
+        __syncthreads();
+        at_accumulate<HD>(dq, dS, Ks, ty, tx);
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int t = q0 + ty * 4 + i;
+        if (t >= T) continue;
+        act_t* dQ = dqkv + (base + t) * W + h * HD;
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) {
+            int d = (tx + 16 * jj) * 4;
+            dQ[d] = from_f(dq[i][jj].x * scale); dQ[d + 1] = from_f(dq[i][jj].y * scale);
+            dQ[d + 2] = from_f(dq[i][jj].z * scale); dQ[d + 3] = from_f(dq[i][jj].w * scale);
+        }
+    }
+}
+
+#define AT_ENTRY(HD)                                                                                              \
+extern "C" __global__ void __launch_bounds__(AT_THREADS) attention_forward_tiled_##HD(                           \
+    act_t* out, float* lse, const act_t* qkv, int T, int NH, int NKV, float scale) {                              \
+    attention_forward_tiled<HD>(out, lse, qkv, T, NH, NKV, scale);                                                \
+}                                                                                                                 \
+extern "C" __global__ void __launch_bounds__(AT_THREADS) attention_backward_dkv_tiled_##HD(                      \
+    act_t* dqkv, const float* Dsum, const act_t* dout, const act_t* qkv, const float* lse, int T, int NH, int NKV, \
+    float scale) {                                                                                                \
+    attention_backward_dkv_tiled<HD>(dqkv, Dsum, dout, qkv, lse, T, NH, NKV, scale);                              \
+}                                                                                                                 \
+extern "C" __global__ void __launch_bounds__(AT_THREADS) attention_backward_dq_tiled_##HD(                       \
+    act_t* dqkv, const float* Dsum, const act_t* dout, const act_t* qkv, const float* lse, int T, int NH, int NKV, \
+    float scale) {                                                                                                \
+    attention_backward_dq_tiled<HD>(dqkv, Dsum, dout, qkv, lse, T, NH, NKV, scale);                               \
+}
+AT_ENTRY(64)
+AT_ENTRY(128)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from llmc_cli import registry
-from llmc_cli.kernels import BFLOAT16, FLOAT32
+from llmc_cli.kernels import BFLOAT16, FLOAT32, TF32
 from llmc_cli.testing.helpers import rel_err as rel
 
 pytestmark = pytest.mark.cuda
@@ -31,14 +31,18 @@ _INFO = _cuda_plugin()
 _BACKENDS: dict = {}
 
 
-def cuda(dtype):
+def cuda(dtype, tf32: bool = False):
+    """The backend for `dtype`; float32 multiplies in IEEE fp32 here (checked against the CPU at fp32's bounds)
+    unless `tf32` asks for the default TF32 matmuls."""
     if _INFO is None:
         pytest.skip("llmc-cuda is not installed (pip install -e backends/cuda)")
     if _INFO.plugin is None or not _INFO.usable:
         pytest.skip(f"cuda backend not usable here: {_INFO.reason}")
-    if dtype not in _BACKENDS:
-        _BACKENDS[dtype] = _INFO.plugin.create(dtype=dtype)
-    return _BACKENDS[dtype]
+    key = (dtype, tf32)
+    if key not in _BACKENDS:
+        opts = {"tf32": "off"} if dtype == FLOAT32 and not tf32 else None
+        _BACKENDS[key] = _INFO.plugin.create(dtype=dtype, options=opts)
+    return _BACKENDS[key]
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +233,41 @@ def test_cudnn_attention_matches_own_kernels():
         assert rel(down(b, d1), down(b, d2)) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [FLOAT32, BFLOAT16])
+def test_tiled_attention_matches_the_reference_kernels(dtype):
+    """The tiled kernels (head sizes 64, 128) against the one-warp-per-row reference kernels: ragged T (a partial
+    last tile, T < 64), grouped-query heads; the same bits on a second call."""
+    b = cuda(dtype)
+    rng = np.random.default_rng(4)
+    bound = 1e-5 if dtype == FLOAT32 else 2e-2
+    for (B, T, NH, NKV, hd) in [(2, 100, 4, 4, 64), (1, 64, 2, 2, 128), (2, 200, 8, 2, 64), (1, 17, 2, 1, 128),
+                                (1, 130, 6, 3, 64)]:
+        assert b._tiled(hd, 0) and b._tiled(hd, 1) and b._tiled(hd, 2)
+        W = (NH + 2 * NKV) * hd
+        qkv = up(b, rng.standard_normal((B, T, W)))
+        dout = up(b, rng.standard_normal((B, T, NH * hd)))
+        scale = np.float32(1.0 / np.sqrt(hd))
+        dims = (np.int32(B), np.int32(T), np.int32(NH), np.int32(NKV), np.int32(hd), scale)
+        out_r, lse_r = poisoned(b, (B, T, NH * hd)), poisoned(b, (B, NH, T), FLOAT32)
+        b._att_launch("attention_forward_ref", B * NH * T, T, (out_r, lse_r, qkv) + dims, out_r)
+        d_r = poisoned(b, (B, T, W))
+        D = b.scratch("test_D", B * NH * T)
+        b._att_launch("attention_backward_dq_ref", B * NH * T, T, (d_r, D, dout, qkv, out_r, lse_r) + dims, d_r)
+        b._att_launch("attention_backward_dkv_ref", B * NKV * T, 2 * T, (d_r, D, dout, qkv, lse_r) + dims, d_r)
+        runs = []
+        for _ in range(2):
+            out, lse, d = poisoned(b, (B, T, NH * hd)), poisoned(b, (B, NH, T), FLOAT32), poisoned(b, (B, T, W))
+            b.attention_forward_own(out, lse, qkv, NH, NKV)
+            b.attention_backward_own(d, dout, qkv, out_r, lse_r, NH, NKV)
+            runs.append([down(b, x) for x in (out, lse, d)])
+        what = f"B={B} T={T} NH={NH} NKV={NKV} hd={hd}"
+        assert rel(runs[0][0], down(b, out_r)) < bound, what
+        assert rel(runs[0][1], down(b, lse_r)) < 1e-5, what
+        assert rel(runs[0][2], down(b, d_r)) < bound * 2, what
+        for x, y in zip(*runs):
+            np.testing.assert_array_equal(x, y, what)
+
+
 def test_cudnn_attention_backward_in_batch_slices_is_exact():
     """A workspace limit that forces one sequence per cuDNN call gives the bits of the whole-batch call."""
     b = cuda(BFLOAT16)
@@ -312,11 +351,14 @@ def test_cublaslt_tuner_keeps_the_heuristic_bits(dtype):
         return [down(b, t) for t in (out, pre, out2, dinp, dinp2, dw, db)]
 
     lt = b.lt
-    saved = lt.plans, lt.tune, lt.candidates, dict(lt.tuning), lt.tune_after
+    saved = lt.plans, lt.tune, lt.candidates, dict(lt.tuning), lt.tune_after, lt.decisions, lt.on_decided, \
+        lt.check_spacing
     try:
         lt.plans, lt.tune, lt.candidates = {}, False, 1
         want = products()
+        # a race from scratch (no decisions from earlier runs, none written to the cache), checks back to back
         lt.plans, lt.tune, lt.candidates, lt.tune_after = {}, True, 8, 0
+        lt.decisions, lt.on_decided, lt.check_spacing = {}, None, 0
         lt.tuning.clear()
         runs = []
         for _ in range(40):  # every call of the race (each candidate in turn), then the kept one
@@ -326,11 +368,16 @@ def test_cublaslt_tuner_keeps_the_heuristic_bits(dtype):
         runs.append(products())
         assert all(p is None or p.tuned for p in lt.plans.values()), "the race did not finish"
         assert any(sum(r[2] for r in rows) > 1 for rows in lt.tuning.values()), "no product had a second candidate"
+        assert lt.decisions, "the race's decisions were not kept"
+        # a later run with those decisions takes them at its first call, and computes the same bits
+        lt.plans = {}
+        runs.append(products())
+        assert all(p is None or p.tuned for p in lt.plans.values()), "a kept decision was not taken"
     finally:
         lt.plans, lt.tune, lt.candidates = saved[:3]
         lt.tuning.clear()
         lt.tuning.update(saved[3])
-        lt.tune_after = saved[4]
+        lt.tune_after, lt.decisions, lt.on_decided, lt.check_spacing = saved[4:]
     for got in runs:
         for g, wnt in zip(got, want):
             np.testing.assert_array_equal(g, wnt)
@@ -415,6 +462,19 @@ def test_tiny_gpt2_fp32_matches_cpu(cpu):
     print("cpu ", lc, "\ncuda", lg)
     np.testing.assert_allclose(lg, lc, rtol=1e-4)
     np.testing.assert_allclose(ng, nc, rtol=1e-2)
+
+
+def test_tiny_gpt2_tf32_close_to_cpu_and_deterministic(cpu):
+    """fp32 with TF32 matmuls (the default): close to the CPU's IEEE fp32 run, and the same bits twice."""
+    b = cuda(FLOAT32, tf32=True)
+    assert b.matmul_dtype == TF32
+    lc, nc = _train(cpu)
+    lg, ng = _train(b)
+    print("cpu ", lc, "\ntf32", lg)
+    np.testing.assert_allclose(lg, lc, rtol=2e-3)
+    np.testing.assert_allclose(ng, nc, rtol=3e-2)
+    l2, _ = _train(b)
+    assert np.array_equal(lg, l2), "tf32 training is not deterministic"
 
 
 def test_tiny_gpt2_bf16_close_to_cpu(cpu):
