@@ -461,8 +461,15 @@ class Communicator(Protocol):
     * ``reduce_scatter(buf, op)``: ``buf`` holds ``world_size`` equal chunks; afterwards chunk ``rank`` holds the
       reduction of that chunk over all ranks (the other chunks are undefined).
     * ``all_gather(buf)``: chunk ``rank`` of ``buf`` is this rank's contribution; afterwards every chunk is filled.
+    * ``reduce(buf, root, op)``: rank ``root``'s ``buf`` ends with the reduction over all ranks (the others' are
+      left as they were).
     * ``broadcast(buf, root)``; ``all_reduce_value(x, op)`` for one host float (returns at once with the result);
       ``barrier()``; ``abort(code)`` takes every rank down after a fatal error on one.
+
+    Optional, for gradients reduced while the backward pass goes on: ``overlapped()``, a context manager inside
+    which the buffer collectives are queued on the communicator's own stream behind the work already queued on the
+    backend's (so they run beside the kernels queued after them), and ``join()``, which queues the backend's next
+    work behind them. A communicator without them runs each collective where it is called.
 
     Reductions run in the buffer's dtype (bf16 gradients are reduced in bf16, as llm.c does) and must be
     deterministic for a fixed world size: the same inputs give bit-identical results."""
@@ -474,6 +481,7 @@ class Communicator(Protocol):
 
     def all_reduce(self, buf: Buffer, op: str = AVG) -> None: ...
     def reduce_scatter(self, buf: Buffer, op: str = AVG) -> None: ...
+    def reduce(self, buf: Buffer, root: int, op: str = AVG) -> None: ...
     def all_gather(self, buf: Buffer) -> None: ...
     def broadcast(self, buf: Buffer, root: int = 0) -> None: ...
     def all_reduce_value(self, x: float, op: str = AVG) -> float: ...

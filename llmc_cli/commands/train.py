@@ -151,6 +151,10 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
               "cpu/OpenCL backends). Needs pip install 'llmc[mpi]'.")
 @click.option("--zero", type=click.Choice(["0", "1"]), default=str(_ARGS.zero), show_default=True,
               help="1 = ZeRO-1: optimizer state sharded over the ranks (reduce-scatter + all-gather).")
+@click.option("--overlap/--no-overlap", default=_ARGS.overlap, show_default=True,
+              help="Data parallel: reduce each layer's gradients as soon as the backward pass has made them final, "
+              "beside the layers still to come (on the communicator's own stream where it has one, as the cuda backend's does); such runs replay no "
+              "captured graphs. --no-overlap reduces them all after the backward pass.")
 @click.option("--init-file", default=None, type=click.Path(),
               help="Multi-node without MPI: a path on a shared file system through which rank 0 hands out the device "
               "communicator's id (fresh per run; cuda).")
@@ -280,7 +284,9 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         console.print(f"resumed from {args.out} at step {trainer.start_step}")
     if comm.world_size > 1:
         console.print(f"data parallel: {comm.world_size} ranks ({rank_info.source}), {comm.name} "
-                      f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank")
+                      f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank, gradients "
+                      + ("reduced layer by layer during the backward pass" if trainer.reducer is not None
+                         else "reduced after the backward pass"))
 
     import time
 

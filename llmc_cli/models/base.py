@@ -116,6 +116,9 @@ class Tensors:
         self.buf = buf
         self.full: dict[str, object] = {}
         self.per_layer: dict[str, list] = {}
+        # (offset, elements) of each layer's pieces of the stacked tensors, and of the tensors stacked over nothing
+        self.layer_ranges: list[list[tuple[int, int]]] = []
+        self.other_ranges: list[tuple[int, int]] = []
         off = 0
         for name, shape in shapes:
             n = int(np.prod(shape))
@@ -123,6 +126,11 @@ class Tensors:
             if name in stacked:
                 step = n // shape[0]
                 self.per_layer[name] = [backend.view(buf, off + l * step, shape[1:]) for l in range(shape[0])]
+                self.layer_ranges += [[] for _ in range(shape[0] - len(self.layer_ranges))]
+                for l in range(shape[0]):
+                    self.layer_ranges[l].append((off + l * step, step))
+            else:
+                self.other_ranges.append((off, n))
             off += n
         self.size = off
 
@@ -147,6 +155,9 @@ class Model:
 
     param_shapes = None
     DECAYED: frozenset[str] = frozenset()
+    # called by backward() with l once layer l's parameter gradients are final in this backward pass (its pieces of
+    # grads.layer_ranges): data parallel reduces them then, beside the layers still to come
+    on_layer_grads: Callable[[int], None] | None = None
     # whose ids the weights were trained on ("gpt2", "llama3"), when known: load_model and the trainer set it, so
     # that an eval on data of another vocabulary is refused (None: unknown, only the vocab size is checked)
     tokenizer: str | None = None

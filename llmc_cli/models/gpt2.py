@@ -371,4 +371,6 @@ class GPT2(Model):
                               p.layer("qkvw", l))
             k.layernorm_backward(dres, g.layer("ln1w", l), g.layer("ln1b", l), dbtc, residual,
                                  p.layer("ln1w", l), al["ln1_mean"][l], al["ln1_rstd"][l])
+            if self.on_layer_grads is not None:
+                self.on_layer_grads(l)
         k.encoder_backward(g.wte, g.wpe, dres, a["inputs"])

@@ -406,4 +406,6 @@ class Llama3(Model):
             k.matmul_backward(dbtc, g.layer("wqkv", l), None, a["dqkv"], al["ln1"][l], p.layer("wqkv", l))
             k.rmsnorm_backward(dres, g.layer("attn_norm", l), dbtc, residual, p.layer("attn_norm", l),
                                al["ln1_rstd"][l])
+            if self.on_layer_grads is not None:
+                self.on_layer_grads(l)
         k.encoder_backward(g.wte, None, dres, a["inputs"])

@@ -97,6 +97,9 @@ class SingleProcess:
     def reduce_scatter(self, buf, op=AVG):
         check_reduce_op(op)
 
+    def reduce(self, buf, root, op=AVG):
+        check_reduce_op(op)
+
     def all_gather(self, buf):
         pass
 
@@ -170,6 +173,17 @@ class MPICommunicator:
             out *= out.dtype.type(1.0 / self.world_size)
         h[self.rank * c:(self.rank + 1) * c] = out
         self._back(buf, h, staged)
+
+    def reduce(self, buf, root, op=AVG):
+        check_reduce_op(op)
+        h, staged = self._host(buf)
+        out = np.empty_like(h) if self.rank == root else None
+        self.comm.Reduce(h, out, op=self._ops[op], root=root)
+        if self.rank == root:
+            if op == AVG:
+                out *= out.dtype.type(1.0 / self.world_size)
+            h[...] = out
+            self._back(buf, h, staged)
 
     def all_gather(self, buf):
         chunk_elements(buf, self.world_size)

@@ -179,6 +179,62 @@ class ShardedAdamW:
         self.step_count = step
 
 
+class OverlappedReduction:
+    """The gradient reduction of `opt` (DataParallelAdamW or ShardedAdamW) in pieces, each queued as soon as the
+    backward pass has made it final (`layer_done(l)`, wired to Model.on_layer_grads on the last micro-step), so
+    the reduction of layer l runs beside the backward of layers l-1 .. 0; `finish()` queues the rest (embeddings,
+    final norm: final only at the end) and makes the backend's stream wait for all of it. Then the optimizer step
+    runs as after `opt.reduce_grads()`: the buffers hold what the single reduction would have left in them.
+
+    --zero 0 all-reduces each piece. --zero 1 reduces each piece to the rank that owns it (a piece crossing an
+    owner's boundary is cut there; the tail every rank updates is all-reduced): each rank ends with its own chunk
+    reduced, as reduce-scatter leaves it, and the communication is the same amount. Each element is reduced over
+    the same ranks as before: with two ranks bit for bit what one call computes (a + b has one order); with more,
+    the order of the additions is whatever the communicator picks for a message of that size (fixed run to
+    run)."""
+
+    def __init__(self, opt, grads, comm: Communicator):
+        self.opt, self.grads, self.comm, self.backend = opt, grads, comm, opt.backend
+        self.sharded = isinstance(opt, ShardedAdamW)
+        self.overlapped = getattr(comm, "overlapped", None)
+
+    def _queue(self, ranges) -> None:
+        from contextlib import nullcontext
+        with (self.overlapped() if self.overlapped is not None else nullcontext()):
+            for off, n in ranges:
+                for lo, hi, owner in self._pieces(off, n):
+                    view = self.backend.view(self.grads.buf, lo, hi - lo)
+                    if owner is None:
+                        self.comm.all_reduce(view, AVG)
+                    else:
+                        self.comm.reduce(view, owner, AVG)
+
+    def _pieces(self, off: int, n: int):
+        """(lo, hi, owner) covering [off, off + n): owner None = all-reduce (--zero 0, or ZeRO-1's tail)."""
+        if not self.sharded:
+            return [(off, off + n, None)]
+        chunk, main, out = self.opt.chunk, self.opt.main, []
+        lo, end = off, off + n
+        while lo < end:
+            if lo >= main:
+                out.append((lo, end, None))
+                break
+            owner = lo // chunk
+            hi = min(end, (owner + 1) * chunk)
+            out.append((lo, hi, owner))
+            lo = hi
+        return out
+
+    def layer_done(self, l: int) -> None:
+        self._queue(self.grads.layer_ranges[l])
+
+    def finish(self) -> None:
+        self._queue(self.grads.other_ranges)
+        join = getattr(self.comm, "join", None)
+        if join is not None:
+            join()
+
+
 def make_optimizer(backend: Backend, model, cfg: AdamWConfig, comm: Communicator | None = None, zero: int = 0):
     """The optimizer for `model` on this rank: whole-state AdamW (gradients all-reduced) or ZeRO-1."""
     comm = comm or SingleProcess()

@@ -24,7 +24,7 @@ from llmc_cli.models.base import STAGED, check_recompute
 from llmc_cli.models.families import family_for, family_of
 from llmc_cli.optim import AdamW, AdamWConfig, lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
-from llmc_cli.parallel.zero import make_optimizer, reshard_loader_state
+from llmc_cli.parallel.zero import OverlappedReduction, make_optimizer, reshard_loader_state
 from llmc_cli.training.guard import OutlierDetector
 from llmc_cli.training.memory import out_of_memory_message
 
@@ -89,6 +89,7 @@ class TrainArgs:
     hellaswag_every: int = 0
     tensorboard: str | None = None        # also write TensorBoard event files (train/val/eval scalars) into this dir
     zero: int = 0                         # data parallel: 1 = ZeRO-1 (optimizer state sharded over the ranks)
+    overlap: bool = True                  # data parallel: reduce each layer's gradients during the backward pass
 
 
 def model_config(a: TrainArgs):
@@ -202,8 +203,6 @@ class Trainer:
             raise TrainError(f"--total-batch-size {total} is not a multiple of {what} = {tokens_per_micro}")
         self.grad_accum = total // tokens_per_micro
         self.tokens_per_step = total
-        # None: not captured yet (False: never); the list of replays once captured (see _replays)
-        self.graphs = None if a.graphs and CAP_GRAPHS in backend.capabilities else False
         self.steps_run = 0
 
         try:
@@ -215,6 +214,13 @@ class Trainer:
                 raise TrainError(out_of_memory_message(e, backend, cfg, B, T, a.recompute)) from None
             raise
         self.opt.sync_master_from_params()
+        # data parallel: each layer's gradients reduced as soon as the backward pass has made them final, on the
+        # communicator's own stream where it has one; that reduction is queued from inside the micro-step, so
+        # such runs replay no captured graphs
+        self.reducer = OverlappedReduction(self.opt, self.model.grads, self.comm) \
+            if a.overlap and self.comm.world_size > 1 else None
+        # None: not captured yet (False: never); the list of replays once captured (see _replays)
+        self.graphs = None if a.graphs and CAP_GRAPHS in backend.capabilities and self.reducer is None else False
         self.loss_outliers = OutlierDetector(a.outlier_window)
         self.norm_outliers = OutlierDetector(a.outlier_window)
         self.bad_streak = 0
@@ -357,7 +363,10 @@ class Trainer:
             if replays:
                 replays[min(i, 1)]()
             else:
+                last = i == self.grad_accum - 1  # (only the last micro-step's backward makes gradients final)
+                model.on_layer_grads = self.reducer.layer_done if self.reducer is not None and last else None
                 self._micro_step(i, dloss, on_device)
+                model.on_layer_grads = None
             if not on_device:
                 loss += model.mean_loss() / self.grad_accum
         self.steps_run += 1
@@ -371,9 +380,12 @@ class Trainer:
         if on_device:
             loss, norm, applied = self.opt.guarded_step(lr, a.seed + step, max_loss, max_norm)
         else:
+            if self.reducer is not None:  # the layers' reductions are queued: the rest, and the wait for them
+                self.reducer.finish()
+            else:
+                self.opt.reduce_grads()
             if self.comm.world_size > 1:  # data parallel: the step's loss and gradients are the ranks' average
                 loss = self.comm.all_reduce_value(loss, AVG)
-            self.opt.reduce_grads()
             norm = self.opt.grad_norm()
             applied = update_applies(loss, norm, max_loss, max_norm)
             if applied:

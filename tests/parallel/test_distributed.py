@@ -4,6 +4,7 @@ communicator and launcher pieces that need no second process (rank discovery, NC
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -69,6 +70,26 @@ def test_two_ranks_match_one_rank_and_zero_matches_allreduce(data, tmp_path):
     assert_close(dp, one)
     assert_close(zero, dp)
     assert one[-1] < one[0]
+
+
+@needs_mpi
+def test_overlapped_reduction_matches_the_reduction_after_backward(data, tmp_path):
+    """Gradients reduced layer by layer during the backward pass (--overlap, the default) train as the one reduction
+    after it (--no-overlap), with --zero 0 and 1: three ranks (the ZeRO-1 owners' boundaries cut layers' tensors,
+    and a tail of the parameter vector is all-reduced), two micro-steps a step (only the last one's backward
+    reduces)."""
+    common = [*TINY, "--n-layer", 2, "--data", data, "--steps", 4, "-b", 1, "--procs", 3,
+              "--total-batch-size", 2 * 3 * 16]
+    for zero in (0, 1):
+        runs = {}
+        for flag in ("--overlap", "--no-overlap"):
+            log = tmp_path / f"z{zero}{flag}.jsonl"
+            r = llmc(*common, "--zero", zero, flag, "--log", log)
+            assert ("layer by layer" in r.stdout) == (flag == "--overlap"), r.stdout
+            recs = [json.loads(x) for x in log.read_text().splitlines()]
+            runs[flag] = [(x["loss"], x["norm"]) for x in recs if "norm" in x]
+        assert len(runs["--overlap"]) == 4
+        assert_close(np.ravel(runs["--overlap"]), np.ravel(runs["--no-overlap"]), rtol=1e-6)
 
 
 @needs_mpi
@@ -205,3 +226,72 @@ def test_supervisor_stops_all_ranks_and_names_the_failed_one(tmp_path, capfd):
     assert "rank 1 exited with status 5" in err and "boom on rank 1" in err
     ok = [sys.executable, "-c", "pass"]
     assert supervise([ok, ok], [env, env], tmp_path) == 0
+
+
+def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_path):
+    """What OverlappedReduction queues, on a recording communicator of 3 ranks: on the last micro-step only, the
+    layers from the last to the first while backward runs, then the rest; every element exactly once; --zero 1
+    cuts the pieces at the owners' boundaries and all-reduces the tail."""
+    from llmc_cli.kernels import AVG
+    from llmc_cli.parallel.zero import OverlappedReduction
+    from llmc_cli.registry import create_backend
+    from llmc_cli.training.trainer import TrainArgs, Trainer
+
+    class Recorder:
+        name, rank, world_size, local_rank = "recorder", 0, 3, 0
+
+        def __init__(self):
+            self.calls, self.joined = [], 0
+
+        def _rec(self, kind, buf, root=None):
+            lo = (buf.__array_interface__["data"][0] - base[0]) // buf.itemsize
+            self.calls.append((kind, lo, buf.size, root))
+
+        def all_reduce(self, buf, op=AVG):
+            self._rec("all_reduce", buf)
+
+        def reduce(self, buf, root, op=AVG):
+            self._rec("reduce", buf, root)
+
+        def reduce_scatter(self, buf, op=AVG):
+            self._rec("reduce_scatter", buf)
+
+        def all_gather(self, buf):
+            pass
+
+        def broadcast(self, buf, root=0):
+            pass
+
+        def all_reduce_value(self, x, op=AVG):
+            return float(x)
+
+        def join(self):
+            self.joined += 1
+
+        def barrier(self):
+            pass
+
+    write_shard(tmp_path / "r_train_000001.bin", phrase_tokens(2000))
+    for zero in (0, 1):
+        comm = Recorder()
+        a = TrainArgs(data=str(tmp_path / "r_train_*.bin"), model="d2", n_layer=3, n_embd=32, batch_size=1,
+                      seq_len=16, total_batch_size=2 * 3 * 16, steps=1, val_every=0, sample_every=0, zero=zero)
+        tr = Trainer(a, create_backend("cpu"), say=lambda m: None, comm=comm)
+        assert isinstance(tr.reducer, OverlappedReduction)
+        base = [tr.model.grads.buf.__array_interface__["data"][0]]
+        layer_order = []
+        done = tr.reducer.layer_done
+        tr.reducer.layer_done = lambda l: (layer_order.append(l), done(l))
+        tr.train_step(0)
+        assert layer_order == [2, 1, 0], "once per layer, last to first, on the last micro-step only"
+        assert comm.joined == 1
+        n = tr.model.grads.size
+        covered = np.zeros(n, dtype=int)
+        for kind, lo, size, root in comm.calls:
+            covered[lo:lo + size] += 1
+            if zero == 1 and kind == "reduce":  # a piece never crosses its owner's chunk
+                assert lo // tr.opt.chunk == root and (lo + size - 1) // tr.opt.chunk == root
+            if zero == 1 and kind == "all_reduce":
+                assert lo >= tr.opt.main, "only the tail is all-reduced under ZeRO-1"
+        assert (covered == 1).all(), "every gradient element is reduced exactly once"
+        assert not any(k == "reduce_scatter" for k, *_ in comm.calls)

@@ -5,6 +5,7 @@ in bf16, as llm.c does. Through CuPy's binding where CuPy was built with NCCL, e
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from pathlib import Path
@@ -25,7 +26,7 @@ class _CtypesNccl:
         L = self.lib
         L.ncclGetErrorString.restype = ctypes.c_char_p
         for fn in ("ncclGetUniqueId", "ncclCommInitRank", "ncclAllReduce", "ncclReduceScatter", "ncclAllGather",
-                   "ncclBroadcast", "ncclCommDestroy", "ncclCommAbort"):
+                   "ncclReduce", "ncclBroadcast", "ncclCommDestroy", "ncclCommAbort"):
             getattr(L, fn).restype = ctypes.c_int
 
     @staticmethod
@@ -92,6 +93,8 @@ class NCCLCommunicator:
         self.rendezvous = rendezvous
         self._stream = getattr(backend, "stream", None)
         self._scalar = None
+        self._side = None  # the stream of overlapped collectives (see overlapped)
+        self._side_active = self._side_pending = False
         try:
             from cupy.cuda import nccl
             if not getattr(nccl, "available", True):
@@ -110,7 +113,39 @@ class NCCLCommunicator:
 
     @property
     def stream_ptr(self) -> int:
+        if self._side_active:
+            return self._fork()
         return self._stream.ptr if self._stream is not None else self.cp.cuda.get_current_stream().ptr
+
+    # ---- overlapped collectives: on a stream of their own, each behind what the backend's stream holds so far
+    @contextlib.contextmanager
+    def overlapped(self):
+        cp = self.cp
+        if self._side is None:
+            self._side = cp.cuda.Stream(non_blocking=True)
+        self._side_active = True
+        try:
+            yield
+        finally:
+            self._side_active = False
+
+    def _fork(self) -> int:
+        cp = self.cp
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(self._stream if self._stream is not None else cp.cuda.get_current_stream())
+        self._side.wait_event(ev)
+        self._side_pending = True
+        return self._side.ptr
+
+    def join(self) -> None:
+        """The backend's stream waits for every overlapped collective queued so far."""
+        if not self._side_pending:
+            return
+        cp = self.cp
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(self._side)
+        (self._stream if self._stream is not None else cp.cuda.get_current_stream()).wait_event(ev)
+        self._side_pending = False
 
     @staticmethod
     def _dtype(buf) -> int:
@@ -141,6 +176,17 @@ class NCCLCommunicator:
         p = buf.data.ptr
         self._call("ncclReduceScatter", p, p + self.rank * c * buf.itemsize, c, self._dtype(buf), _NCCL_OPS[op],
                    self.stream_ptr)
+
+    def reduce(self, buf, root, op=AVG):
+        check_reduce_op(op)
+        p, n, dt, stream = buf.data.ptr, int(buf.size), self._dtype(buf), self.stream_ptr
+        if self._cupy is not None:
+            self._cupy.reduce(p, p, n, dt, _NCCL_OPS[op], root, stream)
+        else:
+            L, ct = self._ct.lib, ctypes
+            self._ct.check(L.ncclReduce(ct.c_void_p(p), ct.c_void_p(p), ct.c_size_t(n), ct.c_int(dt),
+                                        ct.c_int(_NCCL_OPS[op]), ct.c_int(root), self._comm, ct.c_void_p(stream)),
+                           "ncclReduce")
 
     def all_gather(self, buf):
         c = chunk_elements(buf, self.world_size)

@@ -612,3 +612,26 @@ def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
             assert any("graphs: each micro-step" in s for s in said), said
     print(model, dtype, runs[True])
     assert runs[True] == runs[False]
+
+
+# =============================================================================================================
+# overlapped collectives (NCCL on its own stream), on one rank
+
+def test_nccl_overlapped_collectives_wait_for_the_compute_stream_and_join_it():
+    """The overlapped path's plumbing on a 1-rank NCCL communicator (a side stream, an event per collective, the
+    join): it runs, and the values come out as queued. Whether the side stream really waits shows only with two
+    ranks (multi_gpu.sh); one rank's in-place reductions change nothing whenever they run."""
+    from llmc_cuda.nccl import NCCLCommunicator, _nccl_unique_id
+    b = cuda(FLOAT32)
+    comm = NCCLCommunicator(b, 0, 1, 0, _nccl_unique_id()[1])
+    n = 1 << 22
+    buf = up(b, np.zeros(n))
+    for _ in range(20):  # a queue of work on the compute stream that the side stream must wait for
+        b.fill(buf, 1.0)
+        b.scale(buf, 3.0)
+    with comm.overlapped():
+        comm.all_reduce(b.view(buf, 0, n // 2))
+        comm.reduce(b.view(buf, n // 2, n // 2), 0)
+    comm.join()
+    b.scale(buf, 2.0)  # queued behind the collectives
+    assert (down(b, buf) == 6.0).all()
