@@ -77,6 +77,50 @@ def plot_train(res: dict, path: str) -> None:
     _save(fig, path)
 
 
+def plot_overlap(res: dict, path: str) -> None:
+    """Per backend: GB/s against batch size (each line at its fastest block size) and against block size (at the
+    largest batch); a colour per mode and stream count, solid for pinned host memory, dashed for pageable."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from llmc_cli.bench.overlap import best
+    rs, c = res["results"], res["config"]
+    labels = list(dict.fromkeys(r["backend"] for r in rs))
+    lines = list(dict.fromkeys((r["mode"], r["streams"]) for r in rs))
+    top = max(c["batches"])
+    fig, axes = plt.subplots(len(labels), 2, figsize=(12, 4.2 * len(labels)), squeeze=False)
+    for row, label in zip(axes, labels):
+        for i, (mode, s) in enumerate(lines):
+            name = "sync" if mode == "sync" else f"chunked x{s}"
+            for host in c["host_memory"]:
+                where = dict(backend=label, mode=mode, streams=s, host_memory=host)
+                style = dict(color=f"C{i % 10}", ls="-" if host == "pinned" else "--", marker="o", ms=3,
+                             label=f"{name}, {host}")
+                pts = [(B, best(rs, B=B, **where)) for B in c["batches"]]
+                pts = [(B, r["gb_s"]) for B, r in pts if r is not None]
+                if pts:
+                    row[0].plot(*zip(*pts), **style)
+                pts = [(b, best(rs, B=top, block=b, **where)) for b in c["blocks"]]
+                pts = [(b, r["gb_s"]) for b, r in pts if r is not None]
+                if pts:
+                    row[1].plot(*zip(*pts), **style)
+        row[0].set_title(f"{label}: GB/s against batch size (fastest block each)")
+        row[0].set_xlabel(f"batch size B (rows = B x {c['T']}, {c['C']} floats each)")
+        row[1].set_title(f"{label}: GB/s against block size, B={top}")
+        row[1].set_xlabel("threads per block")
+        for ax, ticks in zip(row, (c["batches"], c["blocks"])):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_ylabel("GB/s (inp in + out, mean, rstd out)")
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"llmc bench overlap: float32 layernorm forward with its copies (median of {c['repeat']})")
+    fig.tight_layout()
+    _save(fig, path)
+
+
 PANELS = [  # (title, y-axis label, [(record key, label suffix, line style)], log-scale y)
     ("loss", "cross-entropy (nats/token)", [("loss", "train", "-"), ("val_loss", "val", "--")], False),
     ("learning rate", "learning rate", [("lr", "", "-")], False),

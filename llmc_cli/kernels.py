@@ -48,6 +48,7 @@ attention_backward's dqkv, global_norm_squared, loss_sum). The conformance kit (
     adamw_update                        in place (seeded stochastic rounding)    yes
     loss_sum*, step_guard*              overwrite                                yes
     scale*                              in place                                 yes
+    overlap_layernorm*                  overwrite (host arrays out)              yes
     (* optional: host default, or a capability)
 """
 
@@ -81,6 +82,13 @@ CAP_DEVICE_EVENTS = "device_events"    # timer() measures device time rather tha
 CAP_KV_CACHE = "kv_cache"              # attention_decode works (incremental decoding over a key/value cache)
 CAP_GRAPHS = "graphs"                  # capture() records a run of kernel calls once and replays it cheaply
 CAP_FP8 = "fp8"                        # matmuls in 8-bit floats with per-tensor scales (matmul_dtype == FP8)
+CAP_COPY_OVERLAP = "copy_overlap"      # host_alloc(pinned=True) and overlap_layernorm (`llmc bench overlap`)
+
+# overlap_layernorm's modes: the fast kernel between one copy in and the copies out, all in order on one queue;
+# or llm.c's naive thread-per-row kernel over the rows in chunks, each chunk's copy in, kernel and copies out on
+# its own queue, so that one chunk's copies run while another chunk's kernel does
+OVERLAP_SYNC, OVERLAP_CHUNKED = "sync", "chunked"
+OVERLAP_MODES = (OVERLAP_SYNC, OVERLAP_CHUNKED)
 
 
 @dataclass
@@ -342,6 +350,33 @@ class Backend(abc.ABC):
     def timer(self) -> "Timer":
         """A stopwatch over device work (host clock after a synchronize unless CAP_DEVICE_EVENTS)."""
         return HostTimer(self)
+
+    # ---- copy/compute overlap (optional: the diary's experiment, `llmc bench overlap`) -----------------------
+    def host_alloc(self, shape: Sequence[int] | int, pinned: bool = False) -> np.ndarray:
+        """A float32 host array for overlap_layernorm. pinned=True (CAP_COPY_OVERLAP): page-locked memory that the
+        device's copy engines read and write directly, so a copy from or to it runs while the host and the device's
+        other queues go on; otherwise ordinary (pageable) numpy memory, which the driver stages through its own
+        pinned buffer, one piece at a time, with the host waiting. The array owns its memory."""
+        if pinned:
+            raise NotImplementedError(f"backend '{self.name}' has no pinned host memory "
+                                      f"(capability {CAP_COPY_OVERLAP!r})")
+        return np.empty(shape, np.float32)
+
+    def overlap_layernorm(self, out: np.ndarray, mean: np.ndarray, rstd: np.ndarray, inp: np.ndarray,
+                          d_out: Buffer, d_mean: Buffer, d_rstd: Buffer, d_inp: Buffer, d_weight: Buffer,
+                          d_bias: Buffer, *, mode: str, streams: int, block: int) -> float:
+        """Optional (CAP_COPY_OVERLAP): one float32 layernorm forward with its copies, timed end to end, whatever
+        `dtype` is. Host arrays from `host_alloc` (pinned or not): inp (N,C) in; out (N,C), mean, rstd (N,) out.
+        Device float32 buffers of the same shapes, d_inp, d_out, d_mean, d_rstd, and d_weight, d_bias (C,)
+        already there. Waits for all queued work first, then returns the seconds from the first copy in to the
+        moment the last copy out is in host memory. `mode`: OVERLAP_SYNC copies inp to d_inp, runs the backend's
+        fast layernorm (a row per `block`/32 group of threads, or its nearest equivalent) and copies d_out,
+        d_mean, d_rstd back, all in order on one queue (`streams` is ignored); OVERLAP_CHUNKED splits the N
+        rows into `streams` chunks (chunk i: rows i*N//streams up to (i+1)*N//streams) and gives each its own
+        queue for its copy in, the naive one-thread-per-row kernel (llm.c's dev/cuda layernorm kernel 1) and its
+        copies out. `block`: threads per block (work-group), a power of two in 32..1024. Every element of every
+        output is written (the bench poisons them with NaN before each call); eps 1e-5 as layernorm_forward."""
+        raise NotImplementedError(f"backend '{self.name}' has no overlap_layernorm (capability {CAP_COPY_OVERLAP!r})")
 
 
 def guard_values(loss: float, norm_squared: float, grad_clip: float, max_loss: float,

@@ -136,3 +136,45 @@ def one_line_error(r, *needles) -> str:
     for n in needles:
         assert str(n) in msg, msg
     return msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a backend with CAP_COPY_OVERLAP in plain numpy (`llmc bench overlap` without a device)
+
+def overlap_backend(fault: str | None = None, seconds: float | None = None):
+    """The cpu backend announcing CAP_COPY_OVERLAP: overlap_layernorm copies host -> its "device" arrays, runs
+    layernorm_forward chunk by chunk and copies back, as the contract says. `fault` breaks one thing: "no_out"
+    (out is never copied back), "last_chunk" (the chunked mode forgets its last chunk's copies out), "stale" (the
+    kernel runs on the first call only, so later calls copy back whatever the device outputs hold), "rstd" (rstd
+    1 % too large). `seconds`: the time every call reports (else the host clock's)."""
+    import time
+
+    from llmc_cli.kernels import CAP_COPY_OVERLAP, OVERLAP_SYNC
+
+    class HostOverlap(type(make_backend("cpu"))):
+        name = "hostoverlap"
+        capabilities = frozenset({CAP_COPY_OVERLAP})
+        calls = 0
+
+        def host_alloc(self, shape, pinned=False):
+            return np.empty(shape, np.float32)  # "pinned" too: the host is the device here
+
+        def overlap_layernorm(self, out, mean, rstd, inp, d_out, d_mean, d_rstd, d_inp, d_weight, d_bias, *, mode,
+                              streams, block):
+            t0 = time.perf_counter()
+            N = inp.shape[0]
+            k = 1 if mode == OVERLAP_SYNC else streams
+            for i in range(k):
+                a, b = i * N // k, (i + 1) * N // k
+                d_inp[a:b] = inp[a:b]
+                if fault != "stale" or self.calls == 0:
+                    self.layernorm_forward(d_out[a:b], d_mean[a:b], d_rstd[a:b], d_inp[a:b], d_weight, d_bias)
+                if fault == "last_chunk" and k > 1 and i == k - 1:
+                    continue
+                if fault != "no_out":
+                    out[a:b] = d_out[a:b]
+                mean[a:b] = d_mean[a:b]
+                rstd[a:b] = d_rstd[a:b] * (1.01 if fault == "rstd" else 1.0)
+            self.calls += 1
+            return seconds if seconds is not None else time.perf_counter() - t0
+    return HostOverlap()

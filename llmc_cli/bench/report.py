@@ -103,3 +103,53 @@ def decode_table(res: dict):
                       "-" if r["window_tok_s"] is None else f"{r['window_tok_s']:.1f}", f"{r['past_tok_s']:.1f}",
                       "-" if ratio is None else f"{ratio:.2f}", str(r["refills"]))
     return table
+
+
+def overlap_table(res: dict):
+    """Rows: backend, host memory, mode (and streams); columns: batch sizes; each cell the fastest block's median
+    ms, GB/s and that block size."""
+    from rich.table import Table
+
+    from llmc_cli.bench.overlap import best
+    c = res["config"]
+    rs = res["results"]
+    table = Table(title=f"llmc bench overlap: layernorm forward with its copies, float32, T={c['T']} C={c['C']}",
+                  caption=f"ms: median of {c['repeat']} calls after {c['warmup']} warm-up, from the first copy in "
+                          "to the last copy out; GB/s: (inp in + out, mean, rstd out) bytes / ms; b: the fastest "
+                          f"block size of {', '.join(map(str, c['blocks']))}; every cell checked against numpy",
+                  show_lines=True)
+    for col in ("backend", "host memory", "mode"):
+        table.add_column(col, no_wrap=True)
+    for B in c["batches"]:
+        table.add_column(f"B={B}", justify="right", no_wrap=True)
+    for label, host, mode, s in dict.fromkeys((r["backend"], r["host_memory"], r["mode"], r["streams"]) for r in rs):
+        cells = []
+        for B in c["batches"]:
+            r = best(rs, backend=label, host_memory=host, mode=mode, streams=s, B=B)
+            bad = "" if r is None or r["ok"] else "\n[bold red]MISMATCH[/]"
+            cells.append("-" if r is None else
+                         f"{_fmt_ms(r['median_ms'])} ms\n{_fmt_rate(r)} [dim]b{r['block']}[/]{bad}")
+        table.add_row(label, host, "sync" if mode == "sync" else f"chunked x{s}", *cells)
+    return table
+
+
+def overlap_lines(res: dict) -> list[str]:
+    """At the largest batch, per backend and host memory: the fastest chunked case against the fastest sync one;
+    and pinned against pageable where both ran."""
+    lines = []
+    top = max(res["config"]["batches"])
+    summary = [r for r in res["summary"] if r["B"] == top]
+    for r in summary:
+        if r["speedup"] is not None:
+            lines.append(f"{r['backend']} {r['host_memory']} B={top}: chunked x{r['chunked_streams']} "
+                         f"{r['chunked_ms']:.2f} ms ({r['chunked_gb_s']:.1f} GB/s) against sync {r['sync_ms']:.2f} ms "
+                         f"({r['sync_gb_s']:.1f} GB/s): {r['speedup']:.2f}x")
+    def fast(r: dict) -> float:
+        return min(v for v in (r["sync_ms"], r["chunked_ms"]) if v is not None)
+    by = {(r["backend"], r["host_memory"]): r for r in summary}
+    for label in dict.fromkeys(r["backend"] for r in summary):
+        pin, page = by.get((label, "pinned")), by.get((label, "pageable"))
+        if pin and page:
+            lines.append(f"{label} B={top}: pinned {fast(pin):.2f} ms, pageable {fast(page):.2f} ms (the fastest "
+                         f"case of each): {fast(page) / fast(pin):.2f}x")
+    return lines

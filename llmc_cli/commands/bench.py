@@ -28,11 +28,21 @@ import click
 from llmc_cli.bench.backends import BenchError, reference_backend, resolve_backends
 from llmc_cli.bench.kernel_cases import run_kernels
 from llmc_cli.bench.machine import describe_machine, machine_lines
-from llmc_cli.bench.report import kernels_table, train_table
+from llmc_cli.bench.overlap import (
+    BATCHES,
+    BLOCKS,
+    HOST_MEMORY,
+    MAX_STREAMS,
+    STREAMS,
+    overlap_backends,
+    run_overlap,
+)
+from llmc_cli.bench.report import kernels_table, overlap_lines, overlap_table, train_table
 from llmc_cli.bench.train_steps import run_train
-from llmc_cli.charts import plot_kernels, plot_train, require_matplotlib
+from llmc_cli.charts import plot_kernels, plot_overlap, plot_train, require_matplotlib
 from llmc_cli.commands.console import BACKEND_OPT_HELP
-from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Int, PowerOfTwo, Real
+from llmc_cli.kernels import OVERLAP_MODES
 
 
 def print_wide(console, renderable) -> None:
@@ -179,13 +189,15 @@ def _emit_json(obj: dict) -> None:
 
 @click.group(name="bench")
 def bench() -> None:
-    """Benchmark backends against each other: every kernel, whole training steps, or decoding.
+    """Benchmark backends against each other: every kernel, whole training steps, decoding, or copies overlapped
+    with kernels.
 
     \b
     Example:
       llmc bench kernels --model d2 -b 2 -t 32
       llmc bench train --model d6 -b 4 -t 64 --steps 10 --compare torch
       llmc bench decode --model d12 -t 1024
+      llmc bench overlap --backend cuda -b 64 -b 512
     """
 
 
@@ -317,3 +329,84 @@ def decode(**o) -> None:
         print_wide(console, decode_table(res))
     if o["plot"]:
         fail("--plot: `llmc bench decode` draws no plot; use --json")
+
+
+@bench.command()
+@click.option("--backend", "backend_names", multiple=True,
+              help="Backend to benchmark (repeatable; default: every usable one that can overlap copies).")
+@click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE",
+              help=BACKEND_OPT_HELP + " Each backend takes the ones it declares.")
+@click.option("-b", "--batch-size", "batches", type=POSITIVE, multiple=True,
+              help="Batch size (sequences of -t rows; repeatable) [default: 8 16 32 64 128 256 512].")
+@click.option("-t", "--seq-len", type=POSITIVE, default=1024, show_default=True, help="Rows per sequence (tokens).")
+@click.option("-c", "--channels", type=POSITIVE, default=768, show_default=True,
+              help="Channels per row (floats; 768 is GPT-2 124M's width).")
+@click.option("--mode", "modes", type=click.Choice(OVERLAP_MODES), multiple=True,
+              help="sync: the fast kernel between one copy in and the copies out; chunked: the naive kernel over "
+                   "--streams chunks, each on its own stream (repeatable) [default: both].")
+@click.option("--streams", type=Int(1, MAX_STREAMS), multiple=True,
+              help=f"Streams (chunks) of the chunked mode, 1..{MAX_STREAMS} (repeatable) [default: 1 2 4 8 16].")
+@click.option("--block", "blocks", type=PowerOfTwo(32, 1024), multiple=True,
+              help="Threads per block (work-items per work-group), a power of two in 32..1024 (repeatable) "
+                   "[default: 32 64 128 256 512 1024].")
+@click.option("--host-memory", type=click.Choice(HOST_MEMORY), multiple=True,
+              help="Host memory the copies read and write (repeatable) [default: both].")
+@click.option("--repeat", type=POSITIVE, default=3, show_default=True, help="Timed calls per case (median taken).")
+@click.option("--warmup", type=COUNT, default=1, show_default=True, help="Untimed calls per case first.")
+@click.option("--seed", type=SEED, default=1337, show_default=True, help="Seed for the inputs, weight and bias.")
+@click.option("--json", "as_json", is_flag=True, help="Print every case as JSON on stdout (no table).")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Also draw GB/s against batch size and block size into this PNG (needs matplotlib).")
+def overlap(**o) -> None:
+    """Time a float32 layernorm forward with its host<->device copies: synchronous copies, or chunks on streams.
+
+    The rewrite diary's experiment. Each case copies inp (B*T rows of C floats) to the device, normalises it and
+    copies out, mean and rstd back; time runs from the first copy in until the last copy out is in host memory
+    (median of --repeat calls after --warmup). sync: the backend's fast layernorm (a warp per row) between one
+    copy in and the copies out, in order on one stream. chunked: llm.c's naive kernel (a thread per row) over
+    the rows in --streams chunks, each chunk's copy in, kernel and copies out on its own stream, so copies and
+    kernels of different chunks overlap. pinned host memory is page-locked (the copy engines reach it directly);
+    pageable is plain memory, which the driver stages with the host waiting. GB/s = (4*N*C in + 4*N*C + 8*N out)
+    bytes / time. Every case is checked against a numpy layernorm (outputs NaN-poisoned before each call); exits
+    with status 1 when one is off. Backends without the copy_overlap capability (cpu) are listed as skipped. The
+    default grid (7 batches x 6 blocks x (sync + 5 stream counts) x 2 host memories: 504 cases of 4 calls) copies
+    about 1.8 TB: narrow it with -b, --block, --streams, --host-memory.
+
+    \b
+    Example:
+      llmc bench overlap --backend cuda --host-memory pinned --block 256
+      llmc bench overlap --backend cuda -b 64 -b 512 --streams 1 --streams 8 --json > overlap.json
+      llmc bench overlap --backend cuda --block 32 --block 256 --block 1024 --plot overlap.png
+    """
+    from llmc_cli.charts import PlotError, check_png_target
+    from llmc_cli.commands.console import backend_options, console, fail
+    if o["plot"]:
+        try:
+            require_matplotlib()
+            check_png_target(o["plot"], "--plot")
+        except (BenchError, PlotError) as e:
+            fail(str(e))
+    try:
+        backends, skipped = resolve_backends(o["backend_names"], None, options=backend_options(o["backend_opt"]))
+        backends, more = overlap_backends(backends, named=bool(o["backend_names"]))
+    except BenchError as e:
+        fail(str(e))
+    with _progress(o["as_json"]) as progress:
+        try:
+            res = run_overlap(backends, T=o["seq_len"], C=o["channels"], batches=o["batches"] or BATCHES,
+                              modes=o["modes"] or OVERLAP_MODES, streams=o["streams"] or STREAMS,
+                              blocks=o["blocks"] or BLOCKS, host_memory=o["host_memory"] or HOST_MEMORY,
+                              repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"], progress=progress)
+        except BenchError as e:
+            fail(str(e))
+    if _report_header(console, res, backends, skipped + more, o["as_json"]):
+        print_wide(console, overlap_table(res))
+        for line in overlap_lines(res):
+            console.print(line)
+    if o["plot"]:
+        _write_plot(plot_overlap, res, o["plot"])
+    if res["mismatches"]:
+        bad = ", ".join(f"{m['backend']} B={m['B']} {m['mode']} x{m['streams']} block {m['block']} {m['host_memory']} "
+                        f"({m['max_rel_err']:.1e})" for m in res["mismatches"][:5])
+        more_bad = f" and {len(res['mismatches']) - 5} more" if len(res["mismatches"]) > 5 else ""
+        fail(f"{len(res['mismatches'])} case(s) differ from the numpy layernorm: {bad}{more_bad}", code=1)

@@ -70,6 +70,16 @@ class Int(_Bounded):
             self.fail(f"must be an integer (got {value!r})", param, ctx)
 
 
+class PowerOfTwo(Int):
+    """An integer that is a power of two, in [min, max] (sizes a kernel launch takes: threads per block)."""
+
+    def convert(self, value, param, ctx):
+        x = self._parse(value, param, ctx)
+        if x < self.min or x > self.max or x & (x - 1):
+            self.fail(f"must be a power of two in [{self.min}, {self.max}] (got {value})", param, ctx)
+        return x
+
+
 POSITIVE = Int(1)         # counts and sizes that cannot be zero: batch size, sequence length, dimensions
 COUNT = Int(0)            # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding

@@ -17,6 +17,7 @@ import numpy as np
 from llmc_cli.kernels import (
     BFLOAT16,
     CAP_BF16,
+    CAP_COPY_OVERLAP,
     CAP_DEVICE_EVENTS,
     CAP_FP8,
     CAP_GRAPHS,
@@ -150,7 +151,7 @@ class CudaBackend(Backend):
         self.fp8 = dtype == FP8
         self.dtype = BFLOAT16 if self.fp8 else dtype
         self.matmul_dtype = FP8 if self.fp8 else None
-        self.capabilities = frozenset({CAP_BF16, CAP_DEVICE_EVENTS, CAP_GRAPHS, CAP_KV_CACHE}
+        self.capabilities = frozenset({CAP_BF16, CAP_COPY_OVERLAP, CAP_DEVICE_EVENTS, CAP_GRAPHS, CAP_KV_CACHE}
                                       | ({CAP_FP8} if self.fp8 else set()))
         self.device = cp.cuda.Device(device)
         self.device.use()
@@ -196,6 +197,7 @@ class CudaBackend(Backend):
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
         self._fp8_slots = cp.zeros(256, dtype=np.uint32) if self.fp8 else None
         self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
+        self._overlap = None  # `llmc bench overlap`'s kernels and streams (overlap.py), made on first use
 
     # ---- compilation -----------------------------------------------------------------------------------------
     def compile_options(self, bf16: bool) -> tuple[str, ...]:
@@ -357,6 +359,19 @@ class CudaBackend(Backend):
 
     def timer(self):
         return EventTimer(self.stream)
+
+    # ---- copy/compute overlap (`llmc bench overlap`: overlap.py, overlap.cu) -----------------------------------
+    def host_alloc(self, shape, pinned=False):
+        from .overlap import host_alloc
+        return host_alloc(shape, pinned)
+
+    def overlap_layernorm(self, out, mean, rstd, inp, d_out, d_mean, d_rstd, d_inp, d_weight, d_bias, *, mode,
+                          streams, block):
+        if self._overlap is None:
+            from .overlap import Overlap
+            self._overlap = Overlap(self)
+        return self._overlap.layernorm(out, mean, rstd, inp, d_out, d_mean, d_rstd, d_inp, d_weight, d_bias,
+                                       mode=mode, streams=streams, block=block)
 
     # dense peaks by the vendor's datasheets (SXM parts): bf16 and TF32 tensor cores, plain fp32; for MFU
     _PEAKS = {"H100": (989e12, 495e12, 67e12), "H200": (989e12, 495e12, 67e12), "H800": (989e12, 495e12, 67e12),

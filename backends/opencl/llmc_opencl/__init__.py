@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.kernels import (CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
-                              MemoryReport, check_decode_chunk, guard_scale, option_int)
+from llmc_cli.kernels import (CAP_COPY_OVERLAP, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin,
+                              BackendUnavailable, MemoryReport, check_decode_chunk, guard_scale, option_int)
 
 try:
     import pyopencl as cl
@@ -175,7 +175,7 @@ def _bo(a):
 class OpenCLBackend(Backend):
     name = "opencl"
     dtype = FLOAT32
-    capabilities = frozenset({CAP_KV_CACHE})
+    capabilities = frozenset({CAP_COPY_OVERLAP, CAP_KV_CACHE})
 
     def __init__(self, platform, device, tune: bool | None = None, options: dict[str, str] | None = None):
         opts = options or {}
@@ -202,6 +202,7 @@ class OpenCLBackend(Backend):
         self._dummy = cla.zeros(self.queue, (4,), np.float32)
         self.gemm_config = dict(_tune.default_config(device), source="default")
         self.gemm_config = _tune.get_config(self, tune, mode=opts.get("tune"))
+        self._overlap = None  # `llmc bench overlap`'s queues (overlap.py), made on first use
         self.blas = None  # an optional external BLAS (CLBlast) when present and faster
         try:
             from . import clblast as _clb
@@ -305,6 +306,21 @@ class OpenCLBackend(Backend):
                                            for lay in self._tune.LAYOUTS) + f" ({self.gemm_config['source']})")
         return (f"OpenCL {self.device.name.strip()} on {self.platform.name.strip()} "
                 f"({self.device.max_compute_units} CUs, {self.device.global_mem_size >> 20} MiB); {gemm}")
+
+    # ---- copy/compute overlap (`llmc bench overlap`: overlap.py, overlap.cl) -----------------------------------
+    def _overlapper(self):
+        if self._overlap is None:
+            from .overlap import Overlap
+            self._overlap = Overlap(self)
+        return self._overlap
+
+    def host_alloc(self, shape, pinned=False):
+        return self._overlapper().host_alloc(shape, pinned)
+
+    def overlap_layernorm(self, out, mean, rstd, inp, d_out, d_mean, d_rstd, d_inp, d_weight, d_bias, *, mode,
+                          streams, block):
+        return self._overlapper().layernorm(out, mean, rstd, inp, d_out, d_mean, d_rstd, d_inp, d_weight, d_bias,
+                                            mode=mode, streams=streams, block=block)
 
     # ---- SGEMM ---------------------------------------------------------------------------------------------
     def _gemm_kernel(self, a_t: int, b_t: int, config: dict | None = None, va: int = 0, vb: int = 0):
