@@ -21,6 +21,7 @@ from llmc_cli.kernels import Backend, BackendPlugin, VariantUnsupported
 from llmc_cli.models.gpt2 import preset
 
 CFG = preset("d2", n_embd=64, vocab_size=1000)
+CPU = type(make_backend("cpu"))
 TINY = ["--model", "d2", "--n-embd", "64", "--vocab-size", "1000", "-b", "2", "-t", "16"]
 
 
@@ -56,20 +57,10 @@ def _clocked(cls):
     return Clocked
 
 
-class _Cpu:
-    cls = None
-
-    @classmethod
-    def get(cls):
-        if cls.cls is None:
-            cls.cls = type(make_backend("cpu"))
-        return cls.cls
-
-
 def tuning_backend():
     """Tunes itself on real calls, as the CUDA backend's cuBLASLt races do: from its 4th call (1 checked + 2
     warm-up) until settled, a call costs 50 ms instead of 1 ms; settle() drives the race with two reruns."""
-    class Tuning(_clocked(_Cpu.get())):
+    class Tuning(_clocked(CPU)):
         name = "tuning"
 
         def __init__(self):
@@ -108,7 +99,7 @@ def test_without_settle_the_race_lands_in_the_timed_calls(monkeypatch):
 def variants_backend():
     """gelu_forward in five implementations: the default (1 ms), "fast" (0.5 ms), "slow" (2 ms), "wrong" (0.1 ms
     but 1% off) and "narrow" (cannot take this shape)."""
-    class Variants(_clocked(_Cpu.get())):
+    class Variants(_clocked(CPU)):
         name = "variants"
         COST = {None: 1.0, "fast": 0.5, "slow": 2.0, "wrong": 0.1}
 
