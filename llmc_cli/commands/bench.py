@@ -199,7 +199,7 @@ def bench() -> None:
 @click.option("--only", multiple=True, help="Only kernels whose name starts with this (repeatable), e.g. matmul.")
 @click.option("--variants", is_flag=True,
               help="Also time and check every other implementation (algorithm, block size) each backend has of "
-                   "each kernel, and mark the fastest within the tolerance (a table per variant; in --json, "
+                   "each kernel, and mark the fastest within the tolerance (a table row per variant; in --json, "
                    "\"variants\" and \"fastest\" in each result).")
 def kernels(**o) -> None:
     """Time every kernel of the interface on the model's real shapes and check it against the cpu backend.
