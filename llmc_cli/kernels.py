@@ -50,13 +50,20 @@ attention_backward's dqkv, global_norm_squared, loss_sum). The conformance kit (
     scale*                              in place                                 yes
     overlap_layernorm*                  overwrite (host arrays out)              yes
     (* optional: host default, or a capability)
+
+Variants and self-tuning (both optional). A backend may hold several implementations of a kernel (other
+algorithms, other launch configurations, as llm.c's dev/cuda files do): `variants(kernel)` names them and
+`with backend.variant(kernel, name):` runs calls of that kernel with one, for `llmc bench kernels --variants`; the
+engine never picks one, so the default is what trains. A backend that tunes itself on real calls (the CUDA
+backend races its matmul algorithms) ends that tuning in `settle()`, which the bench calls before it times.
 """
 
 from __future__ import annotations
 
 import abc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -346,6 +353,32 @@ class Backend(abc.ABC):
         through the host."""
         self.upload(buf, (self.download(buf).astype(np.float64) * factor).astype(np.float32))
 
+    # ---- variants and self-tuning (optional) -----------------------------------------------------------------
+    def variants(self, kernel: str) -> list[str]:
+        """Optional: names of this backend's other implementations of `kernel` (one of this class's kernel
+        methods, e.g. "layernorm_forward"): other algorithms or launch configurations, each honouring the kernel's
+        contract (its outputs within the dtype's tolerance of the default's, deterministic on its own).
+        `llmc bench kernels --variants` times and checks each beside the default. [] (this default): one."""
+        return []
+
+    @contextmanager
+    def variant(self, kernel: str, name: str | None) -> Iterator[None]:
+        """Optional: inside the `with` block, calls of `kernel` run its variant `name` (one of
+        `variants(kernel)`; None: the default, as outside the block). ValueError for a name the backend does not
+        have; a call the variant cannot take (a shape, an alignment or a resource it needs) raises
+        VariantUnsupported. This default has no variants."""
+        if name is not None:
+            raise ValueError(f"backend '{self.name}' has no variant {name!r} of {kernel}")
+        yield
+
+    def settle(self, rerun: Callable[[], None] | None = None) -> None:
+        """Optional: finish any self-tuning now, so that every later call runs the implementation chosen
+        (`llmc bench kernels` calls it after its warm-up calls, so that no tuning lands in a timed call).
+        `rerun`, when given, enqueues the calls just made once more (with their effects: accumulated outputs
+        accumulate again); a backend that tunes on real calls may call it as often as its tuning needs, a bounded
+        number of times. Without it, tuning ends with what was measured so far. The default has nothing to
+        tune."""
+
     # ---- timing ---------------------------------------------------------------------------------------------
     def timer(self) -> "Timer":
         """A stopwatch over device work (host clock after a synchronize unless CAP_DEVICE_EVENTS)."""
@@ -523,6 +556,11 @@ class Communicator(Protocol):
     def barrier(self) -> None: ...
     def abort(self, code: int = 1) -> None: ...
     def close(self) -> None: ...
+
+
+class VariantUnsupported(ValueError):
+    """A kernel call inside `Backend.variant` that the variant cannot take (a shape, an alignment or a resource
+    it needs); the message says why. `llmc bench kernels --variants` lists it as not applicable."""
 
 
 class BackendUnavailable(RuntimeError):

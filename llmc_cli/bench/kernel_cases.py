@@ -18,6 +18,7 @@ from llmc_cli.kernels import (
     FLOAT32,
     INT32,
     Backend,
+    VariantUnsupported,
 )
 from llmc_cli.models.families import family_of
 from llmc_cli.models.gpt2 import GPT2Config, num_parameters
@@ -44,6 +45,25 @@ class KernelCase:
     flops: int = 0
     derive: Callable[[dict, Backend], None] | None = None   # fills dependent inputs (on the host, via reference)
     needs: str | None = None                    # a capability the kernel needs (backends without it skip it)
+
+    @property
+    def kernel(self) -> str:
+        """The contract method the case calls (what `Backend.variants` is asked about)."""
+        return CASE_KERNELS[self.name.split()[0]]
+
+
+# each case's contract method, by the case name's first word (matmul cases add the product's name after it)
+CASE_KERNELS = {
+    "encoder_fwd": "encoder_forward", "encoder_bwd": "encoder_backward",
+    "layernorm_fwd": "layernorm_forward", "layernorm_bwd": "layernorm_backward",
+    "fused_residual_layernorm_fwd": "fused_residual_layernorm_forward", "residual_fwd": "residual_forward",
+    "rmsnorm_fwd": "rmsnorm_forward", "rmsnorm_bwd": "rmsnorm_backward",
+    "matmul_fwd": "matmul_forward", "matmul_bwd": "matmul_backward",
+    "gelu_fwd": "gelu_forward", "gelu_bwd": "gelu_backward", "swiglu_fwd": "swiglu_forward",
+    "swiglu_bwd": "swiglu_backward", "rope_fwd": "rope_forward", "rope_bwd": "rope_backward",
+    "attention_fwd": "attention_forward", "attention_bwd": "attention_backward", "attention_decode": "attention_decode",
+    "classifier_fwd_bwd": "classifier_forward_backward", "adamw": "adamw_update", "global_norm": "global_norm_squared",
+}
 
 
 def _kind_dtype(kind: str, backend: Backend) -> str:
@@ -324,9 +344,8 @@ def _host_inputs(case: KernelCase, seed: int) -> dict[str, np.ndarray]:
     return h
 
 
-def _run_once(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -> tuple[dict, dict, dict]:
-    """Allocate and fill the case's buffers on `backend`, call the kernel once; (buffers, outputs on the host,
-    the inputs as the backend held them before the call)."""
+def _upload(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -> dict:
+    """The case's buffers on `backend`, filled with the host inputs."""
     bufs = {}
     for name, spec in case.bufs.items():
         buf = backend.alloc(spec.shape, _kind_dtype(spec.kind, backend), tag="bench")
@@ -335,11 +354,32 @@ def _run_once(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -
     if case.name == "adamw" and backend.dtype != FLOAT32:  # bf16 parameters keep float32 master weights
         bufs["master"] = backend.alloc(case.bufs["param"].shape, FLOAT32, tag="bench")
         backend.upload(bufs["master"], host["param"])
-    held = _as_held(case, backend, bufs, host)  # before the call: kernels update buffers in place (+=, rope)
+    return bufs
+
+
+def _clone(case: KernelCase, backend: Backend, bufs: dict) -> dict:
+    """Fresh buffers holding what `bufs` hold, copied on the device (each variant starts from the same inputs)."""
+    out = {}
+    for name, buf in bufs.items():
+        kind = case.bufs[name].kind if name in case.bufs else "f32"  # (adamw's master weights: float32)
+        out[name] = backend.alloc(buf.shape, _kind_dtype(kind, backend), tag="bench")
+        backend.copy(out[name], buf)
+    return out
+
+
+def _call_once(case: KernelCase, backend: Backend, bufs: dict) -> dict[str, np.ndarray]:
+    """Call the kernel once; its outputs on the host."""
     case.call(backend, bufs)
     backend.synchronize()
-    outs = {n: np.asarray(backend.download(bufs[n]), dtype=np.float32) for n in case.outputs}
-    return bufs, outs, held
+    return {n: np.asarray(backend.download(bufs[n]), dtype=np.float32) for n in case.outputs}
+
+
+def _run_once(case: KernelCase, backend: Backend, host: dict[str, np.ndarray]) -> tuple[dict, dict, dict]:
+    """Allocate and fill the case's buffers on `backend`, call the kernel once; (buffers, outputs on the host,
+    the inputs as the backend held them before the call)."""
+    bufs = _upload(case, backend, host)
+    held = _as_held(case, backend, bufs, host)  # before the call: kernels update buffers in place (+=, rope)
+    return bufs, _call_once(case, backend, bufs), held
 
 
 def _as_held(case: KernelCase, backend: Backend, bufs: dict, host: dict) -> dict:
@@ -367,13 +407,68 @@ def _spread(times_s: list[float]) -> dict:
     return {"times_ms": ms, "min_ms": min(ms), "median_ms": statistics.median(ms), "max_ms": max(ms)}
 
 
+def _timed(case: KernelCase, be: Backend, bufs: dict, warmup: int, repeat: int) -> dict:
+    """`warmup` untimed calls, the backend's tuning settled (so that none lands in a timed call), then `repeat`
+    timed calls: their spread."""
+    for _ in range(warmup):
+        case.call(be, bufs)
+    be.settle(lambda: case.call(be, bufs))
+    timer = be.timer()
+    times = []
+    for _ in range(repeat):
+        timer.start()
+        case.call(be, bufs)
+        times.append(timer.stop())
+    return _spread(times)
+
+
+def _rates(case: KernelCase, nbytes: int, median_ms: float) -> dict:
+    med = median_ms / 1e3
+    return {"gb_s": nbytes / med / 1e9 if med > 0 else None,
+            "tflop_s": case.flops / med / 1e12 if (case.flops and med > 0) else None}
+
+
+def _variant_rows(case: KernelCase, be: Backend, names: Sequence[str], inputs: dict, ref: dict | None,
+                  limit: float, nbytes: int, warmup: int, repeat: int) -> list[dict]:
+    """Each variant of the case's kernel on copies of the default's inputs: its error against `ref` (the
+    reference's outputs; None: not checked) and its timing, or why it does not apply."""
+    rows = []
+    for name in names:
+        bufs = _clone(case, be, inputs)
+        with be.variant(case.kernel, name):
+            try:
+                outs = _call_once(case, be, bufs)
+            except VariantUnsupported as e:
+                rows.append({"variant": name, "skipped": str(e)})
+                continue
+            err = None if ref is None else max(rel_error(outs[n], ref[n]) for n in case.outputs)
+            del outs
+            row = {"variant": name, **_timed(case, be, bufs, warmup, repeat)}
+        del bufs
+        row.update(_rates(case, nbytes, row["median_ms"]))
+        row["max_rel_err"] = err
+        row["ok"] = None if err is None else bool(err <= limit)
+        rows.append(row)
+    return rows
+
+
+def _fastest(r: dict) -> str | None:
+    """"default" or the variant with the lowest median, among those not flagged as mismatches (ties: the
+    default, then the first listed); None when every one is flagged."""
+    timed = [("default", r)] + [(v["variant"], v) for v in r["variants"] if "skipped" not in v]
+    good = [(n, x["median_ms"]) for n, x in timed if x["ok"] is not False]
+    return min(good, key=lambda nm: nm[1])[0] if good else None
+
+
 def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, T: int, *, repeat: int = 10,
                 warmup: int = 2, seed: int = 1337, reference: Backend | None = None,
-                tol: float | None = None, only: Sequence[str] | None = None,
+                tol: float | None = None, only: Sequence[str] | None = None, variants: bool = False,
                 progress: Callable[[str], None] | None = None) -> dict:
     """Time and check every kernel case on every backend. `reference`: the backend outputs are compared with
     (None: errors are not computed). `tol`: mismatch threshold (default by dtype, TOLERANCES). `only`: kernel
-    name prefixes to keep. Returns {"config", "results": [...], "mismatches": [...]}."""
+    name prefixes to keep. `variants`: also time and check every variant a backend has of each kernel
+    (`Backend.variants`), each result then holding "variants" (one row each) and "fastest" (the default or a
+    variant within the tolerance). Returns {"config", "results": [...], "mismatches": [...]}."""
     if repeat < 1 or warmup < 0:
         raise BenchError(f"--repeat must be >= 1 and --warmup >= 0 (got {repeat}, {warmup})")
     cases = kernel_cases(cfg, B, T)
@@ -392,7 +487,11 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
                 progress(f"{case.name} on {label}")
             if case.needs and case.needs not in be.capabilities:  # e.g. attention_decode without CAP_KV_CACHE
                 continue
-            bufs, outs, held = _run_once(case, be, host)
+            names = list(be.variants(case.kernel)) if variants else []
+            bufs = _upload(case, be, host)
+            inputs = _clone(case, be, bufs) if names else None  # before the call: it may update them in place
+            held = _as_held(case, be, bufs, host)
+            outs = _call_once(case, be, bufs)
             err = None
             if reference is not None:
                 if be.dtype not in refs:
@@ -400,36 +499,38 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
                 err = max(rel_error(outs[n], refs[be.dtype][n]) for n in case.outputs)
             del held
             del outs
-            for _ in range(warmup):
-                case.call(be, bufs)
-            timer = be.timer()
-            times = []
-            for _ in range(repeat):
-                timer.start()
-                case.call(be, bufs)
-                times.append(timer.stop())
+            timing = _timed(case, be, bufs, warmup, repeat)
             del bufs
             s = DTYPE_BYTES[be.dtype]
             # a backend whose matmuls round their operands (FP8, TF32) is held to that dtype's bound on them
             mm = getattr(be, "matmul_dtype", None) is not None and case.name.startswith("matmul")
             r = {"kernel": case.name, "kind": case.kind, "shape": case.shape, "backend": label,
                  "dtype": be.matmul_dtype if mm else be.dtype, "bytes": case.bytes_fn(s), "flops": case.flops,
-                 **_spread(times)}
-            med = r["median_ms"] / 1e3
-            r["gb_s"] = r["bytes"] / med / 1e9 if med > 0 else None
-            r["tflop_s"] = case.flops / med / 1e12 if (case.flops and med > 0) else None
+                 **timing}
+            r.update(_rates(case, r["bytes"], r["median_ms"]))
             limit = tol if tol is not None else TOLERANCES.get(be.matmul_dtype if mm else be.dtype, 3e-2)
             r["max_rel_err"] = err
             r["tol"] = limit
             r["ok"] = None if err is None else bool(err <= limit)
             if r["ok"] is False:
-                mismatches.append({"kernel": case.name, "backend": label, "max_rel_err": err, "tol": limit})
+                mismatches.append({"kernel": case.name, "backend": label, "variant": None, "max_rel_err": err,
+                                   "tol": limit})
+            if variants:
+                if progress and names:
+                    progress(f"{case.name} on {label}: {len(names)} variants")
+                r["variants"] = _variant_rows(case, be, names, inputs, refs.get(be.dtype), limit, r["bytes"],
+                                              warmup, repeat) if names else []
+                del inputs
+                r["fastest"] = _fastest(r)
+                mismatches += [{"kernel": case.name, "backend": label, "variant": v["variant"],
+                                "max_rel_err": v["max_rel_err"], "tol": limit}
+                               for v in r["variants"] if v.get("ok") is False]
             results.append(r)
         refs.clear()
         del host
         gc.collect()
     return {"config": {**_cfg_dict(cfg), "B": B, "T": T, "repeat": repeat, "warmup": warmup, "seed": seed,
-                       "reference": None if reference is None else reference.describe()},
+                       "reference": None if reference is None else reference.describe(), "variants": variants},
             "results": results, "mismatches": mismatches}
 
 

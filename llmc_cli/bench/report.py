@@ -55,6 +55,35 @@ def kernels_table(res: dict):
     return table
 
 
+def variants_table(res: dict):
+    """One row per variant of each kernel on each backend, the default first: median ms [min-max], the default's
+    median over its (above 1: faster), the rate and the error; the fastest within the tolerance is marked."""
+    from rich.table import Table
+    c = res["config"]
+    table = Table(title=f"llmc bench kernels --variants: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
+                        f"Vp={c['padded_vocab_size']}, B={c['B']} T={c['T']}",
+                  caption=f"ms: median of {c['repeat']} calls \\[min-max] after {c['warmup']} warm-up; vs default: "
+                          "the default's median / the variant's (above 1: faster); *: the fastest whose error is "
+                          "within the tolerance; err: max|got-ref| / max|ref| against the reference backend")
+    for col, just in (("kernel", "left"), ("backend", "left"), ("variant", "left"), ("ms \\[min-max]", "right"),
+                      ("vs default", "right"), ("rate", "right"), ("err", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for r in res["results"]:
+        base = r["median_ms"]
+        for i, v in enumerate([dict(r, variant="default")] + r.get("variants", [])):
+            first = (r["kernel"], r["backend"]) if i == 0 else ("", "")
+            mark = "[bold green]*[/] " if r.get("variants") and v["variant"] == r.get("fastest") else ""
+            if "skipped" in v:
+                table.add_row(*first, v["variant"], "-", "-", "-", f"[dim]n/a: {v['skipped']}[/]")
+                continue
+            ratio = base / v["median_ms"] if v["median_ms"] > 0 else math.inf
+            table.add_row(*first, mark + v["variant"],
+                          f"{_fmt_ms(v['median_ms'])} [dim]\\[{_fmt_ms(v['min_ms'])}-{_fmt_ms(v['max_ms'])}][/]",
+                          "-" if i == 0 else f"{ratio:.2f}x", _fmt_rate(v), _fmt_err(v))
+        table.add_section()
+    return table
+
+
 def _mib(b) -> str:
     return "-" if b is None else f"{b / 2**20:.0f}"
 

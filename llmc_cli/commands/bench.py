@@ -37,7 +37,7 @@ from llmc_cli.bench.overlap import (
     overlap_backends,
     run_overlap,
 )
-from llmc_cli.bench.report import kernels_table, overlap_lines, overlap_table, train_table
+from llmc_cli.bench.report import kernels_table, overlap_lines, overlap_table, train_table, variants_table
 from llmc_cli.bench.train_steps import run_train
 from llmc_cli.charts import plot_kernels, plot_overlap, plot_train, require_matplotlib
 from llmc_cli.commands.console import BACKEND_OPT_HELP
@@ -209,19 +209,26 @@ def bench() -> None:
               help="Max relative error before a kernel is flagged [default: 1e-4 for fp32, 3e-2 for bf16, 0.1 for "
                    "fp8 matmuls].")
 @click.option("--only", multiple=True, help="Only kernels whose name starts with this (repeatable), e.g. matmul.")
+@click.option("--variants", is_flag=True,
+              help="Also time and check every other implementation (algorithm, block size) each backend has of "
+                   "each kernel, and mark the fastest within the tolerance (a table row per variant; in --json, "
+                   "\"variants\" and \"fastest\" in each result).")
 def kernels(**o) -> None:
     """Time every kernel of the interface on the model's real shapes and check it against the cpu backend.
 
     Every backend gets the same random inputs (fixed seed). Time is the median of --repeat calls after --warmup
-    calls, measured with the backend's timer (device events where it has them); rate is GB/s (bytes read + written,
-    counted per kernel) or TFLOP/s (matmuls, attention); err is max|got - ref| / max|ref| against the numpy cpu
-    backend on the same inputs. Exits with status 1 when a kernel exceeds the tolerance (a mismatch).
+    calls and after the backend settled its own tuning (Backend.settle), measured with the backend's timer (device
+    events where it has them); rate is GB/s (bytes read + written, counted per kernel) or TFLOP/s (matmuls,
+    attention); err is max|got - ref| / max|ref| against the numpy cpu backend on the same inputs. With
+    --variants, each variant a backend has of a kernel gets the same inputs, check and timing. Exits with status 1
+    when a kernel or a variant exceeds the tolerance (a mismatch).
 
     \b
     Example:
       llmc bench kernels --model d2 -b 2 -t 32
       llmc bench kernels --backend opencl --only matmul --repeat 20 --json > kernels.json
       llmc bench kernels --model d12 -b 4 -t 64 --plot kernels.png
+      llmc bench kernels --backend cuda --dtype bf16 --variants --only layernorm --model d12 -b 8 -t 1024
     """
     from llmc_cli.commands.console import console, fail
     cfg, B, T, backends, skipped = _setup(o)
@@ -229,18 +236,20 @@ def kernels(**o) -> None:
         try:
             ref = reference_backend(backends)
             res = run_kernels(backends, cfg, B, T, repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"],
-                              reference=ref, tol=o["tol"], only=o["only"] or None, progress=progress)
+                              reference=ref, tol=o["tol"], only=o["only"] or None, variants=o["variants"],
+                              progress=progress)
         except BenchError as e:
             fail(str(e))
     if _report_header(console, res, backends, skipped, o["as_json"]):
         if ref is None:
             console.print("[yellow]no reference backend (CAP_REFERENCE, the cpu one) usable: errors are not checked[/]")
-        print_wide(console, kernels_table(res))
+        print_wide(console, variants_table(res) if o["variants"] else kernels_table(res))
     if o["plot"]:
         _write_plot(plot_kernels, res, o["plot"])
     if res["mismatches"]:
-        bad = ", ".join(f"{m['kernel']} on {m['backend']} ({m['max_rel_err']:.1e} > {m['tol']:.0e})"
-                        for m in res["mismatches"])
+        bad = ", ".join(f"{m['kernel']} on {m['backend']}"
+                        + (f" (variant {m['variant']})" if m.get("variant") else "")
+                        + f" ({m['max_rel_err']:.1e} > {m['tol']:.0e})" for m in res["mismatches"])
         fail(f"{len(res['mismatches'])} kernel(s) differ from the cpu reference: {bad}", code=1)
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import threading
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import cupy as cp
@@ -30,6 +31,7 @@ from llmc_cli.kernels import (
     BackendUnavailable,
     MemoryReport,
     cache_dir,
+    VariantUnsupported,
     check_decode_chunk,
     option_flag,
     option_int,
@@ -42,6 +44,17 @@ _DECODE_MAX_HD = 256  # its shared query row
 _GEMV_MAX_N = 8  # matmul_forward for at most this many rows: a warp per output column (kernels.cu's GEMV_MAX_N)
 FP8_MIN_CC = 89  # --dtype fp8 below this is refused
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
+
+# Variants (`llmc bench kernels --variants`, Backend.variants): "b<n>" is the default's code at n threads a block,
+# "scalar-b<n>" its path without 128-bit packs (what unaligned shapes take), "naive-b<n>" one thread per row
+# (norm_forward_naive), "own" attention on the own kernels instead of cuDNN.
+_BLOCKS = (32, 64, 128, 256, 512, 1024)
+_NORM_FWD = ("layernorm_forward", "fused_residual_layernorm_forward", "rmsnorm_forward")
+_NORM_BWD = ("layernorm_backward", "rmsnorm_backward")  # packed kernels: __launch_bounds__(256)
+_IMPLS = {**{k: ("", "scalar", "naive") for k in _NORM_FWD}, **{k: ("", "scalar") for k in _NORM_BWD},
+          **{k: ("", "scalar") for k in ("residual_forward", "gelu_forward", "gelu_backward", "swiglu_forward",
+                                          "swiglu_backward", "classifier_forward_backward")},
+          "adamw_update": ("",)}
 
 
 def compile_options(cc: str, bf16: bool) -> tuple[str, ...]:
@@ -198,6 +211,7 @@ class CudaBackend(Backend):
         self._fp8_slots = cp.zeros(256, dtype=np.uint32) if self.fp8 else None
         self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
         self._overlap = None  # `llmc bench overlap`'s kernels and streams (overlap.py), made on first use
+        self._variant: dict[str, tuple[str, int]] = {}  # kernel -> (implementation, block) inside `variant`
 
     # ---- compilation -----------------------------------------------------------------------------------------
     def compile_options(self, bf16: bool) -> tuple[str, ...]:
@@ -235,9 +249,62 @@ class CudaBackend(Backend):
             kern((grid,) if isinstance(grid, int) else grid, (block,) if isinstance(block, int) else block, args,
                  shared_mem=shared)
 
-    def _grid(self, n: int, per_thread: int = 1) -> int:
+    def _grid(self, n: int, per_thread: int = 1, block: int = _BLOCK) -> int:
         work = (n + per_thread - 1) // per_thread
-        return max(1, min((work + _BLOCK - 1) // _BLOCK, self.sm_count * 32))
+        return max(1, min((work + block - 1) // block, self.sm_count * 32 * _BLOCK // block))
+
+    def _cfg(self, kernel: str, kern, vec: int = 0, block: int = _BLOCK) -> tuple[int, int]:
+        """(vec, block) of a launch of `kern` for `kernel`: as given, unless a variant of `kernel` is in use
+        (`variant`): its block size, and no 128-bit packs for a "scalar" one."""
+        v = self._variant.get(kernel)
+        if v is None:
+            return vec, block
+        impl, n = v
+        if n > kern.max_threads_per_block:
+            raise VariantUnsupported(f"{n} threads a block; the compiled kernel takes at most "
+                                     f"{kern.max_threads_per_block}")
+        return (0 if impl == "scalar" else vec), n
+
+    # ---- variants and tuning (Backend.variants, variant, settle) ----------------------------------------------
+    def _variant_table(self, kernel: str) -> dict[str, tuple[str, int]]:
+        if kernel in ("attention_forward", "attention_backward"):
+            return {"own": ("own", 0)} if self.dtype == BFLOAT16 and self._cudnn_ready() else {}
+        table = {}
+        for impl in _IMPLS.get(kernel, ()):
+            for n in _BLOCKS:
+                if not (impl == "" and kernel in _NORM_BWD and n > 256):
+                    table[f"{impl}-b{n}" if impl else f"b{n}"] = (impl, n)
+        return table
+
+    def variants(self, kernel):
+        return list(self._variant_table(kernel))
+
+    @contextmanager
+    def variant(self, kernel, name):
+        if name is None:
+            yield
+            return
+        table = self._variant_table(kernel)
+        if name not in table:
+            raise ValueError(f"the cuda backend has no variant {name!r} of {kernel} "
+                             f"(variants: {', '.join(table) or 'none'})")
+        saved = self._variant.get(kernel)
+        self._variant[kernel] = table[name]
+        try:
+            yield
+        finally:
+            if saved is None:
+                del self._variant[kernel]
+            else:
+                self._variant[kernel] = saved
+
+    def settle(self, rerun=None):
+        """The cuBLASLt races end now: with `rerun`, each runs to its end on rerun's calls (real calls of the
+        products, as in training, without waiting TUNE_AFTER calls first); the others keep what they timed so
+        far (CublasLt.settle_all)."""
+        if rerun is not None:
+            self.lt.race_now(rerun)
+        self.lt.settle_all()
 
     @staticmethod
     def _aligned(*bufs) -> bool:
@@ -420,30 +487,35 @@ class CudaBackend(Backend):
         p = (C // pack + 31) // 32
         return p if p <= 8 else 0
 
-    def _norm_forward(self, out, mean, rstd, residual, inp1, inp2, weight, bias, eps, rms):
+    def _norm_forward(self, kernel, out, mean, rstd, residual, inp1, inp2, weight, bias, eps, rms):
         C = inp1.shape[-1]
         N = inp1.size // C
         warps = 8
         null = np.uint64(0)
-        P = self._norm_packs(C, out, residual, inp1, inp2, weight, bias)
-        self._launch(self._kk(f"norm_forward_vec{P}" if P else "norm_forward", out), (N + warps - 1) // warps, 32 * warps,
+        impl = self._variant.get(kernel, ("",))[0]
+        P = self._norm_packs(C, out, residual, inp1, inp2, weight, bias) if impl == "" else 0
+        k = self._kk("norm_forward_naive" if impl == "naive" else f"norm_forward_vec{P}" if P else "norm_forward", out)
+        _, block = self._cfg(kernel, k, 0, 32 * warps)
+        rows = block if impl == "naive" else block // 32  # rows a block: a thread each, or a warp each
+        self._launch(k, (N + rows - 1) // rows, block,
                      (out, mean if mean is not None else null, rstd, residual if residual is not None else null,
                       inp1, inp2 if inp2 is not None else null, weight, bias if bias is not None else null,
                       np.int32(N), np.int32(C), np.float32(eps), np.int32(rms)))
 
     def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
-        self._norm_forward(out, mean, rstd, None, inp, None, weight, bias, 1e-5, 0)
+        self._norm_forward("layernorm_forward", out, mean, rstd, None, inp, None, weight, bias, 1e-5, 0)
 
     def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
-        self._norm_forward(out, mean, rstd, residual, inp1, inp2, weight, bias, 1e-5, 0)
+        self._norm_forward("fused_residual_layernorm_forward", out, mean, rstd, residual, inp1, inp2, weight, bias,
+                           1e-5, 0)
 
     def rmsnorm_forward(self, out, rstd, inp, weight, eps):
-        self._norm_forward(out, None, rstd, None, inp, None, weight, None, eps, 1)
+        self._norm_forward("rmsnorm_forward", out, None, rstd, None, inp, None, weight, None, eps, 1)
 
-    def _norm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rms):
+    def _norm_backward(self, kernel, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rms):
         C = inp.shape[-1]
         N = inp.size // C
-        P = self._norm_packs(C, dinp, dout, inp, weight)
+        P = self._norm_packs(C, dinp, dout, inp, weight) if self._variant.get(kernel, ("",))[0] == "" else 0
         if P:
             # one wave of 256-thread blocks, each owning a contiguous range of rows; partials per block
             blocks = max(1, min(self.sm_count * 2, N))
@@ -451,24 +523,27 @@ class CudaBackend(Backend):
             blocks = (N + rows_per_block - 1) // rows_per_block
             part = self.scratch("norm_partials", blocks * 2 * C)
             k = self._kk(f"norm_backward_{'rms_' if rms else ''}vec{P}", dinp)
+            _, threads = self._cfg(kernel, k, 0, 256)
             shared = 2 * C * 4
             if shared > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = shared
             null = np.uint64(0)
-            self._launch(k, blocks, 256,
+            self._launch(k, blocks, threads,
                          (dinp, part, dout, inp, weight, mean if mean is not None else null, rstd, np.int32(N),
                           np.int32(C), np.int32(rows_per_block)), shared=shared)
             self._launch(self._kk("norm_backward_reduce_vec", dweight), (C + 31) // 32, 256,
                          (dweight, dbias if dbias is not None else null, part, np.int32(blocks), np.int32(C)))
             return
-        warps = 4
+        k = self._kk("norm_backward", dinp)
+        warps = self._cfg(kernel, k, 0, 4 * 32)[1] // 32
         blocks = max(1, min(self.sm_count * 2, (N + warps - 1) // warps))
         rows_per_block = (N + blocks - 1) // blocks
         blocks = (N + rows_per_block - 1) // rows_per_block
         P = blocks * warps
         part = self.scratch("norm_partials", P * 2 * C)
-        k = self._kk("norm_backward", dinp)
         shared = warps * 2 * C * 4
+        if kernel in self._variant and shared > self.props.get("sharedMemPerBlockOptin", 48 * 1024):
+            raise VariantUnsupported(f"{warps} warps of C={C} need {shared} bytes of shared memory a block")
         if shared > 48 * 1024:
             k.max_dynamic_shared_size_bytes = shared
         null = np.uint64(0)
@@ -479,16 +554,17 @@ class CudaBackend(Backend):
                      (dweight, dbias if dbias is not None else null, part, np.int32(P), np.int32(C)))
 
     def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-        self._norm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, 0)
+        self._norm_backward("layernorm_backward", dinp, dweight, dbias, dout, inp, weight, mean, rstd, 0)
 
     def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd):
-        self._norm_backward(dinp, dweight, None, dout, inp, weight, None, rstd, 1)
+        self._norm_backward("rmsnorm_backward", dinp, dweight, None, dout, inp, weight, None, rstd, 1)
 
     def residual_forward(self, out, inp1, inp2):
         n = out.size
-        vec = self._vec(n, out, inp1, inp2)
-        self._launch(self._kk("residual_forward", out), self._grid(n, 16 // out.dtype.itemsize if vec else 1),
-                     _BLOCK, (out, inp1, inp2, np.int64(n), np.int32(vec)))
+        k = self._kk("residual_forward", out)
+        vec, block = self._cfg("residual_forward", k, self._vec(n, out, inp1, inp2))
+        self._launch(k, self._grid(n, 16 // out.dtype.itemsize if vec else 1, block), block,
+                     (out, inp1, inp2, np.int64(n), np.int32(vec)))
 
     # ---- matmul ----------------------------------------------------------------------------------------------
     def _lt_dtype(self, buf):
@@ -688,29 +764,33 @@ class CudaBackend(Backend):
     # ---- elementwise -----------------------------------------------------------------------------------------
     def gelu_forward(self, out, inp):
         n = out.size
-        vec = self._vec(n, out, inp)
-        self._launch(self._kk("gelu_forward", out), self._grid(n, 16 // out.dtype.itemsize if vec else 1), _BLOCK,
+        k = self._kk("gelu_forward", out)
+        vec, block = self._cfg("gelu_forward", k, self._vec(n, out, inp))
+        self._launch(k, self._grid(n, 16 // out.dtype.itemsize if vec else 1, block), block,
                      (out, inp, np.int64(n), np.int32(vec)))
 
     def gelu_backward(self, dinp, inp, dout):
         n = dinp.size
-        vec = self._vec(n, dinp, inp, dout)
-        self._launch(self._kk("gelu_backward", dinp), self._grid(n, 16 // dinp.dtype.itemsize if vec else 1),
-                     _BLOCK, (dinp, inp, dout, np.int64(n), np.int32(vec)))
+        k = self._kk("gelu_backward", dinp)
+        vec, block = self._cfg("gelu_backward", k, self._vec(n, dinp, inp, dout))
+        self._launch(k, self._grid(n, 16 // dinp.dtype.itemsize if vec else 1, block), block,
+                     (dinp, inp, dout, np.int64(n), np.int32(vec)))
 
     def swiglu_forward(self, out, inp):
         H = out.shape[-1]
         N = out.size // H
-        vec = self._vec(H, out, inp)
-        self._launch(self._kk("swiglu_forward", out), self._grid(N * H, 16 // out.dtype.itemsize if vec else 1), _BLOCK,
+        k = self._kk("swiglu_forward", out)
+        vec, block = self._cfg("swiglu_forward", k, self._vec(H, out, inp))
+        self._launch(k, self._grid(N * H, 16 // out.dtype.itemsize if vec else 1, block), block,
                      (out, inp, np.int64(N), np.int32(H), np.int32(vec)))
 
     def swiglu_backward(self, dinp, dout, inp):
         H = dout.shape[-1]
         N = dout.size // H
-        vec = self._vec(H, dinp, dout, inp)
-        self._launch(self._kk("swiglu_backward", dinp), self._grid(N * H, 16 // dinp.dtype.itemsize if vec else 1),
-                     _BLOCK, (dinp, dout, inp, np.int64(N), np.int32(H), np.int32(vec)))
+        k = self._kk("swiglu_backward", dinp)
+        vec, block = self._cfg("swiglu_backward", k, self._vec(H, dinp, dout, inp))
+        self._launch(k, self._grid(N * H, 16 // dinp.dtype.itemsize if vec else 1, block), block,
+                     (dinp, dout, inp, np.int64(N), np.int32(H), np.int32(vec)))
 
     def _rope(self, qkv, freqs_cis, n_head, n_kv_head, sign):
         B, T, W = qkv.shape
@@ -753,7 +833,7 @@ class CudaBackend(Backend):
 
     def attention_forward(self, out, lse, qkv, n_head, n_kv_head):
         B, T, hd = self._attn_shape(qkv, n_head, n_kv_head)
-        if self._can_cudnn(qkv, hd) and self._aligned(out, lse, qkv):
+        if self._can_cudnn(qkv, hd) and self._aligned(out, lse, qkv) and "attention_forward" not in self._variant:
             if self._cudnn.forward(out.data.ptr, lse.data.ptr, qkv.data.ptr, B, T, n_head, n_kv_head, hd):
                 self.attention_path[("fwd", B, T, n_head, n_kv_head, hd)] = "cudnn"
                 return
@@ -762,7 +842,8 @@ class CudaBackend(Backend):
 
     def attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
         B, T, hd = self._attn_shape(qkv, n_head, n_kv_head)
-        if self._can_cudnn(qkv, hd) and self._aligned(dqkv, dout, out, lse, qkv):
+        if (self._can_cudnn(qkv, hd) and self._aligned(dqkv, dout, out, lse, qkv)
+                and "attention_backward" not in self._variant):
             if self._cudnn.backward(dqkv.data.ptr, dout.data.ptr, qkv.data.ptr, out.data.ptr, lse.data.ptr, B, T,
                                     n_head, n_kv_head, hd):
                 self.attention_path[("bwd", B, T, n_head, n_kv_head, hd)] = "cudnn"
@@ -886,8 +967,10 @@ class CudaBackend(Backend):
     def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):
         Vp = logits.shape[-1]
         N = logits.size // Vp
-        vec = int(Vp % (16 // logits.dtype.itemsize) == 0 and self._aligned(logits))
-        self._launch(self._kk("classifier_fwd_bwd", logits), N, 512,
+        k = self._kk("classifier_fwd_bwd", logits)
+        vec, block = self._cfg("classifier_forward_backward", k,
+                               int(Vp % (16 // logits.dtype.itemsize) == 0 and self._aligned(logits)), 512)
+        self._launch(k, N, block,
                      (logits, losses, targets, np.int32(N), np.int32(vocab_size), np.int32(Vp),
                       np.float32(dloss if dloss is not None else 0.0), np.int32(dloss is not None), np.int32(vec)))
 
@@ -922,7 +1005,8 @@ class CudaBackend(Backend):
         if master is None and self._is_bf16(param):
             raise ValueError("adamw_update on bfloat16 params needs float32 master weights")
         k = self._kk("adamw_kernel", param)
-        self._launch(k, self._grid(n), _BLOCK,
+        _, block = self._cfg("adamw_update", k)
+        self._launch(k, self._grid(n, 1, block), block,
                      (param, grad, m, v, master if master is not None else np.uint64(0), np.int64(n),
                       np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(decay),
                       np.int32(weight_decay != 0.0), np.float32(c1), np.float32(c2), np.float32(step_size),

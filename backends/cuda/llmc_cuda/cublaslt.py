@@ -44,6 +44,7 @@ TUNE_MARGIN = 0.02  # how much faster than the heuristic's first a candidate mus
 # matmul calls between two bit-identity checks (each runs every candidate of one plan once and waits for them): a
 # step holds a few checks, never all of them, so no step of a fresh run takes much longer than the others
 CHECK_SPACING = 24
+RACE_CALLS = 8 * TRIAL_CALLS  # the most calls a race takes once started (8 candidates: the heuristic's count)
 
 _DESC = lt.MatmulDescAttribute
 _EPI = lt.Epilogue
@@ -220,6 +221,25 @@ class CublasLt:
             if plan.calls > self.tune_after and (plan.trials is not None or self._since_check >= self.check_spacing):
                 return self._trial_call(plan, args, accumulate, bias, aux, outputs)
         plan.run(*args, bias_ptr=bias, aux_ptr=aux)
+
+    def race_now(self, rerun) -> None:
+        """Run the races of the products `rerun` makes to their end now (Backend.settle): each call of `rerun`
+        is a real call of those products, and each product races from its next call on, as it would from its
+        TUNE_AFTER-th (the first call compares the candidates' bits on the real operands, the next ones time the
+        bit-identical candidates in turn). Stops once every product it called has settled, after RACE_CALLS calls
+        at most."""
+        if not self.tune or all(p is None or p.tuned for p in self.plans.values()):
+            return
+        saved, self.tune_after, self.check_spacing = (self.tune_after, self.check_spacing), 0, 0
+        try:
+            for _ in range(RACE_CALLS):
+                before = {id(p): p.calls for p in self.plans.values() if p is not None}
+                rerun()
+                called = [p for p in self.plans.values() if p is not None and p.calls != before.get(id(p))]
+                if all(p.tuned for p in called):
+                    break
+        finally:
+            self.tune_after, self.check_spacing = saved
 
     def settle_all(self) -> None:
         """End every race now (before a graph is captured, which would freeze whichever candidate a plan under

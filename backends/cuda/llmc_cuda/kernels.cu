@@ -334,6 +334,39 @@ extern "C" __global__ void norm_forward(act_t* out, float* mean, float* rstd, ac
     }
 }
 
+// norm_forward's naive variant, for `llmc bench kernels --variants` (llm.c's dev/cuda layernorm_forward1): one
+// thread per row, each row read three times with neighbouring threads a row apart (no coalescing). Same statistics,
+// summed serially.
+extern "C" __global__ void norm_forward_naive(act_t* out, float* mean, float* rstd, act_t* residual,
+                                              const act_t* inp1, const act_t* inp2, const act_t* weight,
+                                              const act_t* bias, int N, int C, float eps, int rms) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= N) return;
+    const act_t* x = inp1 + (long long)row * C;
+    if (residual != 0) {
+        const act_t* y = inp2 + (long long)row * C;
+        act_t* r = residual + (long long)row * C;
+        for (int c = 0; c < C; c++) r[c] = from_f(to_f(x[c]) + to_f(y[c]));
+        x = r;
+    }
+    float m = 0.0f;
+    if (!rms) {
+        for (int c = 0; c < C; c++) m += to_f(x[c]);
+        m /= C;
+    }
+    float v = 0.0f;
+    for (int c = 0; c < C; c++) { float d = to_f(x[c]) - m; v += d * d; }
+    float r = rsqrtf(v / C + eps);
+    act_t* o = out + (long long)row * C;
+    for (int c = 0; c < C; c++) {
+        float n = (to_f(x[c]) - m) * r * to_f(weight[c]);
+        if (!rms) n += to_f(bias[c]);
+        o[c] = from_f(n);
+    }
+    if (!rms) mean[row] = m;
+    rstd[row] = r;
+}
+
 // layernorm / rmsnorm backward, phase 1: one warp per row computes dinp (+=); the per-column partial sums of
 // dweight / dbias of the rows a warp handled go to scratch[(block * warps + warp)][2][C] (no atomics).
 extern "C" __global__ void norm_backward(act_t* dinp, float* scratch, const act_t* dout, const act_t* inp,

@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from llmc_cli.kernels import (CAP_COPY_OVERLAP, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin,
-                              BackendUnavailable, MemoryReport, check_decode_chunk, guard_scale, option_int)
+                              BackendUnavailable, MemoryReport, VariantUnsupported, check_decode_chunk, guard_scale,
+                              option_int)
 
 try:
     import pyopencl as cl
@@ -36,6 +38,9 @@ _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
 _SCALAR = {"int": np.int32, "long": np.int64, "float": np.float32, "uint": np.uint32, "ulong": np.uint64}
 _DECODE_MAX_HD = 256  # kernels.cl's DECODE_MAX_HD: the query row lives in local memory
 _ATTN_SCRATCH_BYTES = 256 << 20  # per (S, dP) scratch; attention is chunked over the batch to stay under it
+# elementwise kernels (each its kernels.cl name) whose work-group size a variant sets: "wg<n>" (Backend.variants)
+_WG_VARIANTS = ("residual_forward", "gelu_forward", "gelu_backward", "swiglu_forward", "swiglu_backward",
+                "adamw_update")
 
 # (context pointer, source file, options) -> (program, {kernel name: Kernel})
 _PROGRAMS: dict[tuple, tuple] = {}
@@ -196,6 +201,7 @@ class OpenCLBackend(Backend):
         self._scratch: dict[str, object] = {}
         self._int_host: dict[tuple, np.ndarray] = {}  # (buffer, byte offset, bytes) -> the int32 ids uploaded
         self._wg = min(256, device.max_work_group_size)
+        self._wg_of: dict[str, int] = {}  # kernel -> work-group size inside `variant`
         from . import tune as _tune
         self._tune = _tune
         self._gemm_kernels: dict[tuple, tuple] = {}
@@ -215,8 +221,37 @@ class OpenCLBackend(Backend):
         """Elementwise launch over n items (kernel checks bounds)."""
         if n <= 0:
             return
-        g = (n + self._wg - 1) // self._wg * self._wg
-        self.k[kname](self.queue, (g,), (self._wg,), *args)
+        wg = self._wg_of.get(kname, self._wg)
+        if kname in self._wg_of:
+            most = self.k[kname].get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, self.device)
+            if wg > most:
+                raise VariantUnsupported(f"work-groups of {wg}; this device runs {kname} in at most {most}")
+        g = (n + wg - 1) // wg * wg
+        self.k[kname](self.queue, (g,), (wg,), *args)
+
+    # ---- variants (Backend.variants): the elementwise kernels' work-group sizes ---------------------------------
+    def variants(self, kernel):
+        if kernel not in _WG_VARIANTS:
+            return []
+        return [f"wg{n}" for n in (32, 64, 128, 256, 512, 1024) if n <= self.device.max_work_group_size]
+
+    @contextmanager
+    def variant(self, kernel, name):
+        if name is None:
+            yield
+            return
+        if name not in self.variants(kernel):
+            raise ValueError(f"the opencl backend has no variant {name!r} of {kernel} "
+                             f"(variants: {', '.join(self.variants(kernel)) or 'none'})")
+        saved = self._wg_of.get(kernel)
+        self._wg_of[kernel] = int(name[2:])
+        try:
+            yield
+        finally:
+            if saved is None:
+                del self._wg_of[kernel]
+            else:
+                self._wg_of[kernel] = saved
 
     def _rows(self, kname: str, rows: int, *args):
         """One work-group of red_ls items per row."""

@@ -403,3 +403,31 @@ def test_first_error_line():
     assert first_error_line(RuntimeError(_POCL_LOG)) == "error: unknown target CPU 'generic'"
     assert first_error_line(ValueError("clBuildProgram failed: OUT_OF_HOST_MEMORY")) == \
         "ValueError: clBuildProgram failed: OUT_OF_HOST_MEMORY"
+
+
+# ---- variants: the elementwise kernels' work-group sizes (`llmc bench kernels --variants`) ----------------------
+@needs_device
+def test_every_work_group_variant_computes_the_defaults_bits():
+    from llmc_cli.bench import kernel_cases as kc
+    from llmc_cli.models.llama3 import preset as llama_preset
+    from llmc_cli.models.gpt2 import preset
+    b = get_backend()
+    ran = 0
+    for cfg in (preset("d2", n_embd=72, vocab_size=500), llama_preset("llama3-tiny", vocab_size=256)):
+        for case in kc.kernel_cases(cfg, 2, 33):  # 33: sizes no work-group size divides
+            names = b.variants(case.kernel)
+            if not names:
+                continue
+            inputs = kc._upload(case, b, kc._host_inputs(case, 0))
+            want = kc._call_once(case, b, kc._clone(case, b, inputs))
+            for name in names:
+                with b.variant(case.kernel, name):
+                    got = kc._call_once(case, b, kc._clone(case, b, inputs))
+                ran += 1
+                for out in case.outputs:
+                    assert np.array_equal(got[out], want[out]), f"{case.name} {name}: {out}"
+    assert ran >= 6 * 2 and not b._wg_of
+    assert b.variants("layernorm_forward") == [] and "wg32" in b.variants("gelu_forward")
+    with pytest.raises(ValueError, match="no variant 'wg48' of gelu_forward"):
+        with b.variant("gelu_forward", "wg48"):
+            pass
