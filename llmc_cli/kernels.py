@@ -89,6 +89,7 @@ CAP_DEVICE_EVENTS = "device_events"    # timer() measures device time rather tha
 CAP_KV_CACHE = "kv_cache"              # attention_decode works (incremental decoding over a key/value cache)
 CAP_GRAPHS = "graphs"                  # capture() records a run of kernel calls once and replays it cheaply
 CAP_FP8 = "fp8"                        # matmuls in 8-bit floats with per-tensor scales (matmul_dtype == FP8)
+CAP_ASYNC_INPUTS = "async_inputs"      # input_queue() copies the next batch on a side stream during the current step
 CAP_COPY_OVERLAP = "copy_overlap"      # host_alloc(pinned=True) and overlap_layernorm (`llmc bench overlap`)
 
 # overlap_layernorm's modes: the fast kernel between one copy in and the copies out, all in order on one queue;
@@ -300,6 +301,21 @@ class Backend(abc.ABC):
         as long as the replay function lives. The trainer replays each micro-step this way (training.trainer)."""
         raise NotImplementedError(f"backend '{self.name}' cannot capture graphs (capability {CAP_GRAPHS!r})")
 
+    # ---- batches copied ahead (optional) ----------------------------------------------------------------------
+    def input_queue(self, dsts: Sequence[Buffer], depth: int = 2) -> InputQueue:
+        """A queue of batches for the fixed buffers `dsts` (a model's inputs and targets): `put(hosts)` hands over
+        the next batch (one host array per buffer, of its shape) and returns at once; `take()` makes the oldest
+        batch put, and not yet taken, the contents of `dsts` for all work enqueued after it. At most `depth`
+        batches wait between put and take (ValueError past that, or on a take with none). This default keeps the
+        host arrays (the caller hands them over and leaves them alone) and uploads them at take(), where a step
+        uploaded its batch without a queue. With CAP_ASYNC_INPUTS, put() copies the arrays to pinned memory and
+        starts their host-to-device copy on a side stream into staging buffers of the queue's own (`depth` of
+        them, one per batch in flight), so the copy overlaps the work already enqueued; take() makes the compute
+        stream wait for that copy and copies the staging buffers into `dsts` on the device. `dsts` keep their
+        addresses, as a captured graph (CAP_GRAPHS) that reads them needs, and no copy may overwrite a staging
+        buffer before the compute stream has read it."""
+        return HostInputQueue(self, dsts, depth)
+
     # ---- fused classifier: softmax + cross-entropy + dlogits -----------------------------------------------
     @abc.abstractmethod
     def classifier_forward_backward(self, logits: Buffer, losses: Buffer, targets: Buffer, vocab_size: int,
@@ -450,6 +466,44 @@ def update_applies(loss: float, norm: float, max_loss: float, max_norm: float) -
 def guard_scale(host_guard: np.ndarray) -> tuple[bool, float]:
     """(apply, scale) of a guard buffer read back to the host (for backends that launch from the host)."""
     return bool(host_guard[3] != 0.0), float(host_guard[2])
+
+
+class InputQueue(Protocol):
+    """What `Backend.input_queue` returns (see there)."""
+
+    def put(self, hosts: Sequence[np.ndarray]) -> None: ...
+    def take(self) -> None: ...
+
+
+def check_input_batch(dsts: Sequence[Buffer], hosts: Sequence[np.ndarray]) -> None:
+    """ValueError unless `hosts` holds one array per buffer of `dsts`, each with that buffer's element count."""
+    if len(hosts) != len(dsts):
+        raise ValueError(f"input_queue.put: {len(hosts)} arrays for {len(dsts)} buffers")
+    for i, (d, h) in enumerate(zip(dsts, hosts)):
+        if np.asarray(h).size != d.size:
+            raise ValueError(f"input_queue.put: array {i} has {np.asarray(h).size} elements, its buffer {d.size}")
+
+
+class HostInputQueue:
+    """Backend.input_queue's default: the host arrays wait in a list and are uploaded at take()."""
+
+    def __init__(self, backend: Backend, dsts: Sequence[Buffer], depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"input_queue: depth must be >= 1 (got {depth})")
+        self.backend, self.dsts, self.depth = backend, list(dsts), depth
+        self.pending: list[Sequence[np.ndarray]] = []
+
+    def put(self, hosts: Sequence[np.ndarray]) -> None:
+        check_input_batch(self.dsts, hosts)
+        if len(self.pending) >= self.depth:
+            raise ValueError(f"input_queue.put: {self.depth} batches already wait to be taken")
+        self.pending.append(hosts)
+
+    def take(self) -> None:
+        if not self.pending:
+            raise ValueError("input_queue.take: no batch was put")
+        for dst, host in zip(self.dsts, self.pending.pop(0)):
+            self.backend.upload(dst, host)
 
 
 class Timer(Protocol):

@@ -809,6 +809,33 @@ def test_capture_replays_the_recorded_calls_on_new_inputs(backend, rng):
         np.testing.assert_array_equal(from_device(backend, kc), from_device(backend, kc_ref), err_msg="k_cache")
 
 
+def test_input_queue_hands_batches_over_in_order(backend, rng):
+    """Backend.input_queue (the default, or CAP_ASYNC_INPUTS's copies on a side stream): after each take() the
+    buffers hold, for the work enqueued next, the oldest batch put; `depth` batches may wait, one more is refused,
+    and so is a take() with none. The next batch is put right after each take, as the trainer does."""
+    x, y = empty(backend, (3, 5), INT32), empty(backend, (4,), FLOAT32)
+    batches = [(rng.integers(0, 50000, (3, 5)).astype(np.int32), randn(rng, 4).astype(np.float32)) for _ in range(6)]
+    seen = [(empty(backend, (3, 5), INT32), empty(backend, (4,), FLOAT32)) for _ in batches]
+    q = backend.input_queue([x, y], depth=2)
+    q.put(batches[0])
+    q.put(batches[1])
+    with pytest.raises(ValueError):
+        q.put(batches[2])
+    with pytest.raises(ValueError):
+        q.put(batches[2][:1])  # one array for two buffers
+    for k, (sx, sy) in enumerate(seen):
+        q.take()
+        backend.copy(sx, x)  # work enqueued after the take reads the batch
+        backend.copy(sy, y)
+        if k + 2 < len(batches):
+            q.put(batches[k + 2])
+    with pytest.raises(ValueError):
+        q.take()
+    for k, ((hx, hy), (sx, sy)) in enumerate(zip(batches, seen)):
+        np.testing.assert_array_equal(from_device(backend, sx), hx, err_msg=f"inputs of batch {k}")
+        np.testing.assert_array_equal(from_device(backend, sy), hy, err_msg=f"float32 values of batch {k}")
+
+
 # =============================================================================================================
 # fused classifier
 
