@@ -94,11 +94,13 @@ def train_table(res: dict):
     table = Table(title=f"llmc bench train: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
                         f"({c['num_parameters']:,} params), B={c['B']} T={c['T']}",
                   caption=f"median of {c['steps']} steps \\[min-max] after {c['warmup']} warm-up; each step "
-                          "includes the data loader, forward, backward, grad norm and AdamW; RSS peak is the "
+                          "includes the data loader, forward, backward, grad norm and AdamW; data waits: batches "
+                          "not ready when a step asked (all of them with --no-prefetch); RSS peak is the "
                           "process's, cumulative over the runs before it")
     for col, just in (("backend", "left"), ("dtype", "left"), ("ms/step \\[min-max]", "right"),
                       ("tok/s", "right"), ("TFLOP/s", "right"), ("MFU", "right"), ("loss 1st -> last", "right"),
-                      ("alloc MiB", "right"), ("device used MiB", "right"), ("RSS peak MiB", "right")):
+                      ("data waits", "right"), ("alloc MiB", "right"), ("device used MiB", "right"),
+                      ("RSS peak MiB", "right")):
         table.add_column(col, justify=just, no_wrap=col != "backend")
     for r in res["results"]:
         name = r["name"] + (f"\n[dim]{r['optimizer']}[/]" if r.get("optimizer") else "")  # torch's AdamW flavour
@@ -107,6 +109,7 @@ def train_table(res: dict):
                       f"{r['tok_s']:,.0f}", f"{r['tflop_s']:.3f}",
                       "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
                       f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}",
+                      f"{r['data_waits']}/{r['data_batches']}" if "data_waits" in r else "-",
                       _mib(r.get("allocated_bytes")), _mib(r.get("device_used_bytes")),
                       _mib(r.get("host_rss_peak_bytes")))
     return table

@@ -85,31 +85,40 @@ def _preset_for(cfg: Config) -> tuple[str, dict]:
 
 
 def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: str, *, steps: int,
-               warmup: int, seed: int, recompute: str = "none", graphs: bool = True) -> dict:
-    """`steps` timed training steps after `warmup` ones, through llmc's Trainer (data loader + optimizer)."""
+               warmup: int, seed: int, recompute: str = "none", graphs: bool = True, prefetch: bool = True) -> dict:
+    """`steps` timed training steps after `warmup` ones, through llmc's Trainer (data loader + optimizer).
+    `data_waits`: how often the timed steps found a batch not ready when they asked for it (the next one, read
+    ahead; without `prefetch` each is read inside its step: all of them), `data_wait_ms` the time that took,
+    `data_batches` the batches the timed steps trained on."""
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer
     model, over = _preset_for(cfg)
     args = TrainArgs(data=data, model=model, **over, batch_size=B, seq_len=T, steps=warmup + steps, seed=seed,
                      optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0, recompute=recompute,
-                     graphs=graphs)
+                     graphs=graphs, prefetch=prefetch)
     trainer = Trainer(args, backend, say=lambda s: None)
     times, losses = [], []
     try:
         for s in range(warmup + steps):
+            if s == warmup:
+                feed = trainer.feed
+                waits0, wait_s0 = feed.waits, feed.wait_s
             rec = trainer.train_step(s)
             losses.append(rec["loss"])
             if s >= warmup:
                 times.append(rec["ms"] / 1e3)
         mem = backend.memory_report()
+        waits = {"prefetch": prefetch, "data_waits": feed.waits - waits0, "data_batches": steps * trainer.grad_accum,
+                 "data_wait_ms": (feed.wait_s - wait_s0) * 1e3}
     finally:
+        trainer.close()
         del trainer
         gc.collect()
     r = _train_record(label, "llmc", times, losses, B, T, flops_per_step(cfg, B, T), _peak_flops(backend))
     r.update(describe=backend.describe(), dtype=backend.matmul_dtype or backend.dtype, allocated_bytes=mem.allocated,
              device_total_bytes=mem.device_total,
              device_used_bytes=(mem.device_total - mem.device_free) if (mem.device_total and mem.device_free is not None)
-             else None, host_rss_peak_bytes=_rss_peak_bytes())
+             else None, host_rss_peak_bytes=_rss_peak_bytes(), **waits)
     return r
 
 
@@ -213,7 +222,7 @@ def torch_dtype_for(backends: Sequence[tuple[str, Backend]]) -> str:
 def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: int, *, steps: int = 10,
               warmup: int = 2, seed: int = 1337, data: str | None = None, compare: Sequence[str] = (),
               torch_dtype: str | None = FLOAT32, progress: Callable[[str], None] | None = None,
-              recompute: str = "none", graphs: bool = True) -> dict:
+              recompute: str = "none", graphs: bool = True, prefetch: bool = True) -> dict:
     """Training steps on every backend (and PyTorch for `compare` entries "torch-eager" / "torch-compile").
     `data`: a glob of shards; None writes a temporary shard of random tokens. `torch_dtype` None: the
     backends' dtype where they share one (bf16 runs PyTorch under bf16 autocast), else float32. `recompute`:
@@ -239,7 +248,7 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
                 progress(f"training on {label}")
             try:
                 results.append(train_llmc(label, be, cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
-                                          recompute=recompute, graphs=graphs))
+                                          recompute=recompute, graphs=graphs, prefetch=prefetch))
             except ValueError as e:  # TrainError / DataError: options the trainer refuses
                 raise BenchError(f"training on {label}: {e}") from None
         torch_modes = [m for m in compare if m.startswith("torch")]

@@ -262,6 +262,9 @@ def kernels(**o) -> None:
               show_default=True, help="Activations llmc recomputes in backward instead of keeping (as `llmc train`).")
 @click.option("--graphs/--no-graphs", default=True, show_default=True,
               help="Replay captured graphs of the micro-steps where the backend can (as `llmc train`).")
+@click.option("--prefetch/--no-prefetch", default=True, show_default=True,
+              help="Read batches ahead in a background thread and copy them to the device on a side stream where the "
+                   "backend can (as `llmc train`); the results count the timed steps' batches that were not ready.")
 @click.option("--compare", type=click.Choice(["torch", "torch-eager", "torch-compile"]), multiple=True,
               help="Also time PyTorch on the same model, weights, data and optimizer: torch = eager and "
                    "torch.compile (skipped with a note when torch is not installed). AdamW is fused on CUDA, "
@@ -293,7 +296,8 @@ def train(**o) -> None:
         try:
             res = run_train(backends, cfg, B, T, steps=o["steps"], warmup=o["warmup"], seed=o["seed"],
                             data=o["data"], compare=list(dict.fromkeys(compare)), torch_dtype=DTYPES[o["torch_dtype"]],
-                            recompute=o["recompute"], graphs=o["graphs"], progress=progress)
+                            recompute=o["recompute"], graphs=o["graphs"], prefetch=o["prefetch"],
+                            progress=progress)
         except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
             fail(str(e))
     if _report_header(console, res, backends, skipped, o["as_json"]):

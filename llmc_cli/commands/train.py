@@ -115,6 +115,10 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--graphs/--no-graphs", default=_ARGS.graphs, show_default=True,
               help="Where the backend can capture graphs (cuda): after a few steps each micro-step's kernels are "
                    "captured once and replayed (one launch instead of hundreds); the same bits either way.")
+@click.option("--prefetch/--no-prefetch", default=_ARGS.prefetch, show_default=True,
+              help="Read the next batches in a background thread while a step computes, and copy each to the device "
+                   "on a side stream where the backend can (cuda); the end of the run says how many batches a step "
+                   "still waited for. The same bits either way.")
 @click.option("--shuffle", is_flag=True, help="Shuffle shards and sample positions per epoch (seeded).")
 @click.option("--val-every", type=COUNT, default=_ARGS.val_every, show_default=True, help="Validate every N steps (0 = off).")
 @click.option("--val-batches", type=COUNT, default=_ARGS.val_batches, show_default=True, help="Batches per validation.")
@@ -330,6 +334,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         elif trainer.rescue_error:
             msg += f"; the checkpoint of the last completed step could not be written either ({trainer.rescue_error})"
         fail(msg + ("" if trainer.rescued is not None else trainer.last_good()))
+    console.print(data_waits_line(trainer.feed, args.prefetch))
     if trainer.stopped:
         st = trainer.stopped
         if args.out:
@@ -339,6 +344,14 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
                       f"--out DIR, so this run cannot be resumed")
         sys.exit(130)
+
+
+def data_waits_line(feed, prefetch: bool) -> str:
+    """How often a step waited for its batch (a Feed's counts, this process's steps)."""
+    if not prefetch:
+        return f"data: {feed.batches} batches read inside the steps ({feed.wait_s:.2f} s; --no-prefetch)"
+    return (f"data: waited for {feed.waits} of {feed.batches} batches ({feed.wait_s:.2f} s in all; read ahead in a "
+            "background thread)")
 
 
 def _abort_on_uncaught(comm) -> None:

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from llmc_cli.data.loader import DataLoader, ValLoader
+from llmc_cli.data.prefetch import Feed
 from llmc_cli.evals.evaluate import check_shards_tokenizer, eval_batches, evaluate_loss
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
@@ -70,6 +71,7 @@ class TrainArgs:
     seed: int = 1337
     overfit_batch: bool = False
     graphs: bool = True  # replay each micro-step's kernels as one captured graph where the backend can (CAP_GRAPHS)
+    prefetch: bool = True  # read batches ahead in a thread; copy them ahead on a side stream (CAP_ASYNC_INPUTS)
     shuffle: bool = False
     val_every: int = 20
     val_batches: int = 20
@@ -156,7 +158,9 @@ class Trainer:
             raise
 
     def close(self) -> None:
-        """Releases the run directory (safe to call twice)."""
+        """Stops the data thread and releases the run directory (safe to call twice)."""
+        if getattr(self, "feed", None) is not None:
+            self.feed.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -290,6 +294,10 @@ class Trainer:
                 self.bad_streak = int(outl.get("bad_streak", 0))
             except (TypeError, ValueError, KeyError, AttributeError) as e:
                 raise TrainError(f"{a.out}: state.json has a damaged RNG / outlier state ({e})") from None
+        # the position is final now: the thread starts reading the first batches while the run gets ready
+        self.feed = Feed(backend, [self.model.acts["inputs"], self.model.acts["targets"]], self.train_loader,
+                         overfit=a.overfit_batch, prefetch=a.prefetch)
+        self.feed.start()
         self.sampler = None
         self.updating = False                 # inside the optimizer update of a step (see run's rescue)
         self.saving = False                   # inside save() (a failed save is not retried as a rescue)
@@ -314,12 +322,6 @@ class Trainer:
             free = f", free {r.device_free / 2**30:.1f} GiB" if r.device_free is not None else ""
             line += f" (device {r.device_total / 2**30:.1f} GiB{free})"
         return line
-
-    def _batch(self):
-        if self.a.overfit_batch:
-            self.train_loader.reset()
-        x, y = self.train_loader.next_batch()
-        return x, y
 
     def _micro_step(self, i: int, dloss: float, on_device: bool) -> None:
         """The kernels of micro-step i over the staged batch (gradients zeroed first at i = 0): all a captured
@@ -358,8 +360,9 @@ class Trainer:
         # (AdamW reads them there), so the device never idles waiting for the host inside a step
         on_device = self.comm.world_size == 1 and isinstance(self.opt, AdamW)
         replays = self._replays(dloss, on_device)
+        waits = self.feed.waits
         for i in range(self.grad_accum):
-            model.stage(*self._batch())
+            self.feed.stage()
             if replays:
                 replays[min(i, 1)]()
             else:
@@ -367,6 +370,8 @@ class Trainer:
                 model.on_layer_grads = self.reducer.layer_done if self.reducer is not None and last else None
                 self._micro_step(i, dloss, on_device)
                 model.on_layer_grads = None
+            if i + 1 < self.grad_accum or step + 1 < a.steps:  # (the run's last batch has no batch after it)
+                self.feed.ahead()  # the next micro-step's batch (or the next step's) is copied while this one computes
             if not on_device:
                 loss += model.mean_loss() / self.grad_accum
         self.steps_run += 1
@@ -405,7 +410,7 @@ class Trainer:
         seconds = timer.stop()
         finite = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731  (JSON has no NaN / inf)
         rec = {"step": step + 1, "loss": finite(loss), "norm": finite(norm), "lr": finite(lr), "ms": seconds * 1e3,
-               "tok_per_s": self.tokens_per_step / seconds}
+               "tok_per_s": self.tokens_per_step / seconds, "data_waits": self.feed.waits - waits}
         if reason is not None:
             rec |= {"skipped": True, "reason": reason}
         return rec
@@ -432,8 +437,9 @@ class Trainer:
         return self.decode(ids)
 
     def save(self, step: int, loader_state: dict | None = None) -> Path:
-        """Checkpoint after `step` optimizer steps (`loader_state`: the data position then, when the loader has
-        moved on since). Refuses non-finite weights or optimizer state: no checkpoint is ever garbage."""
+        """Checkpoint after `step` optimizer steps (`loader_state`: the data position then, when a step has begun
+        since; else the position after the batches the steps took, however far the data thread read ahead).
+        Refuses non-finite weights or optimizer state: no checkpoint is ever garbage."""
         self.saving = True
         try:
             return self._save(step, loader_state)
@@ -449,7 +455,7 @@ class Trainer:
         if bad:  # (the command line adds where the last good checkpoint is)
             raise TrainError(f"step {step}: the {' and '.join(bad)} hold NaN or inf, so no checkpoint was written")
         state = {"step": step, "config": asdict(self.cfg), "rng": self.rng.bit_generator.state,
-                 "dataloader": loader_state if loader_state is not None else self.train_loader.state(),
+                 "dataloader": loader_state if loader_state is not None else self.feed.position,
                  "dtype": self.backend.matmul_dtype or self.backend.dtype, "backend": self.backend.name,
                  "args": {k: v for k, v in asdict(self.a).items() if k != "optim"} | {"optim": asdict(self.a.optim)}}
         state |= {"version": ckpt.RUN_STATE_VERSION, "optimizer_steps": self.opt.step_count,
@@ -525,7 +531,7 @@ class Trainer:
                         tb.write_record(rec)
                 if last:
                     break
-                before = self.train_loader.state()  # the data position a checkpoint of `step` records
+                before = self.feed.position  # the data position a checkpoint of `step` records
                 rec = self.train_step(step)
                 before, done = None, step + 1
                 records.append(rec)
@@ -567,6 +573,7 @@ class Trainer:
                 self._rescue(done, before)
             raise
         finally:
+            self.feed.close()  # no thread outlives the run (a later train_step starts one again)
             for f in (log, tb):
                 if f:
                     try:
@@ -577,7 +584,7 @@ class Trainer:
 
     def _rescue(self, done: int, before: dict | None) -> None:
         """After an error between two updates, write the checkpoint of the `done` completed steps: with the
-        data position from before a step that failed midway (`before`), else the loader's own. Not after an
+        data position from before a step that failed midway (`before`), else the steps' own. Not after an
         error inside an update (the weights may be half-updated), and alone only: under data parallel the
         other ranks are not in the collective a checkpoint needs."""
         if not self.a.out or self.comm.world_size > 1 or self.updating or done <= self.saved:

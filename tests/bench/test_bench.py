@@ -168,6 +168,24 @@ def test_cli_train_json(tmp_path):
     assert out["results"][0]["median_ms"] > 0 and out["config"]["flops_per_step"] > 0
 
 
+def test_cli_train_counts_the_data_waits_of_the_timed_steps(tmp_path):
+    from llmc_cli.formats.shards import write_shard
+    data = write_shard(tmp_path / "d_train_000000.bin", np.arange(2000) % 50257)
+    got = {}
+    for flag in ("--prefetch", "--no-prefetch"):
+        r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", *TINY, "--steps", "3", "--warmup", "1",
+                                      "--data", str(data), "--json", flag])
+        assert r.exit_code == 0, r.output
+        got[flag] = json.loads(r.stdout)["results"][0]
+    assert got["--no-prefetch"]["prefetch"] is False and got["--prefetch"]["prefetch"] is True
+    assert (got["--no-prefetch"]["data_waits"], got["--no-prefetch"]["data_batches"]) == (3, 3)
+    assert got["--prefetch"]["data_batches"] == 3 and 0 <= got["--prefetch"]["data_waits"] <= 3
+    assert got["--prefetch"]["loss_last"] == got["--no-prefetch"]["loss_last"]
+    r = CliRunner().invoke(main, ["bench", "train", "--backend", "cpu", *TINY, "--steps", "2", "--warmup", "0",
+                                  "--data", str(data), "--no-prefetch"])
+    assert r.exit_code == 0 and "data waits" in r.stdout and "2/2" in r.stdout, r.output
+
+
 # ---- Llama 3 kernels, attention_decode, and backends that hold inputs in another dtype ------------------------
 @pytest.mark.opencl
 def test_llama_kernels_cpu_and_opencl_agree_and_a_wrong_rope_is_flagged():
