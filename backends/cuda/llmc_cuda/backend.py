@@ -7,7 +7,7 @@ import math
 import os
 import re
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import numpy as np
 
 from llmc_cli.kernels import (
     BFLOAT16,
+    CAP_ASYNC_INPUTS,
     CAP_BF16,
     CAP_COPY_OVERLAP,
     CAP_DEVICE_EVENTS,
@@ -33,6 +34,7 @@ from llmc_cli.kernels import (
     cache_dir,
     VariantUnsupported,
     check_decode_chunk,
+    check_input_batch,
     option_flag,
     option_int,
 )
@@ -164,7 +166,8 @@ class CudaBackend(Backend):
         self.fp8 = dtype == FP8
         self.dtype = BFLOAT16 if self.fp8 else dtype
         self.matmul_dtype = FP8 if self.fp8 else None
-        self.capabilities = frozenset({CAP_BF16, CAP_COPY_OVERLAP, CAP_DEVICE_EVENTS, CAP_GRAPHS, CAP_KV_CACHE}
+        self.capabilities = frozenset({CAP_ASYNC_INPUTS, CAP_BF16, CAP_COPY_OVERLAP, CAP_DEVICE_EVENTS, CAP_GRAPHS,
+                                       CAP_KV_CACHE}
                                       | ({CAP_FP8} if self.fp8 else set()))
         self.device = cp.cuda.Device(device)
         self.device.use()
@@ -331,7 +334,8 @@ class CudaBackend(Backend):
         self._allocated[tag] += a.nbytes
         return a
 
-    def upload(self, dst, host):
+    def _host_bytes(self, dst, host) -> np.ndarray:
+        """`host` as the bytes `dst` holds: its dtype (bf16 rounded to nearest even), contiguous."""
         h = np.ascontiguousarray(np.asarray(host).reshape(dst.shape))
         if dst.dtype == self.bf16:
             if h.dtype != ml_dtypes.bfloat16:
@@ -343,6 +347,10 @@ class CudaBackend(Backend):
             raise ValueError(f"upload of {h.nbytes} bytes into a buffer of {dst.nbytes}")
         if not dst.flags.c_contiguous:
             raise ValueError("upload needs a contiguous destination")
+        return h
+
+    def upload(self, dst, host):
+        h = self._host_bytes(dst, host)
         if h.nbytes > _STAGE_MAX:  # parameters and optimizer state: rare, so copy from pageable memory and wait
             dst.data.copy_from_host_async(h.ctypes.data, h.nbytes, stream=self.stream)
             self.stream.synchronize()  # the host array may go away
@@ -405,6 +413,9 @@ class CudaBackend(Backend):
 
     def synchronize(self):
         self.stream.synchronize()
+
+    def input_queue(self, dsts, depth=2):
+        return CudaInputQueue(self, dsts, depth)
 
     def is_out_of_memory(self, e: BaseException) -> bool:
         """CuPy's OutOfMemoryError, or a CUDA allocation failure surfacing through cuBLASLt / NVRTC / cuDNN."""
@@ -1018,3 +1029,68 @@ class CudaBackend(Backend):
         vec = self._vec(n, buf)
         self._launch(self._kk("scale_act", buf), self._grid(n, 16 // buf.dtype.itemsize if vec else 1), _BLOCK,
                      (buf, np.float32(factor), np.int64(n), np.int32(vec)))
+
+
+class _Slot:
+    """One batch in flight: pinned host memory and a device staging buffer per destination, the event of its last
+    host-to-device copy (copy stream) and of its last read into the destinations (compute stream)."""
+
+    def __init__(self, dsts):
+        self.pinned = [cp.cuda.alloc_pinned_memory(d.nbytes) for d in dsts]
+        self.staging = [cp.empty_like(d) for d in dsts]
+        self.copied = cp.cuda.Event(block=False, disable_timing=True)
+        self.consumed = cp.cuda.Event(block=False, disable_timing=True)
+        self.copied_once = self.consumed_once = False
+
+
+class CudaInputQueue:
+    """Backend.input_queue with CAP_ASYNC_INPUTS. put() fills the next of `depth` slots round robin (the oldest
+    not waiting to be taken) and copies it to the device on a stream of its own; take() makes the compute stream
+    wait for that copy, then copies the slot's staging buffers into the destinations there (device to device), so
+    a captured graph's inputs keep their addresses. A slot's staging buffers are written again only after the
+    compute stream has read them (the copy stream waits on that event), its pinned memory only after its last
+    copy finished (the host waits for it: so the host runs at most about 2*depth batches ahead of the device, and
+    in training, where the device is rarely that far behind, it does not wait at all)."""
+
+    def __init__(self, backend: CudaBackend, dsts, depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"input_queue: depth must be >= 1 (got {depth})")
+        if not all(d.flags.c_contiguous for d in dsts):
+            raise ValueError("input_queue needs contiguous destinations")
+        self.backend, self.dsts, self.depth = backend, list(dsts), depth
+        with backend.device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.slots = [_Slot(self.dsts) for _ in range(depth)]
+        backend._allocated["inputs ahead"] += depth * sum(d.nbytes for d in self.dsts)
+        self.next = 0
+        self.pending: deque[_Slot] = deque()
+
+    def put(self, hosts):
+        check_input_batch(self.dsts, hosts)
+        if len(self.pending) >= self.depth:
+            raise ValueError(f"input_queue.put: {self.depth} batches already wait to be taken")
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % self.depth
+        if slot.copied_once:
+            slot.copied.synchronize()
+        for mem, dst, host in zip(slot.pinned, self.dsts, hosts):
+            h = self.backend._host_bytes(dst, host)
+            np.copyto(np.frombuffer(mem, np.uint8, h.nbytes), h.reshape(-1).view(np.uint8))
+        if slot.consumed_once:
+            self.stream.wait_event(slot.consumed)
+        for mem, buf in zip(slot.pinned, slot.staging):
+            buf.data.copy_from_host_async(mem.ptr, buf.nbytes, stream=self.stream)
+        slot.copied.record(self.stream)
+        slot.copied_once = True
+        self.pending.append(slot)
+
+    def take(self):
+        if not self.pending:
+            raise ValueError("input_queue.take: no batch was put")
+        slot = self.pending.popleft()
+        compute = self.backend.stream
+        compute.wait_event(slot.copied)
+        for dst, buf in zip(self.dsts, slot.staging):
+            dst.data.copy_from_device_async(buf.data, buf.nbytes, stream=compute)
+        slot.consumed.record(compute)
+        slot.consumed_once = True

@@ -635,3 +635,72 @@ def test_nccl_overlapped_collectives_wait_for_the_compute_stream_and_join_it():
     comm.join()
     b.scale(buf, 2.0)  # queued behind the collectives
     assert (down(b, buf) == 6.0).all()
+
+
+# =============================================================================================================
+# batches copied ahead on a side stream (CAP_ASYNC_INPUTS)
+
+_SPIN = r'''extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}'''
+
+
+def test_input_queue_never_overwrites_a_batch_the_compute_stream_has_not_read():
+    """The compute stream is held up by a spinning kernel while three batches go through a queue of two slots: the
+    third goes into the first's slot before the compute stream has read the first. put() returns without waiting
+    for the compute stream, and each take() still delivers its own batch."""
+    import cupy as cp
+
+    from llmc_cli.kernels import CAP_ASYNC_INPUTS
+    b = cuda(BFLOAT16)
+    assert CAP_ASYNC_INPUTS in b.capabilities
+    rng = np.random.default_rng(9)
+    batches = [rng.integers(0, 50257, (64, 1024)).astype(np.int32) for _ in range(3)]
+    x = b.alloc((64, 1024), "int32")
+    seen = [b.alloc((64, 1024), "int32") for _ in batches]
+    q = b.input_queue([x], depth=2)
+    spin = cp.RawKernel(_SPIN, "spin")
+    b.synchronize()
+    with b.stream:
+        spin((1,), (1,), (np.int64(int(1e9)),))  # about half a second of a held-up compute stream
+    q.put([batches[0]])
+    q.take()
+    b.copy(seen[0], x)
+    q.put([batches[1]])
+    q.put([batches[2]])  # the first batch's slot, not yet read by the compute stream
+    assert not b.stream.done, "put() must not wait for the compute stream (or the spin was too short to test)"
+    for k in (1, 2):
+        q.take()
+        b.copy(seen[k], x)
+    for k, want in enumerate(batches):
+        np.testing.assert_array_equal(b.download(seen[k]), want, err_msg=f"batch {k}")
+
+
+@pytest.mark.parametrize("model,dtype", [("d2", BFLOAT16), ("llama3-tiny", BFLOAT16), ("d2", FLOAT32)])
+def test_prefetched_training_matches_reading_in_the_step(tmp_path, model, dtype):
+    """Batches read by the data thread and copied on the side stream (two micro-steps a step, replayed as graphs
+    once GRAPH_AFTER steps ran): the losses and the final weights of reading each batch in its step, bit for bit."""
+    from llmc_cli.formats.shards import write_shard
+    from llmc_cli.training.trainer import GRAPH_AFTER, TrainArgs, Trainer
+    llama = model.startswith("llama")
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "p_train_000001.bin", rng.integers(0, 1000, 40_000))
+    runs = {}
+    for prefetch in (False, True):
+        b = _INFO.plugin.create(dtype=dtype) if _INFO and _INFO.usable else cuda(dtype)
+        a = TrainArgs(data=str(tmp_path / "p_train_*.bin"), model=model, batch_size=4, seq_len=64,
+                      total_batch_size=2 * 4 * 64, steps=GRAPH_AFTER + 4, val_every=0, sample_every=0, shuffle=True,
+                      prefetch=prefetch, **({} if llama else {"n_embd": 128}))
+        tr = Trainer(a, b, say=lambda s: None)
+        try:
+            losses = [r["loss"] for r in tr.run() if "loss" in r]
+        finally:
+            tr.close()
+        runs[prefetch] = (losses, tr.model.parameters_host(), tr.feed.position,
+                          "inputs ahead" in b.memory_report().by_tag)
+    print(model, dtype, runs[True][0])
+    assert runs[True][0] == runs[False][0]
+    assert np.array_equal(runs[True][1], runs[False][1]), "the final weights must be the same bits"
+    assert runs[True][2] == runs[False][2]
+    assert runs[True][3] and not runs[False][3], "with prefetch the CUDA input queue stages the batches"
