@@ -63,6 +63,19 @@ def print_wide(console, renderable) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # the commands
 
+def _check_plot(path: str | None) -> None:
+    """--plot: matplotlib installed and a .png path that can be written, checked before anything runs."""
+    if not path:
+        return
+    from llmc_cli.charts import PlotError, check_png_target
+    from llmc_cli.commands.console import fail
+    try:
+        require_matplotlib()
+        check_png_target(path, "--plot")
+    except (BenchError, PlotError) as e:
+        fail(str(e))
+
+
 def _write_plot(draw, res: dict, path: str) -> None:
     from llmc_cli.commands.console import err_console, fail
     try:
@@ -125,13 +138,7 @@ def _setup(o: dict):
         fail(f"--model: {e}")
     if T > cfg.block_size:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
-    if o["plot"]:
-        from llmc_cli.charts import PlotError, check_png_target
-        try:
-            require_matplotlib()
-            check_png_target(o["plot"], "--plot")
-        except (BenchError, PlotError) as e:
-            fail(str(e))
+    _check_plot(o["plot"])
     try:
         dtypes = list(dict.fromkeys(o["dtypes"]))
         backends, skipped = resolve_backends(o["backend_names"], [DTYPES[d] for d in dtypes],
@@ -391,14 +398,8 @@ def overlap(**o) -> None:
       llmc bench overlap --backend cuda -b 64 -b 512 --streams 1 --streams 8 --json > overlap.json
       llmc bench overlap --backend cuda --block 32 --block 256 --block 1024 --plot overlap.png
     """
-    from llmc_cli.charts import PlotError, check_png_target
     from llmc_cli.commands.console import backend_options, console, fail
-    if o["plot"]:
-        try:
-            require_matplotlib()
-            check_png_target(o["plot"], "--plot")
-        except (BenchError, PlotError) as e:
-            fail(str(e))
+    _check_plot(o["plot"])
     try:
         backends, skipped = resolve_backends(o["backend_names"], None, options=backend_options(o["backend_opt"]))
         backends, more = overlap_backends(backends, named=bool(o["backend_names"]))
