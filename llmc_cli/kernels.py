@@ -656,17 +656,47 @@ def option_int(options: dict[str, str] | None, name: str, default: int, env: str
     return v
 
 
-def cache_dir(backend: str) -> "Path":
-    """Where a backend keeps what it compiled or tuned, so the next run starts at once: $LLMC_CACHE_DIR/<backend>,
-    else $XDG_CACHE_HOME/llmc/<backend>, else ~/.cache/llmc/<backend> (created by whoever writes there first).
-    Everything in it can be deleted at any time; it is rebuilt on the next run."""
+def cache_root() -> "Path":
+    """Where backends keep what they compiled or tuned, so the next run starts at once: $LLMC_CACHE_DIR, else
+    $XDG_CACHE_HOME/llmc, else ~/.cache/llmc. Everything in it can be deleted at any time; it is rebuilt."""
     import os
     from pathlib import Path
     env = os.environ.get("LLMC_CACHE_DIR")
     if env:
-        return Path(env) / backend
+        return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmc" / backend
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmc"
+
+
+def cache_dir(backend: str) -> "Path":
+    """One backend's folder in the cache (created by whoever writes there first)."""
+    return cache_root() / backend
+
+
+def read_cache_json(path: "Path") -> dict:
+    """A JSON object from a cache file; {} when there is none yet or it is damaged (it is only a cache)."""
+    import json
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_cache_file(path: "Path", data: str | bytes) -> None:
+    """Write a cache file atomically (a temporary name, then rename: a reader never sees half of it); a failure
+    (a read-only home, a full disk) is ignored, as a missing cache only costs time."""
+    import os
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        if isinstance(data, str):
+            tmp.write_text(data)
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 class BackendPlugin(abc.ABC):

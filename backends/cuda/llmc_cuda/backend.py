@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import threading
 from collections import defaultdict, deque
@@ -31,12 +30,14 @@ from llmc_cli.kernels import (
     Backend,
     BackendUnavailable,
     MemoryReport,
-    cache_dir,
     VariantUnsupported,
+    cache_dir,
     check_decode_chunk,
     check_input_batch,
     option_flag,
     option_int,
+    read_cache_json,
+    write_cache_file,
 )
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
@@ -111,25 +112,6 @@ def _decisions_file(device_name: str, cc: str) -> Path:
     return device_cache(device_name, cc) / f"cublaslt-{cublasLt.get_version()}.json"
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):  # none yet, or damaged: start again (it is only a cache)
-        return {}
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Atomically (a temporary name, then rename), so a reader never sees half a file; a failure is ignored."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def _bf16_dtype():
     """CuPy >= 14 knows ml_dtypes.bfloat16; older ones get raw 16-bit storage (the kernels see bits anyway)."""
     try:
@@ -200,8 +182,8 @@ class CudaBackend(Backend):
         from .cublaslt import CublasLt
         self._decisions_path = _decisions_file(self.device_name, self.cc)
         self.lt = CublasLt(cp, tune=option_flag(options, "tune", True, env="LLMC_CUBLASLT_TUNE"),
-                           signature=self._signature, decisions=_read_json(self._decisions_path),
-                           on_decided=lambda: _write_json(self._decisions_path, self.lt.decisions), tf32=self.tf32)
+                           signature=self._signature, decisions=read_cache_json(self._decisions_path),
+                           on_decided=self._keep_decisions, tf32=self.tf32)
         self._cudnn = None
         self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB") << 20
         self.cudnn_reason = "not tried yet"
@@ -226,6 +208,9 @@ class CudaBackend(Backend):
             m = self._compiling.get(bf16) or compile_module(self.device.id, self.cc, bf16)
             self._modules[bf16] = m
         return m
+
+    def _keep_decisions(self) -> None:
+        write_cache_file(self._decisions_path, json.dumps(self.lt.decisions, indent=0, sort_keys=True))
 
     def _signature(self, *args, **kw):
         """The cuBLASLt tuner's bit signature kernel (kernels.cu: bits_signature)."""

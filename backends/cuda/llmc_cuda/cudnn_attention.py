@@ -18,10 +18,11 @@ deserializes it instead; a file that does not deserialize is rebuilt and replace
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import cudnn
+
+from llmc_cli.kernels import write_cache_file
 
 Q, K, V, O, STATS, DO, DQ, DK, DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
@@ -105,12 +106,9 @@ class CudnnAttention:
             return
         try:
             data = bytes(g.serialize())
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except Exception:  # an engine cuDNN cannot serialize, a read-only cache: the next run builds it again
-            pass
+        except Exception:  # an engine cuDNN cannot serialize: the next run builds it again
+            return
+        write_cache_file(path, data)
 
     def graph(self, kind, B, T, NH, NKV, hd):
         """The built graph, or None when cuDNN cannot plan this shape (the reason is kept in `failed`)."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc_cli.kernels import cache_root, read_cache_json, write_cache_file
+
 TUNE_VERSION = 5  # 5: VEC tiles (float4 local-memory reads, float4 global reads where aligned)
 LAYOUTS = ("NT", "NN", "TN")  # forward, dinp, dweight
 TILED_KEYS = ("TM", "TN", "TK", "WPTM", "WPTN")
@@ -84,12 +86,9 @@ def candidates(device) -> list[dict]:
 
 
 def cache_file(env: str, name: str) -> Path:
-    """Where a per-device cache lives: $`env`, else $XDG_CACHE_HOME/llmc/`name`, else ~/.cache/llmc/`name`."""
+    """Where a per-device cache lives: $`env`, else `name` in llmc's cache folder (kernels.cache_root)."""
     p = os.environ.get(env)
-    if p:
-        return Path(p)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llmc" / name
+    return Path(p) if p else cache_root() / name
 
 
 def cache_path() -> Path:
@@ -103,22 +102,11 @@ def device_key(platform, device) -> str:
 
 def load_cache(path: Path | None = None) -> dict:
     """A JSON cache file's contents ({} when absent or damaged); `path` None = the tune cache."""
-    try:
-        data = json.loads((path or cache_path()).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_cache_json(path or cache_path())
 
 
 def save_cache(data: dict, path: Path | None = None) -> None:
-    p = path or cache_path()
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, p)
-    except OSError:  # a read-only home must not stop training
-        pass
+    write_cache_file(path or cache_path(), json.dumps(data, indent=1, sort_keys=True))  # (a failure is ignored)
 
 
 def fits(device, c: dict) -> bool:
