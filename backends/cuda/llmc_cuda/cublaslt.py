@@ -261,11 +261,6 @@ class CublasLt:
             s = self._streams[ptr] = self.cp.cuda.ExternalStream(ptr)
         return s
 
-    def _raw(self, ptr, nbytes, elsize):
-        cp = self.cp
-        mem = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, nbytes, self), 0)
-        return cp.ndarray((nbytes // elsize,), dtype=np.uint16 if elsize == 2 else np.uint32, memptr=mem)
-
     def _trial_call(self, plan, args, accumulate, bias, aux, outputs):
         """One real call during the race between the bit-identical candidates (see the top)."""
         cp = self.cp
@@ -314,32 +309,32 @@ class CublasLt:
         self._since_check = 0
         nbytes = plan.m * plan.n * plan.elsize
         outs = [(args[2], nbytes)] + list(outputs)
+        wide = np.int32(plan.elsize == 4)
         with self._stream(args[-1]) as stream:
+            def d2d(dst, src):
+                cp.cuda.runtime.memcpyAsync(dst, src, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+
             sigs = cp.zeros((plan.count, len(outs), 2), dtype=cp.uint64)
             before = cp.empty(nbytes, dtype=cp.uint8) if accumulate else None  # weight gradients: at most vocab x C
             if before is not None:
-                cp.cuda.runtime.memcpyAsync(before.data.ptr, args[2], nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                            stream.ptr)
+                d2d(before.data.ptr, args[2])
             ran = []
             for i in range(plan.count):
                 plan.choose(i)
                 if before is not None:
-                    cp.cuda.runtime.memcpyAsync(args[2], before.data.ptr, nbytes,
-                                                cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+                    d2d(args[2], before.data.ptr)
                 try:
                     plan.run(*args, bias_ptr=bias, aux_ptr=aux)
                 except Exception:  # a candidate this device cannot run after all
                     continue
                 ran.append(i)
                 for j, (ptr, n) in enumerate(outs):
-                    wide = int(plan.elsize == 4)
                     words = n // plan.elsize
                     self.signature((min(1024, max(1, words // 4096)),), (256,),
-                                   (sigs[i, j], np.uint64(ptr), np.int64(words), np.int32(wide)), stream=stream)
+                                   (sigs[i, j], np.uint64(ptr), np.int64(words), wide), stream=stream)
             plan.choose(0)
             if before is not None:
-                cp.cuda.runtime.memcpyAsync(args[2], before.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                            stream.ptr)
+                d2d(args[2], before.data.ptr)
             host = sigs.get(stream=stream)  # the one wait of the check
             stream.synchronize()
             if before is not None:
