@@ -1339,6 +1339,23 @@ __device__ __forceinline__ float half_warp_sum(float v) {
     return v;
 }
 
+// a thread's accumulators (4 rows x CH float4 columns), cleared; and row i of them, times mul, stored into a row
+// of HD outputs at the thread's columns (tx + 16 jj) * 4 .. + 4
+template <int CH> __device__ __forceinline__ void at_clear(float4 a[4][CH]) {
+    #pragma unroll
+    for (int i = 0; i < 4; i++)
+        #pragma unroll
+        for (int jj = 0; jj < CH; jj++) a[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+template <int CH> __device__ __forceinline__ void at_store_row(act_t* dst, const float4 a[CH], float mul, int tx) {
+    #pragma unroll
+    for (int jj = 0; jj < CH; jj++) {
+        int d = (tx + 16 * jj) * 4;
+        dst[d] = from_f(a[jj].x * mul); dst[d + 1] = from_f(a[jj].y * mul);
+        dst[d + 2] = from_f(a[jj].z * mul); dst[d + 3] = from_f(a[jj].w * mul);
+    }
+}
+
 // grid (ceil(T/64), NH, B)
 template <int HD>
 __device__ void attention_forward_tiled(act_t* out, float* lse, const act_t* qkv, int T, int NH, int NKV,
@@ -1357,12 +1374,9 @@ __device__ void attention_forward_tiled(act_t* out, float* lse, const act_t* qkv
     at_load<HD>(Qs, qkv, base + q0, T, q0, W, h * HD, scale);
     float m[4], l[4];
     float4 acc[4][CH];
+    at_clear<CH>(acc);
     #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        m[i] = -LLMC_INF; l[i] = 0.0f;
-        #pragma unroll
-        for (int jj = 0; jj < CH; jj++) acc[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
+    for (int i = 0; i < 4; i++) { m[i] = -LLMC_INF; l[i] = 0.0f; }
     for (int kt = 0; kt <= qt; kt++) {
         int k0 = kt * AT_TILE;
         __syncthreads();  // the previous tile's K, V, P are used up
@@ -1404,14 +1418,7 @@ __device__ void attention_forward_tiled(act_t* out, float* lse, const act_t* qkv
     for (int i = 0; i < 4; i++) {
         int t = q0 + ty * 4 + i;
         if (t >= T) continue;
-        float inv = 1.0f / l[i];
-        act_t* o = out + (base + t) * NH * HD + h * HD;
-        #pragma unroll
-        for (int jj = 0; jj < CH; jj++) {
-            int d = (tx + 16 * jj) * 4;
-            o[d] = from_f(acc[i][jj].x * inv); o[d + 1] = from_f(acc[i][jj].y * inv);
-            o[d + 2] = from_f(acc[i][jj].z * inv); o[d + 3] = from_f(acc[i][jj].w * inv);
-        }
+        at_store_row<CH>(out + (base + t) * NH * HD + h * HD, acc[i], 1.0f / l[i], tx);
         if (tx == 0) lse[((long long)b * NH + h) * T + t] = m[i] + logf(l[i]);
     }
 }
@@ -1456,13 +1463,8 @@ __device__ void attention_backward_dkv_tiled(act_t* dqkv, const float* Dsum, con
     at_load<HD>(Ks, qkv, base + k0, T, k0, W, (NH + kvh) * HD, 1.0f);
     at_load<HD>(Vs, qkv, base + k0, T, k0, W, (NH + NKV + kvh) * HD, 1.0f);
     float4 dk[4][CH], dv[4][CH];
-    #pragma unroll
-    for (int i = 0; i < 4; i++)
-        #pragma unroll
-        for (int jj = 0; jj < CH; jj++) {
-            dk[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            dv[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
+    at_clear<CH>(dk);
+    at_clear<CH>(dv);
     for (int g = 0; g < group; g++) {
         int h = kvh * group + g;
         for (int qt = kt; qt < nt; qt++) {
@@ -1500,16 +1502,8 @@ __device__ void attention_backward_dkv_tiled(act_t* dqkv, const float* Dsum, con
     for (int i = 0; i < 4; i++) {
         int t = k0 + ty * 4 + i;
         if (t >= T) continue;
-        act_t* dK = dqkv + (base + t) * W + (NH + kvh) * HD;
-        act_t* dV = dqkv + (base + t) * W + (NH + NKV + kvh) * HD;
-        #pragma unroll
-        for (int jj = 0; jj < CH; jj++) {
-            int d = (tx + 16 * jj) * 4;
-            dK[d] = from_f(dk[i][jj].x * scale); dK[d + 1] = from_f(dk[i][jj].y * scale);
-            dK[d + 2] = from_f(dk[i][jj].z * scale); dK[d + 3] = from_f(dk[i][jj].w * scale);
-            dV[d] = from_f(dv[i][jj].x); dV[d + 1] = from_f(dv[i][jj].y);
-            dV[d + 2] = from_f(dv[i][jj].z); dV[d + 3] = from_f(dv[i][jj].w);
-        }
+        at_store_row<CH>(dqkv + (base + t) * W + (NH + kvh) * HD, dk[i], scale, tx);
+        at_store_row<CH>(dqkv + (base + t) * W + (NH + NKV + kvh) * HD, dv[i], 1.0f, tx);
     }
 }
 
@@ -1541,10 +1535,7 @@ __device__ void attention_backward_dq_tiled(act_t* dqkv, const float* Dsum, cons
         Drow[i] = t < T ? Dsum[li] : 0.0f;
     }
     float4 dq[4][CH];
-    #pragma unroll
-    for (int i = 0; i < 4; i++)
-        #pragma unroll
-        for (int jj = 0; jj < CH; jj++) dq[i][jj] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    at_clear<CH>(dq);
     for (int kt = 0; kt <= qt; kt++) {
         int k0 = kt * AT_TILE;
         __syncthreads();
@@ -1571,13 +1562,7 @@ __device__ void attention_backward_dq_tiled(act_t* dqkv, const float* Dsum, cons
     for (int i = 0; i < 4; i++) {
         int t = q0 + ty * 4 + i;
         if (t >= T) continue;
-        act_t* dQ = dqkv + (base + t) * W + h * HD;
-        #pragma unroll
-        for (int jj = 0; jj < CH; jj++) {
-            int d = (tx + 16 * jj) * 4;
-            dQ[d] = from_f(dq[i][jj].x * scale); dQ[d + 1] = from_f(dq[i][jj].y * scale);
-            dQ[d + 2] = from_f(dq[i][jj].z * scale); dQ[d + 3] = from_f(dq[i][jj].w * scale);
-        }
+        at_store_row<CH>(dqkv + (base + t) * W + h * HD, dq[i], scale, tx);
     }
 }
 
