@@ -169,8 +169,9 @@ class Backend(abc.ABC):
         return isinstance(e, MemoryError)
 
     def peak_flops(self, dtype: str | None = None) -> float | None:
-        """The device's peak dense FLOP/s for matmuls in `dtype` (None = `self.dtype`), used for MFU by
-        `llmc bench train`; None (the default) when unknown. A backend that knows its device overrides this."""
+        """The device's peak dense FLOP/s for matmuls in `dtype` (None = what this backend's matmuls compute in:
+        `matmul_dtype`, else `dtype`), used for MFU by `llmc bench train`; None (the default) when unknown. A
+        backend that knows its device overrides this."""
         return None
 
     # ---- encoder: token + position embedding --------------------------------------------------------------

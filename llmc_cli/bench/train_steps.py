@@ -50,7 +50,7 @@ def _rss_peak_bytes() -> int:
 def _peak_flops(backend: Backend) -> float | None:
     fn = getattr(backend, "peak_flops", None)
     try:
-        v = fn(backend.matmul_dtype or backend.dtype) if callable(fn) else fn  # TF32 and FP8 have their own peaks
+        v = fn() if callable(fn) else fn  # (the backend's own precision: TF32 and FP8 have their own peaks)
     except Exception:
         return None
     return float(v) if v else None

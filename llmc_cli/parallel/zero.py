@@ -18,6 +18,7 @@ or the ZeRO stage, and resume on any number of ranks.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -199,7 +200,6 @@ class OverlappedReduction:
         self.overlapped = getattr(comm, "overlapped", None)
 
     def _queue(self, ranges) -> None:
-        from contextlib import nullcontext
         with (self.overlapped() if self.overlapped is not None else nullcontext()):
             for off, n in ranges:
                 for lo, hi, owner in self._pieces(off, n):
