@@ -80,8 +80,14 @@ def build_program(ctx, name: str, options: str = ""):
         from .probe import first_error_line
         dev = ", ".join(d.name.strip() for d in ctx.devices)
         raise BackendUnavailable(f"OpenCL {dev}: cannot build {name}: {first_error_line(e)}") from None
+    sigs = _signatures(src)
+    built = set(prg.get_info(cl.program_info.KERNEL_NAMES).split(";"))
+    if not built >= set(sigs):  # (a compiler that dropped a kernel it could not lower, and said nothing)
+        dev = ", ".join(d.name.strip() for d in ctx.devices)
+        raise BackendUnavailable(f"OpenCL {dev}: building {name} ({options or 'no options'}) gave no kernel "
+                                 f"{', '.join(sorted(set(sigs) - built))}")
     kernels = {}
-    for kname, dts in _signatures(src).items():
+    for kname, dts in sigs.items():
         k = cl.Kernel(prg, kname)
         k.set_scalar_arg_dtypes(dts)
         kernels[kname] = k

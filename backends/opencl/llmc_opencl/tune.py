@@ -75,6 +75,8 @@ def default_config(device) -> dict:
     """{layout: config} without tuning."""
     import pyopencl as cl
     c = DEFAULT_CPU if device.type & cl.device_type.CPU else DEFAULT_GPU
+    if not fits(device, c):
+        c = next((x for x in (DIRECT + TILED if c is DEFAULT_CPU else TILED + DIRECT) if fits(device, x)), c)
     return {lay: dict(c) for lay in LAYOUTS}
 
 
@@ -111,6 +113,10 @@ def save_cache(data: dict, path: Path | None = None) -> None:
 
 def fits(device, c: dict) -> bool:
     if c.get("kind", "tiled") == "direct":
+        if 16 in (c["VK"], c["RN"]):  # float16 vectors: not every compiler builds them (probe.wide_builds)
+            from .probe import wide_builds
+            if not wide_builds(device, c):
+                return False
         return c["LX"] * c["LY"] <= device.max_work_group_size
     threads = (c["TM"] // c["WPTM"]) * (c["TN"] // c["WPTN"])
     pad = 4 if c.get("VEC") else 1

@@ -128,7 +128,7 @@ def test_autotune_cache_written_and_reused(tmp_path, monkeypatch):
     path = tmp_path / "tune.json"
     monkeypatch.setenv("LLMC_OPENCL_TUNE_CACHE", str(path))
     monkeypatch.delenv("LLMC_OPENCL_TUNE", raising=False)
-    small = tune.candidates(be.device)[:2]
+    small = [c for c in tune.candidates(be.device) if tune.fits(be.device, c)][:2]
     monkeypatch.setattr(tune, "candidates", lambda device: small)
     cfg = tune.get_config(be)
     assert cfg["source"] == "autotuned"
@@ -181,7 +181,7 @@ def test_sgemm_awkward_sizes(kind, layout):
     be = get_backend()
     c = CONFIGS[kind]
     if not tune.fits(be.device, c):
-        pytest.skip(f"{kind} does not fit this device")
+        pytest.skip(f"{kind} does not fit or does not build on this device ({tune.config_name(c)})")
     rng = np.random.default_rng(1)
     a_t, b_t = int(layout[0] == "T"), int(layout[1] == "T")
     for M, N, K in SIZES:
@@ -396,6 +396,57 @@ def test_a_build_failure_after_the_probe_names_the_compilers_error(broken_compil
         pytest.skip(f"no OpenCL device: {e}")
     with pytest.raises(BackendUnavailable, match=r"cannot build kernels\.cl: error: unknown target CPU 'generic'$"):
         llmc_opencl.OpenCLPlugin().create()
+
+
+def test_a_build_that_drops_a_kernel_silently_is_refused(monkeypatch):
+    """PoCL on a Zen 4 EPYC it takes for Zen 3 "builds" some float16 kernels into an empty program."""
+    if llmc_opencl.cl is None:
+        pytest.skip("pyopencl is not installed")
+    try:
+        dev = llmc_opencl.select_device(None)[1]
+    except BackendUnavailable as e:
+        pytest.skip(f"no OpenCL device: {e}")
+    ctx = llmc_opencl.cl.Context([dev])
+    real = llmc_opencl._signatures
+    monkeypatch.setattr(llmc_opencl, "_signatures", lambda src: {**real(src), "sgemm_wide": []})
+    with pytest.raises(BackendUnavailable, match=r"building sgemm_direct\.cl \(-DRN=8\) gave no kernel sgemm_wide$"):
+        llmc_opencl.build_program(ctx, "sgemm_direct.cl", "-DRN=8")
+
+
+def test_16_wide_configurations_that_do_not_build_are_never_tried(monkeypatch, tmp_path):
+    """Which 16-wide direct configurations build is asked once, in a child process (a failed build aborts the
+    process that tried it at exit), and cached; the others neither fit, nor are tuned, nor are the default."""
+    if llmc_opencl.cl is None:
+        pytest.skip("pyopencl is not installed")
+    from llmc_opencl import probe
+    try:
+        dev = llmc_opencl.select_device(None)[1]
+    except BackendUnavailable as e:
+        pytest.skip(f"no OpenCL device: {e}")
+    monkeypatch.setenv("LLMC_OPENCL_PROBE_CACHE", str(tmp_path / "probe.json"))
+    monkeypatch.setattr(probe, "_BUILT", {})
+    real_child, asked = probe._wide_in_child, []
+
+    def child(device, todo):  # this compiler builds nothing 16-wide transposed ("NT", "TN")
+        asked.append(todo)
+        return [o for o in todo if "-DA_T=0 -DB_T=0" in o], True
+    monkeypatch.setattr(probe, "_wide_in_child", child)
+    wide = [c for c in tune.DIRECT if 16 in (c["VK"], c["RN"])]
+    assert wide and not any(tune.fits(dev, c) for c in wide)
+    assert all(tune.fits(dev, c) or c["LX"] * c["LY"] > dev.max_work_group_size
+               for c in tune.DIRECT if c not in wide)
+    monkeypatch.setattr(probe, "_BUILT", {})  # a new process: the cached answer, no child
+    assert not tune.fits(dev, wide[0]) and len(asked) == 1
+    for c in tune.default_config(dev).values():
+        assert tune.fits(dev, c)
+    tried = []
+    monkeypatch.setattr(tune, "measure", lambda be, c, *a, **k: tried.append(c) or 1.0)
+    tune.autotune(types.SimpleNamespace(device=dev))
+    assert tried and not any(c in wide for c in tried)
+    # the real child on this machine answers for every configuration, built or not
+    todo = [probe._direct_options(c, lay) for c in wide for lay in tune.LAYOUTS]
+    built, complete = real_child(dev, todo)
+    assert complete and set(built) <= set(todo)
 
 
 def test_first_error_line():
