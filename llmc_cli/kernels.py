@@ -396,6 +396,31 @@ class Backend(abc.ABC):
         number of times. Without it, tuning ends with what was measured so far. The default has nothing to
         tune."""
 
+    # ---- state carried from one training step to the next (optional) ------------------------------------------
+    # A backend whose kernels keep statistics across steps (FP8's delayed scaling: each cast tensor's amax over the
+    # last steps) hears where steps begin and end. The trainer calls begin_step before a step's first kernel, then
+    # (data parallel) all-reduces step_observations with MAX, then end_step after its update is queued; a
+    # checkpoint keeps carried_state and a resumed run hands it to load_carried_state before its first step. Kernel
+    # calls outside steps (evaluation, sampling) may read the state but leave it as it was.
+    def begin_step(self) -> None:
+        """A training step's kernels follow: what was observed since the last end_step is dropped."""
+
+    def step_observations(self) -> Buffer | None:
+        """A float32 buffer (values >= 0) of what this step's kernels observed, that end_step folds into the state
+        it carries; None when the backend carries none. Ranks combine theirs with MAX so that all carry the same."""
+        return None
+
+    def end_step(self) -> None:
+        """The step's update is queued: fold its observations into the carried state (on the device, no sync)."""
+
+    def carried_state(self) -> dict:
+        """What end_step carried so far, JSON-able (floats exact), for a checkpoint; {} when nothing."""
+        return {}
+
+    def load_carried_state(self, state: dict) -> None:
+        """Takes carried_state of an earlier run before the first step. A backend that carries no such state
+        ignores it (an FP8 run can continue in bf16); ValueError, saying what is wrong, on a damaged one."""
+
     # ---- timing ---------------------------------------------------------------------------------------------
     def timer(self) -> "Timer":
         """A stopwatch over device work (host clock after a synchronize unless CAP_DEVICE_EVENTS)."""
@@ -637,6 +662,22 @@ def option_flag(options: dict[str, str] | None, name: str, default: bool, env: s
     if v in ("0", "off", "false", "no"):
         return False
     raise BackendUnavailable(f"--backend-opt {name}={raw}: expected on or off")
+
+
+def option_choice(options: dict[str, str] | None, name: str, choices: Sequence[str], default: str,
+                  env: str | None = None) -> str:
+    """A backend option with named values: `options[name]` if given, else the environment variable `env`, else
+    `default`. BackendUnavailable names the option and its choices on anything else."""
+    import os
+    raw = (options or {}).get(name)
+    if raw is None and env:
+        raw = os.environ.get(env)
+    if raw is None:
+        return default
+    v = str(raw).strip().lower()
+    if v not in choices:
+        raise BackendUnavailable(f"--backend-opt {name}={raw}: expected one of {', '.join(choices)}")
+    return v
 
 
 def option_int(options: dict[str, str] | None, name: str, default: int, env: str | None = None) -> int:

@@ -180,6 +180,7 @@ def _number(v) -> bool:
 # what a resume reads besides _STATE_KEYS, each checked for its JSON type before any of it is used
 # (key, check, what is expected); absent keys are older checkpoints and keep their defaults
 _STATE_FIELDS = (
+    ("backend_state", lambda v: isinstance(v, dict), "a JSON object (what the backend carries between steps)"),
     ("optimizer_steps", _count, "a non-negative integer"),
     ("tokens_per_step", lambda v: type(v) is int and v > 0, "a positive integer"),
     ("world_size", lambda v: type(v) is int and v > 0, "a positive integer"),

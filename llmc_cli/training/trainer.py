@@ -287,6 +287,10 @@ class Trainer:
                                  f"--total-batch-size {old_total}")
             self.train_loader.load_state(reshard_loader_state(resume_state["dataloader"], self.comm.world_size))
             try:
+                self.backend.load_carried_state(resume_state.get("backend_state", {}))
+            except ValueError as e:
+                raise TrainError(f"{a.out}: state.json's backend_state is damaged: {e}") from None
+            try:
                 self.rng.bit_generator.state = resume_state["rng"]
                 outl = resume_state.get("outliers", {})
                 self.loss_outliers.load_state(outl.get("loss", []))
@@ -361,6 +365,7 @@ class Trainer:
         on_device = self.comm.world_size == 1 and isinstance(self.opt, AdamW)
         replays = self._replays(dloss, on_device)
         waits = self.feed.waits
+        self.backend.begin_step()
         for i in range(self.grad_accum):
             self.feed.stage()
             if replays:
@@ -397,6 +402,10 @@ class Trainer:
                 self.opt.step(lr, norm, seed=a.seed + step)
         zloss, znorm = self.loss_outliers.update(loss), self.norm_outliers.update(norm)
         self.updating = False
+        seen = self.backend.step_observations()  # (FP8's amaxes: every rank carries the ranks' largest)
+        if seen is not None and self.comm.world_size > 1:
+            self.comm.all_reduce(seen, MAX)
+        self.backend.end_step()
         reason = None
         if not applied:
             if not math.isfinite(lr):
@@ -463,6 +472,9 @@ class Trainer:
                                "bad_streak": self.bad_streak}}
         state |= {"world_size": self.comm.world_size, "tokens_per_step": self.tokens_per_step}
         state |= {"family": self.family.name, "tokenizer": self.tokenizer}
+        carried = self.backend.carried_state()
+        if carried:
+            state["backend_state"] = carried
         path = ckpt.write_run_checkpoint(self.a.out, step, self.cfg, params, bf16=self.backend.dtype == BFLOAT16,
                                          optimizer=opt_state, state=state, keep=self.a.keep,
                                          tokenizer_file=self.tokenizer_file)

@@ -295,3 +295,78 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
                 assert lo >= tr.opt.main, "only the tail is all-reduced under ZeRO-1"
         assert (covered == 1).all(), "every gradient element is reduced exactly once"
         assert not any(k == "reduce_scatter" for k, *_ in comm.calls)
+
+
+def test_step_observations_are_combined_with_max_before_end_step_and_carried_into_checkpoints(tmp_path):
+    """The trainer's side of Backend.begin_step / step_observations / end_step / carried_state (FP8's delayed
+    scaling on CUDA): begin_step before the step's kernels, the ranks' observations all-reduced with MAX, then
+    end_step, once a step; carried_state written to state.json and handed back to load_carried_state on resume,
+    where a damaged one is refused in one line."""
+    from llmc_cli.kernels import MAX
+    from llmc_cli.registry import create_backend
+    from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+
+    events = []
+
+    class Observing:  # the CPU backend with a backend's carried state around it
+        def __init__(self, inner):
+            self.inner, self.obs, self.loaded = inner, inner.alloc(4), None
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def begin_step(self):
+            events.append("begin")
+
+        def step_observations(self):
+            return self.obs
+
+        def end_step(self):
+            events.append("end")
+
+        def carried_state(self):
+            return {"history": [[1.5, 0.25]]}
+
+        def load_carried_state(self, state):
+            if state.get("history") != [[1.5, 0.25]]:
+                raise ValueError("history: expected what was saved")
+            self.loaded = state
+
+    class Recorder:
+        name, rank, world_size, local_rank = "recorder", 0, 2, 0
+        overlapped = None  # (no side stream)
+
+        def all_reduce(self, buf, op=None):
+            if buf is be.obs:
+                events.append(("all_reduce", op))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: a[0] if name == "all_reduce_value" else None
+
+    write_shard(tmp_path / "o_train_000001.bin", phrase_tokens(2000))
+    run = tmp_path / "run"
+    base = dict(data=str(tmp_path / "o_train_*.bin"), model="d2", n_layer=1, n_embd=32, batch_size=2, seq_len=16,
+                total_batch_size=2 * 2 * 16, steps=2, val_every=0, sample_every=0, out=str(run))
+    be = Observing(create_backend("cpu"))
+    tr = Trainer(TrainArgs(**base), be, say=lambda m: None, comm=Recorder())
+    for s in range(2):
+        tr.train_step(s)
+    assert events == ["begin", ("all_reduce", MAX), "end"] * 2
+    tr.save(2)
+    tr.close()
+    state = json.loads((run / "step_00000002" / "state.json").read_text())
+    assert state["backend_state"] == {"history": [[1.5, 0.25]]}
+    be = Observing(create_backend("cpu"))
+    tr = Trainer(TrainArgs(**base, resume=True), be, say=lambda m: None, comm=Recorder())
+    tr.close()
+    assert be.loaded == {"history": [[1.5, 0.25]]}
+    state["backend_state"] = {"history": [[1.5]]}
+    (run / "step_00000002" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(TrainError, match=r"state\.json's backend_state is damaged: history: expected"):
+        Trainer(TrainArgs(**base, resume=True), Observing(create_backend("cpu")), say=lambda m: None,
+                comm=Recorder())
+    state["backend_state"] = [1]
+    (run / "step_00000002" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(TrainError, match="'backend_state' must be a JSON object"):
+        Trainer(TrainArgs(**base, resume=True), Observing(create_backend("cpu")), say=lambda m: None,
+                comm=Recorder())

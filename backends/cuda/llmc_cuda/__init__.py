@@ -93,6 +93,9 @@ class CudaPlugin(BackendPlugin):
                                "batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
         "fp8_classifier": "on|off: with --dtype fp8, the classifier's matmuls in FP8 too (default off: bf16; env "
                           "LLMC_FP8_CLASSIFIER)",
+        "fp8_scaling": "delayed|current: with --dtype fp8, how each cast tensor is scaled: by its largest amax of "
+                       "the last 16 steps (default; one pass; the history is kept in checkpoints) or by its amax now "
+                       "(a pass over it first; env LLMC_FP8_SCALING)",
         "fp8_wgrad": "on|off: with --dtype fp8, the weight gradients' matmuls in FP8 too (default on; off: bf16, "
                      "which skips the transposed casts; env LLMC_FP8_WGRAD)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "

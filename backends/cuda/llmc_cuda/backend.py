@@ -34,6 +34,7 @@ from llmc_cli.kernels import (
     cache_dir,
     check_decode_chunk,
     check_input_batch,
+    option_choice,
     option_flag,
     option_int,
     read_cache_json,
@@ -46,6 +47,9 @@ _DECODE_SPLIT = 64  # keys per block of attention_decode_part, one thread each (
 _DECODE_MAX_HD = 256  # its shared query row
 _GEMV_MAX_N = 8  # matmul_forward for at most this many rows: a warp per output column (kernels.cu's GEMV_MAX_N)
 FP8_MIN_CC = 89  # --dtype fp8 below this is refused
+FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
+FP8_HISTORY = 16  # steps of amax a delayed scale looks back over (torchao's default length)
+FP8_SITES = 1024  # tensors delayed scaling follows (3 per layer matmul); any beyond cast with current scaling
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
 
 # Variants (`llmc bench kernels --variants`, Backend.variants): "b<n>" is the default's code at n threads a block,
@@ -194,6 +198,15 @@ class CudaBackend(Backend):
         # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
         self._fp8_slots = cp.zeros(256, dtype=np.uint32) if self.fp8 else None
+        self.fp8_scaling = option_choice(options, "fp8_scaling", FP8_SCALINGS, "delayed", env="LLMC_FP8_SCALING")
+        # delayed scaling: row 0 the step's amax so far, rows 1..FP8_HISTORY the earlier steps' (newest first), one
+        # column a tensor ("site"); float32 for the ranks' MAX all-reduce, read as bits by the kernels
+        self._fp8_hist = (cp.zeros((FP8_HISTORY + 1) * FP8_SITES, dtype=np.float32)
+                          if self.fp8 and self.fp8_scaling == "delayed" else None)
+        self._fp8_sites: dict[tuple[int, str], int] = {}  # (weight pointer, role) -> site, in order of first use
+        self._fp8_next = 0  # the next site's number
+        self._fp8_fresh: set[int] = set()  # sites with no history yet: no step ended since they were first cast
+        self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
         self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
         self._overlap = None  # `llmc bench overlap`'s kernels and streams (overlap.py), made on first use
         self._variant: dict[str, tuple[str, int]] = {}  # kernel -> (implementation, block) inside `variant`
@@ -289,10 +302,12 @@ class CudaBackend(Backend):
     def settle(self, rerun=None):
         """The cuBLASLt races end now: with `rerun`, each runs to its end on rerun's calls (real calls of the
         products, as in training, without waiting TUNE_AFTER calls first); the others keep what they timed so
-        far (CublasLt.settle_all)."""
+        far (CublasLt.settle_all). Under FP8's delayed scaling the calls so far end a step."""
         if rerun is not None:
             self.lt.race_now(rerun)
         self.lt.settle_all()
+        if self._fp8_hist is not None:  # the warm-up calls make a step: later FP8 casts scale by its history (one
+            self.end_step()             # pass each, as in training's steady state)
 
     @staticmethod
     def _aligned(*bufs) -> bool:
@@ -317,6 +332,8 @@ class CudaBackend(Backend):
             raise BackendUnavailable(f"cuda backend has no dtype {dtype}")
         a = cp.empty(shape, dtype=self._np[dtype])
         self._allocated[tag] += a.nbytes
+        if self._fp8_sites:
+            self._fp8_forget(a.data.ptr, a.nbytes)
         return a
 
     def _host_bytes(self, dst, host) -> np.ndarray:
@@ -640,10 +657,14 @@ class CudaBackend(Backend):
 
     # ---- FP8 matmuls (--dtype fp8) ---------------------------------------------------------------------------
     # Each product casts its operands just before it runs: x and w to e4m3, dout to e5m2, each tensor with its own
-    # scale from its current amax (kernels.cu's FP8 section), into scratch that every matmul shares. Nothing is
-    # kept from one call to the next, so the forward and the backward of a layer are independent, a recomputed
-    # activation casts exactly as it did, and a resumed run computes the same bits (no amax history to save).
-    # The backward products take transposed copies (Hopper's FP8 matmuls are "TN" only) made by the same cast.
+    # scale (kernels.cu's FP8 section), into scratch that every matmul shares. The backward products take
+    # transposed copies (Hopper's FP8 matmuls are "TN" only) made by the same cast.
+    # Delayed scaling (the default; measured faster, and as good, in docs/performance.md) scales by the largest
+    # amax of the tensor's last FP8_HISTORY steps and records this one's in the cast itself: one pass. Current
+    # scaling (fp8_scaling=current) scales by the tensor's amax now: a pass to find it, then the cast. Delayed
+    # scaling's tensors ("sites") are named by the weight they meet and their role (x, w, dout), numbered in order
+    # of first use, which the training step fixes (forward layer by layer, then backward), so a checkpoint's
+    # histories find their tensors again (carried_state). A site's first step, with no history, scales currently.
     def _fp8_serves(self, N, C, OC, precise, *bufs) -> bool:
         """FP8 for this product: dims multiples of 16 (cuBLASLt's FP8 rule), more rows than the GEMV path
         takes, 16-byte aligned operands, and not a `precise` product unless fp8_classifier is on."""
@@ -655,18 +676,100 @@ class CudaBackend(Backend):
         base = self._fp8_slots.data.ptr
         return base + 4 * i, base + 256 * (i + 1)
 
-    def _fp8_cast(self, src, slot, rows, cols, out=None, out_t=None, e5m2=False):
-        """amax of src into `slot`, then src -> out (rows, cols) and/or out_t (cols, rows) in FP8."""
+    def _fp8_site(self, weight, role: str) -> int | None:
+        """The delayed-scaling site of (weight, role), numbered on first use; None under current scaling or once
+        FP8_SITES are taken."""
+        if self._fp8_hist is None:
+            return None
+        key = (weight.data.ptr, role)
+        site = self._fp8_sites.get(key)
+        if site is None and self._fp8_next < FP8_SITES:
+            site = self._fp8_sites[key] = self._fp8_next
+            self._fp8_next += 1
+            if site >= self._fp8_loaded:
+                self._fp8_fresh.add(site)
+        return site
+
+    def _fp8_forget(self, ptr: int, nbytes: int) -> None:
+        """A new buffer at [ptr, ptr + nbytes): weights that lived there were freed, and their sites' histories
+        must not scale whatever is multiplied there next (tests, benchmarks: models made one after another)."""
+        for key in [k for k in self._fp8_sites if ptr <= k[0] < ptr + nbytes]:
+            del self._fp8_sites[key]  # (its number is not given out again; carried_state keeps numbering alike)
+
+    def _fp8_cast(self, src, slot, rows, cols, out=None, out_t=None, e5m2=False, site=None, sums=False):
+        """src -> out (rows, cols) and/or out_t (cols, rows) in FP8, its inverse scale into `slot`: scaled by the
+        history of `site` (delayed scaling), else by its own amax found first (into the site's step amax, or the
+        slot's). With out_t and `sums`, src's column sums per 64 rows are taken on the way, for _fp8_add_sums."""
         amax, inv = self._fp8_slot(slot)
         n = rows * cols
-        self._launch(self._k("fp8_amax", True), self._grid(n, 8), _BLOCK, (np.uint64(amax), src, np.int64(n)))
+        hist_n, stride, observe = 1, 0, 0
+        if site is not None:
+            base = self._fp8_hist.data.ptr
+            if site not in self._fp8_fresh:
+                amax, hist_n, stride, observe = base + 4 * (FP8_SITES + site), FP8_HISTORY, FP8_SITES, base + 4 * site
+            else:
+                amax = base + 4 * site  # (the step's amax so far: at least this tensor's)
+        if observe == 0:
+            self._launch(self._k("fp8_amax", True), self._grid(n, 8), _BLOCK, (np.uint64(amax), src, np.int64(n)))
+        scale = (np.uint64(inv), np.uint64(amax), np.int32(hist_n), np.int32(stride), np.uint64(observe), src)
         if out_t is None:
             self._launch(self._k("fp8_quantize", True), self._grid(n, 8), _BLOCK,
-                         (out, np.uint64(inv), np.uint64(amax), src, np.int64(n), np.int32(e5m2)))
+                         (out, *scale, np.int64(n), np.int32(e5m2)))
         else:
-            self._launch(self._k("fp8_quantize_t", True), ((cols + 63) // 64, (rows + 63) // 64), 256,
-                         (out if out is not None else np.uint64(0), out_t, np.uint64(inv), np.uint64(amax), src,
-                          np.int32(rows), np.int32(cols), np.int32(e5m2)))
+            tiles = (rows + 63) // 64
+            part = self.scratch("colsum", tiles * cols) if sums else np.uint64(0)
+            self._launch(self._k("fp8_quantize_t", True), ((cols + 63) // 64, tiles), 256,
+                         (out if out is not None else np.uint64(0), out_t, *scale, np.int32(rows), np.int32(cols),
+                          np.int32(e5m2), part))
+
+    def _fp8_add_sums(self, dbias, rows, cols):
+        """dbias += the column sums the last cast with `sums` took (the backward's bias gradient, GPT-2)."""
+        tiles = (rows + 63) // 64
+        self._launch(self._kk("column_sums_reduce", dbias), (cols + 255) // 256, 256,
+                     (dbias, self.scratch("colsum", tiles * cols), np.int32(tiles), np.int32(cols)))
+
+    # the training step's boundaries (Backend.begin_step etc.): only delayed scaling carries anything
+    def begin_step(self) -> None:
+        if self._fp8_hist is not None:
+            cp.cuda.runtime.memsetAsync(self._fp8_hist.data.ptr, 0, 4 * FP8_SITES, self.stream.ptr)
+
+    def step_observations(self):
+        return None if self._fp8_hist is None else self._fp8_hist[:FP8_SITES]
+
+    def end_step(self) -> None:
+        if self._fp8_hist is not None:
+            self._launch(self._k("fp8_roll", True), FP8_SITES // 256, 256,
+                         (self._fp8_hist, np.int32(FP8_SITES), np.int32(FP8_HISTORY)))
+            self._fp8_fresh.clear()
+
+    def carried_state(self) -> dict:
+        # (the fresh sites are the newest: the ones below have a history)
+        known = max(self._fp8_loaded, self._fp8_next - len(self._fp8_fresh)) if self._fp8_hist is not None else 0
+        if not known:
+            return {}
+        with self.stream:
+            h = cp.asnumpy(self._fp8_hist, stream=self.stream).reshape(FP8_HISTORY + 1, FP8_SITES)
+        self.stream.synchronize()
+        return {"fp8_amax_history": [[float(v) for v in h[1:, site]] for site in range(known)]}
+
+    def load_carried_state(self, state: dict) -> None:
+        rows = state.get("fp8_amax_history") if isinstance(state, dict) else None
+        if self._fp8_hist is None or rows is None:
+            return
+        if (not isinstance(rows, list) or len(rows) > FP8_SITES
+                or not all(isinstance(r, list) and len(r) == FP8_HISTORY for r in rows)):
+            raise ValueError(f"fp8_amax_history: expected at most {FP8_SITES} lists of {FP8_HISTORY} amax values")
+        try:
+            h = np.asarray(rows, dtype=np.float64).reshape(len(rows), FP8_HISTORY)
+        except (TypeError, ValueError):
+            raise ValueError("fp8_amax_history: expected numbers") from None
+        if not (np.isfinite(h).all() and (h >= 0).all() and (h <= np.finfo(np.float32).max).all()):
+            raise ValueError("fp8_amax_history: expected finite amax values >= 0")
+        full = np.zeros((FP8_HISTORY + 1, FP8_SITES), np.float32)
+        full[1:, :len(rows)] = h.T
+        self.upload(self._fp8_hist, full.reshape(-1))
+        self._fp8_sites.clear()  # (sites are numbered again, in the same order, as the steps first cast them)
+        self._fp8_next, self._fp8_fresh, self._fp8_loaded = 0, set(), len(rows)
 
     def _fp8_zero(self):
         cp.cuda.runtime.memsetAsync(self._fp8_slots.data.ptr, 0, 16, self.stream.ptr)
@@ -684,8 +787,8 @@ class CudaBackend(Backend):
         from nvmath.bindings.cublasLt import Epilogue as E
         x8, w8 = self._fp8_arena(N * C, OC * C)
         self._fp8_zero()
-        self._fp8_cast(inp, 0, N, C, out=x8)
-        self._fp8_cast(weight, 1, OC, C, out=w8)
+        self._fp8_cast(inp, 0, N, C, out=x8, site=self._fp8_site(weight, "x"))
+        self._fp8_cast(weight, 1, OC, C, out=w8, site=self._fp8_site(weight, "w"))
         scales = (self._fp8_slot(1)[1], self._fp8_slot(0)[1])
         b = bias.data.ptr if bias is not None else 0
         args = (x8.data.ptr, w8.data.ptr, N, C, OC, self.stream.ptr, scales)
@@ -711,22 +814,23 @@ class CudaBackend(Backend):
         x8t = rest[:N * C]
         s = self.stream.ptr
         self._fp8_zero()
-        self._fp8_cast(dout, 2, N, OC, out=d8 if dinp is not None else None, out_t=d8t, e5m2=True)
+        self._fp8_cast(dout, 2, N, OC, out=d8 if dinp is not None else None, out_t=d8t, e5m2=True,
+                       site=self._fp8_site(weight, "dout"), sums=dbias is not None)
         if dinp is not None and not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
             return False  # (nothing accumulated yet: the bf16 path redoes the product)
-        self._fp8_cast(inp, 0, N, C, out_t=x8t)
+        self._fp8_cast(inp, 0, N, C, out_t=x8t, site=self._fp8_site(weight, "x"))
         if not self.lt.backward_weight_fp8(dweight.data.ptr, d8t.data.ptr, x8t.data.ptr, N, C, OC, s,
                                            (self._fp8_slot(0)[1], self._fp8_slot(2)[1])):
             return False  # (dinp is overwritten by the bf16 path; dweight and dbias untouched so far)
         if dbias is not None:
-            self._column_sums(dbias, dout, N, OC)
+            self._fp8_add_sums(dbias, N, OC)
         return True
 
     def _fp8_dinp(self, dinp, d8, w8t, weight, pre_gelu, N, C, OC) -> bool:
         """dinp from the cast gradient d8 (slot 2) and the weight cast transposed into w8t here; False if
         cuBLASLt has no FP8 algorithm for it."""
         s = self.stream.ptr
-        self._fp8_cast(weight, 1, OC, C, out_t=w8t)
+        self._fp8_cast(weight, 1, OC, C, out_t=w8t, site=self._fp8_site(weight, "w"))
         scales = (self._fp8_slot(1)[1], self._fp8_slot(2)[1])
         if pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
                 dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr):
@@ -742,7 +846,7 @@ class CudaBackend(Backend):
         if dinp is not None:
             d8, w8t = self._fp8_arena(N * OC, OC * C)
             self._fp8_zero()
-            self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True)
+            self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True, site=self._fp8_site(weight, "dout"))
             if not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
                 return False
         self._dweight(dweight, dbias, dout, inp, N, C, OC)

@@ -701,15 +701,35 @@ extern "C" __global__ void accumulate_act(act_t* dst, const act_t* src, int n) {
 
 // ---------------------------------------------------------------------------------------------------------
 // FP8 (--dtype fp8): the per-tensor scaled casts in front of cuBLASLt's FP8 matmuls. e4m3 (largest finite 448)
-// for weights and activations, e5m2 (57344) for gradients. Current scaling: fp8_amax first, then every block of
-// the cast derives scale = largest finite / amax itself (no host sync, no extra launch) and block 0 writes the
-// inverse the matmul dequantizes with. amax is a max over the float's bits (|x| >= 0 orders like its bits, NaN
-// above infinity): order-free, so deterministic, and a NaN or infinity reaches the loss instead of vanishing.
+// for weights and activations, e5m2 (57344) for gradients. Every block of a cast derives scale = largest finite /
+// amax itself (no host sync, no extra launch) and block 0 writes the inverse the matmul dequantizes with. The amax
+// is the largest of `hist_n` words `stride` apart: this call's own amax (current scaling: fp8_amax first, n = 1)
+// or a tensor's history of earlier steps (delayed scaling: no pass before the cast; the cast itself records this
+// call's amax into `observe` for fp8_roll). amax is a max over the float's bits (|x| >= 0 orders like its bits,
+// NaN above infinity): order-free, so deterministic, and a NaN or infinity reaches the loss instead of vanishing.
 #ifdef ACT_BF16
-__device__ __forceinline__ float fp8_scale(const unsigned int* amax, float fmax) {
-    float a = __uint_as_float(*amax);
+__device__ __forceinline__ float fp8_scale(const unsigned int* amax, int hist_n, int stride, float fmax) {
+    unsigned int bits = 0;
+    for (int k = 0; k < hist_n; k++) bits = max(bits, amax[(long long)k * stride]);
+    float a = __uint_as_float(bits);
     // all zeros: 1; a tiny amax must not overflow the scale (0 * inf would be NaN); NaN stays NaN
     return a > 0.0f ? fminf(fmax / a, 3.0e38f) : (a == 0.0f ? 1.0f : a);
+}
+// the block's largest m into *observe with one atomic (every thread of the block calls it, once a kernel)
+__device__ __forceinline__ void fp8_observe(unsigned int* observe, unsigned int m) {
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __shared__ unsigned int wm[32];
+    if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (blockDim.x + 31) / 32; w++) m = max(m, wm[w]);
+        if (observe) atomicMax(observe, m);
+    }
+}
+__device__ __forceinline__ unsigned int pack_amax(const pack_t& p, unsigned int m) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) m = max(m, __float_as_uint(fabsf(to_f(p.v[j]))));
+    return m;
 }
 // two floats to two fp8 bytes (lo in the low byte), round to nearest even, saturating at the largest finite
 __device__ __forceinline__ unsigned int fp8x2(float lo, float hi, int e5m2) {
@@ -731,47 +751,67 @@ __device__ __forceinline__ fp8x8_t fp8_pack8(const pack_t& p, float s, int e5m2)
 extern "C" __global__ void fp8_amax(unsigned int* amax, const act_t* x, long long n) {
     unsigned int m = 0;
     for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 8; i < n;
+         i += (long long)gridDim.x * blockDim.x * 8)
+        m = pack_amax(load_pack(x + i), m);
+    fp8_observe(amax, m);
+}
+// out (n bytes) = fp8(x * scale); inv_scale[0] = 1 / scale; *observe |= amax of x (when not null)
+extern "C" __global__ void fp8_quantize(unsigned char* out, float* inv_scale, const unsigned int* amax,
+                                        int hist_n, int stride, unsigned int* observe, const act_t* x, long long n,
+                                        int e5m2) {
+    float s = fp8_scale(amax, hist_n, stride, e5m2 ? 57344.0f : 448.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
+    unsigned int m = 0;
+    for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 8; i < n;
          i += (long long)gridDim.x * blockDim.x * 8) {
         pack_t p = load_pack(x + i);
-#pragma unroll
-        for (int j = 0; j < 8; j++) m = max(m, __float_as_uint(fabsf(to_f(p.v[j]))));
+        if (observe) m = pack_amax(p, m);
+        *reinterpret_cast<fp8x8_t*>(out + i) = fp8_pack8(p, s, e5m2);
     }
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-    __shared__ unsigned int wm[32];
-    if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (blockDim.x + 31) / 32; w++) m = max(m, wm[w]);
-        atomicMax(amax, m);
-    }
-}
-// out (n bytes) = fp8(x * scale); inv_scale[0] = 1 / scale
-extern "C" __global__ void fp8_quantize(unsigned char* out, float* inv_scale, const unsigned int* amax,
-                                        const act_t* x, long long n, int e5m2) {
-    float s = fp8_scale(amax, e5m2 ? 57344.0f : 448.0f);
-    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
-    for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 8; i < n;
-         i += (long long)gridDim.x * blockDim.x * 8)
-        *reinterpret_cast<fp8x8_t*>(out + i) = fp8_pack8(load_pack(x + i), s, e5m2);
+    if (observe) fp8_observe(observe, m);
 }
 // x (rows, cols) -> out (rows, cols) and/or out_t (cols, rows), through a 64x64 tile in shared memory (either may
-// be null); rows % 8 == 0, cols % 8 == 0. One block per tile, 256 threads, 8 elements per access.
+// be null); rows % 8 == 0, cols % 8 == 0. One block per tile, 256 threads (8 elements per access: a thread's two
+// packs are rows r and r + 32 of the same 8 columns). With colsum (the gradient's bias sums, GPT-2), each tile's
+// column sums of x in float32 go to colsum[tile row][col], summed in a fixed order (column_sums_reduce after).
 #define FP8_TILE 64
 extern "C" __global__ void __launch_bounds__(256) fp8_quantize_t(unsigned char* out, unsigned char* out_t,
-        float* inv_scale, const unsigned int* amax, const act_t* x, int rows, int cols, int e5m2) {
+        float* inv_scale, const unsigned int* amax, int hist_n, int stride, unsigned int* observe, const act_t* x,
+        int rows, int cols, int e5m2, float* colsum) {
     __shared__ __align__(8) unsigned char tile[FP8_TILE][FP8_TILE + 8];
-    float s = fp8_scale(amax, e5m2 ? 57344.0f : 448.0f);
+    __shared__ float csum[FP8_TILE / 2][FP8_TILE + 1];
+    float s = fp8_scale(amax, hist_n, stride, e5m2 ? 57344.0f : 448.0f);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
     int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    unsigned int m = 0;
+    float sums[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int i = threadIdx.x; i < FP8_TILE * FP8_TILE / 8; i += blockDim.x) {
         int r = i / (FP8_TILE / 8), c = (i % (FP8_TILE / 8)) * 8;
         fp8x8_t q = {0u, 0u};
         if (r0 + r < rows && c0 + c < cols) {
             long long at = (long long)(r0 + r) * cols + c0 + c;
-            q = fp8_pack8(load_pack(x + at), s, e5m2);
+            pack_t p = load_pack(x + at);
+            if (observe) m = pack_amax(p, m);
+            if (colsum) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) sums[j] += to_f(p.v[j]);
+            }
+            q = fp8_pack8(p, s, e5m2);
             if (out) *reinterpret_cast<fp8x8_t*>(out + at) = q;
         }
         *reinterpret_cast<fp8x8_t*>(&tile[r][c]) = q;
+    }
+    if (observe) fp8_observe(observe, m);
+    if (colsum) {
+        int r = threadIdx.x / (FP8_TILE / 8), c = (threadIdx.x % (FP8_TILE / 8)) * 8;
+#pragma unroll
+        for (int j = 0; j < 8; j++) csum[r][c + j] = sums[j];
+        __syncthreads();
+        if (threadIdx.x < FP8_TILE && c0 + threadIdx.x < cols) {
+            float acc = 0.0f;
+            for (int k = 0; k < FP8_TILE / 2; k++) acc += csum[k][threadIdx.x];
+            colsum[(long long)blockIdx.y * cols + c0 + threadIdx.x] = acc;
+        }
     }
     if (!out_t) return;
     __syncthreads();
@@ -784,6 +824,17 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_t(unsigned char* 
             *reinterpret_cast<fp8x8_t*>(out_t + (long long)(c0 + c) * rows + r0 + r) = q;
         }
     }
+}
+// delayed scaling, once a step: each of `sites` histories (hist[k * sites + site], k = 1..hist_n; k = 0 is the
+// step's amax so far) moves one step older and takes the step's amax, which restarts at zero. A non-finite amax
+// is not kept: that step's update was skipped (step_guard), and it must not spoil the next hist_n steps' scales.
+extern "C" __global__ void fp8_roll(unsigned int* hist, int sites, int hist_n) {
+    int site = blockIdx.x * blockDim.x + threadIdx.x;
+    if (site >= sites) return;
+    for (int k = hist_n; k > 1; k--) hist[(long long)k * sites + site] = hist[(long long)(k - 1) * sites + site];
+    unsigned int now = hist[site];
+    hist[sites + site] = now < 0x7f800000u ? now : 0u;
+    hist[site] = 0u;
 }
 #endif
 

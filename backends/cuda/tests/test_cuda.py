@@ -7,6 +7,7 @@ Everything skips, with the plugin's own reason, where the CUDA backend cannot ru
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -491,31 +492,37 @@ def test_tiny_gpt2_bf16_close_to_cpu(cpu):
 # =============================================================================================================
 # FP8 matmuls (--dtype fp8)
 
-def _fp8_held(x, e5m2=False):
-    """What the backend's current-scaling cast makes of `x` (float64 values held in bf16), dequantized: float32
-    scale = largest finite / amax, round to nearest even in e4m3 / e5m2, times the float32 inverse."""
+def _fp8_held(x, e5m2=False, amax=None):
+    """What the backend's cast makes of `x` (float64 values held in bf16), dequantized: float32 scale = largest
+    finite / amax (x's own, current scaling, unless given), round to nearest even in e4m3 / e5m2 saturating at the
+    largest finite, times the float32 inverse."""
     import ml_dtypes
     x32 = np.asarray(x, dtype=np.float32)
-    amax = np.float32(np.abs(x32).max())
+    amax = np.float32(np.abs(x32).max() if amax is None else amax)
+    top = np.float32(57344.0 if e5m2 else 448.0)
     s = np.float32(57344.0 if e5m2 else 448.0) / amax if amax > 0 else np.float32(1.0)
     s = np.minimum(s, np.float32(3.0e38))
-    q = (x32 * s).astype(ml_dtypes.float8_e5m2 if e5m2 else ml_dtypes.float8_e4m3fn)
+    q = np.clip(x32 * s, -top, top).astype(ml_dtypes.float8_e5m2 if e5m2 else ml_dtypes.float8_e4m3fn)
     return q.astype(np.float64) * np.float64(np.float32(1.0) / s)
 
 
-def test_fp8_matmuls_compute_the_cast_operands():
+@pytest.mark.parametrize("T", [64, 40])  # (40: rows that end in a part of a 64-row tile)
+def test_fp8_matmuls_compute_the_cast_operands(T):
     """The three products against float64 products of the operands cast as the backend casts them: close to
-    that (bf16 output rounding, fp32 accumulation), and far from the uncast product, so FP8 really ran."""
+    that (bf16 output rounding, fp32 accumulation), and far from the uncast product, so FP8 really ran. The bias
+    gradient (summed by the gradient's cast) is the bf16 sum of the uncast gradient, added to what it held."""
     b = cuda("fp8")
     rng = np.random.default_rng(3)
-    B, T, C, OC = 2, 64, 256, 192
+    B, C, OC = 2, 256, 192
     x = held(b, rng.standard_normal((B, T, C)))
     w = held(b, rng.standard_normal((OC, C)) / math.sqrt(C))
     dout = held(b, rng.standard_normal((B, T, OC)) * 1e-2)
     out = poisoned(b, (B, T, OC))
     b.matmul_forward(out, up(b, x), up(b, w))
-    dinp, dw = poisoned(b, (B, T, C)), up(b, np.zeros((OC, C)))
-    b.matmul_backward(dinp, dw, None, up(b, dout), up(b, x), up(b, w))
+    dinp, dw, db = poisoned(b, (B, T, C)), up(b, np.zeros((OC, C))), up(b, np.full(OC, 0.25))
+    b.matmul_backward(dinp, dw, db, up(b, dout), up(b, x), up(b, w))
+    e_db = rel(down(b, db), 0.25 + dout.reshape(-1, OC).sum(0))
+    assert e_db < 1e-2, f"dbias: {e_db:.2e}"
     xq, wq, dq = _fp8_held(x), _fp8_held(w), _fp8_held(dout, e5m2=True)
     for name, got, cast, exact in (
             ("out", down(b, out), xq @ wq.T, x @ w.T),
@@ -567,6 +574,93 @@ def test_tiny_models_train_in_fp8_close_to_bf16_and_deterministic():
     assert np.array_equal(ll8, _train_llama(f8)), "fp8 Llama training is not deterministic"
 
 
+def test_fp8_delayed_scaling_casts_by_the_history_and_carries_it():
+    """fp8_scaling=delayed: a tensor's first step casts by its own amax; later steps by the largest amax of the
+    earlier steps (values past it saturate), the step's own amax recorded by the cast; calls between steps neither
+    record nor roll. The history goes through carried_state into a new backend, which then computes the same bits."""
+    if _INFO is None or not _INFO.usable:
+        cuda("fp8")  # (skips with the reason)
+    b = _INFO.plugin.create(dtype="fp8", options={"fp8_scaling": "delayed"})
+    rng = np.random.default_rng(5)
+    B, T, C, OC = 2, 64, 256, 192
+    w = held(b, rng.standard_normal((OC, C)) / math.sqrt(C))
+    xs = [held(b, rng.standard_normal((B, T, C)) * f) for f in (1.0, 0.5, 3.0, 1.0)]
+    dout = held(b, rng.standard_normal((B, T, OC)) * 1e-2)
+    W = up(b, w)
+    amax_w = np.abs(w).max()
+
+    def step(x, train=True):
+        out = poisoned(b, (B, T, OC))
+        if train:
+            b.begin_step()
+        b.matmul_forward(out, up(b, x), W)
+        if train:
+            dinp, dw = poisoned(b, (B, T, C)), up(b, np.zeros((OC, C)))
+            b.matmul_backward(dinp, dw, None, up(b, dout), up(b, x), W)
+            b.end_step()
+        return down(b, out)
+
+    amaxes = []
+    for i, x in enumerate(xs):
+        want = _fp8_held(x, amax=max(amaxes) if amaxes else None) @ _fp8_held(w, amax=amax_w).T
+        e = rel(step(x), want)
+        assert e < 6e-3, f"step {i}: {e:.2e} from the product cast by the history"
+        amaxes.append(np.abs(x).max())
+        if i == 1:  # an evaluation between steps: cast by the history, and nothing recorded
+            big = xs[2] * 10
+            got = step(big, train=False)
+            assert rel(got, _fp8_held(big, amax=max(amaxes)) @ _fp8_held(w, amax=amax_w).T) < 6e-3
+    state = b.carried_state()
+    hist = state["fp8_amax_history"]
+    assert len(hist) == 3 and all(len(h) == 16 for h in hist)  # x, w, dout of the one weight
+    assert hist[0][:4] == [float(np.float32(a)) for a in amaxes[::-1]] and hist[0][4:] == [0.0] * 12
+    json.loads(json.dumps(state))  # (JSON-able; floats exact)
+    again = _INFO.plugin.create(dtype="fp8", options={"fp8_scaling": "delayed"})
+    again.load_carried_state(json.loads(json.dumps(state)))
+    x = xs[1]
+    outs = []
+    for be in (b, again):
+        out = poisoned(be, (B, T, OC))
+        be.begin_step()
+        be.matmul_forward(out, up(be, x), up(be, w) if be is again else W)
+        outs.append(down(be, out))
+    assert np.array_equal(outs[0], outs[1]), "a loaded history must scale as the original"
+    for bad in ({"fp8_amax_history": [[1.0] * 15]}, {"fp8_amax_history": [[float("nan")] * 16]},
+                {"fp8_amax_history": "x"}, {"fp8_amax_history": [["a"] * 16]}):
+        with pytest.raises(ValueError, match="fp8_amax_history"):
+            again.load_carried_state(bad)
+    cuda(BFLOAT16).load_carried_state(state)  # a bf16 run continuing an FP8 one ignores it
+
+
+def test_fp8_delayed_scaling_resumes_bit_exactly(tmp_path):
+    """8 steps straight against 4 + 4 resumed from the checkpoint (amax histories in state.json); and
+    a bf16 run continuing the FP8 checkpoint."""
+    from llmc_cli.formats.shards import write_shard
+    from llmc_cli.training.trainer import TrainArgs, Trainer
+    if _INFO is None or not _INFO.usable:
+        cuda("fp8")
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "g_train_000001.bin", rng.integers(0, 1000, 40_000))
+    mk = lambda dtype="fp8": _INFO.plugin.create(dtype=dtype, options={"fp8_scaling": "delayed"})  # noqa: E731
+    base = dict(data=str(tmp_path / "g_train_*.bin"), model="d2", n_embd=128, batch_size=4, seq_len=64, steps=8,
+                val_every=0, sample_every=0, checkpoint_minutes=0)
+    straight = Trainer(TrainArgs(**base), mk(), say=lambda s: None)
+    want = [straight.train_step(s)["loss"] for s in range(8)]
+    first = Trainer(TrainArgs(**base, out=str(tmp_path / "run"), checkpoint_every=4), mk(), say=lambda s: None)
+    got = [first.train_step(s)["loss"] for s in range(4)]
+    first.save(4)
+    first.close()
+    state = json.loads((tmp_path / "run" / "step_00000004" / "state.json").read_text())
+    assert len(state["backend_state"]["fp8_amax_history"]) == 2 * 4 * 3  # 2 layers, 4 matmuls, x / w / dout
+    second = Trainer(TrainArgs(**base, out=str(tmp_path / "run"), resume=True), mk(), say=lambda s: None)
+    got += [second.train_step(s)["loss"] for s in range(second.start_step, 8)]
+    second.close()
+    assert got == want, (got, want)
+    bf = Trainer(TrainArgs(**base, out=str(tmp_path / "run"), resume=True), cuda(BFLOAT16), say=lambda s: None)
+    assert np.isfinite(bf.train_step(bf.start_step)["loss"])
+    bf.close()
+
+
 def test_fp8_wgrad_off_keeps_the_weight_gradient_in_bf16():
     b = cuda("fp8")
     rng = np.random.default_rng(4)
@@ -590,7 +684,8 @@ def test_fp8_wgrad_off_keeps_the_weight_gradient_in_bf16():
 # =============================================================================================================
 # training steps replayed as CUDA graphs
 
-@pytest.mark.parametrize("model,dtype", [("d2", BFLOAT16), ("llama3-tiny", BFLOAT16), ("d2", "fp8"), ("d2", FLOAT32)])
+@pytest.mark.parametrize("model,dtype", [("d2", BFLOAT16), ("llama3-tiny", BFLOAT16), ("d2", "fp8"), ("d2", FLOAT32),
+                                         ("llama3-tiny", "fp8-current")])
 def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
     """The trainer captures each micro-step once GRAPH_AFTER steps ran and replays it: the losses are the
     uncaptured run's, bit for bit (two micro-steps a step, so both graphs replay)."""
@@ -602,7 +697,9 @@ def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
     runs = {}
     for graphs in (False, True):
         said = []
-        b = _INFO.plugin.create(dtype=dtype) if _INFO and _INFO.usable else cuda(dtype)
+        opts = {"fp8_scaling": "current"} if dtype == "fp8-current" else None
+        dt = "fp8" if dtype == "fp8-current" else dtype
+        b = _INFO.plugin.create(dtype=dt, options=opts) if _INFO and _INFO.usable else cuda(dt)
         a = TrainArgs(data=str(tmp_path / "g_train_*.bin"), model=model, batch_size=4, seq_len=64,
                       total_batch_size=2 * 4 * 64, steps=GRAPH_AFTER + 4, val_every=0, sample_every=0, graphs=graphs,
                       **({} if llama else {"n_embd": 128}))
@@ -688,7 +785,9 @@ def test_prefetched_training_matches_reading_in_the_step(tmp_path, model, dtype)
     write_shard(tmp_path / "p_train_000001.bin", rng.integers(0, 1000, 40_000))
     runs = {}
     for prefetch in (False, True):
-        b = _INFO.plugin.create(dtype=dtype) if _INFO and _INFO.usable else cuda(dtype)
+        opts = {"fp8_scaling": "current"} if dtype == "fp8-current" else None
+        dt = "fp8" if dtype == "fp8-current" else dtype
+        b = _INFO.plugin.create(dtype=dt, options=opts) if _INFO and _INFO.usable else cuda(dt)
         a = TrainArgs(data=str(tmp_path / "p_train_*.bin"), model=model, batch_size=4, seq_len=64,
                       total_batch_size=2 * 4 * 64, steps=GRAPH_AFTER + 4, val_every=0, sample_every=0, shuffle=True,
                       prefetch=prefetch, **({} if llama else {"n_embd": 128}))
