@@ -647,13 +647,19 @@ class BackendUnavailable(RuntimeError):
     """Raised by a plugin's `create` (or `probe`) when it cannot run here; the message says why."""
 
 
-def option_flag(options: dict[str, str] | None, name: str, default: bool, env: str | None = None) -> bool:
-    """An on/off backend option: `options[name]` if given, else the environment variable `env` (the older way
-    to set it), else `default`. BackendUnavailable names the option on anything but on/off (1/0, true/false)."""
+def _option_raw(options: dict[str, str] | None, name: str, env: str | None) -> str | None:
+    """A backend option's text: `options[name]` if given, else the environment variable `env`, else None."""
     import os
     raw = (options or {}).get(name)
     if raw is None and env:
         raw = os.environ.get(env)
+    return raw
+
+
+def option_flag(options: dict[str, str] | None, name: str, default: bool, env: str | None = None) -> bool:
+    """An on/off backend option: `options[name]` if given, else the environment variable `env` (the older way
+    to set it), else `default`. BackendUnavailable names the option on anything but on/off (1/0, true/false)."""
+    raw = _option_raw(options, name, env)
     if raw is None:
         return default
     v = str(raw).strip().lower()
@@ -668,10 +674,7 @@ def option_choice(options: dict[str, str] | None, name: str, choices: Sequence[s
                   env: str | None = None) -> str:
     """A backend option with named values: `options[name]` if given, else the environment variable `env`, else
     `default`. BackendUnavailable names the option and its choices on anything else."""
-    import os
-    raw = (options or {}).get(name)
-    if raw is None and env:
-        raw = os.environ.get(env)
+    raw = _option_raw(options, name, env)
     if raw is None:
         return default
     v = str(raw).strip().lower()
@@ -683,10 +686,7 @@ def option_choice(options: dict[str, str] | None, name: str, choices: Sequence[s
 def option_int(options: dict[str, str] | None, name: str, default: int, env: str | None = None) -> int:
     """An integer backend option (>= 0): `options[name]` if given, else the environment variable `env`, else
     `default`. BackendUnavailable names the option on anything else."""
-    import os
-    raw = (options or {}).get(name)
-    if raw is None and env:
-        raw = os.environ.get(env)
+    raw = _option_raw(options, name, env)
     if raw is None:
         return default
     try:

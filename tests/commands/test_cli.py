@@ -197,6 +197,24 @@ def test_backend_options_reach_the_plugin_and_bad_ones_are_one_line(tmp_path):
     assert r.exit_code == 0 and '"threads"' in r.output
 
 
+def test_backend_option_parsers_take_the_option_then_the_environment_and_name_bad_values(monkeypatch):
+    """The helpers plugins parse their options with (kernels.option_flag / option_int / option_choice)."""
+    from llmc_cli.kernels import BackendUnavailable, option_choice, option_flag, option_int
+    monkeypatch.setenv("LLMC_T_OPT", "delayed")
+    assert option_choice(None, "mode", ("current", "delayed"), "current", env="LLMC_T_OPT") == "delayed"
+    assert option_choice({"mode": " Current "}, "mode", ("current", "delayed"), "x", env="LLMC_T_OPT") == "current"
+    assert option_choice(None, "mode", ("current", "delayed"), "current") == "current"
+    assert option_flag({"f": "off"}, "f", True) is False and option_flag(None, "f", True) is True
+    assert option_int({"n": "7"}, "n", 0) == 7 and option_int(None, "n", 5) == 5
+    for call, expect in ((lambda: option_choice({"mode": "later"}, "mode", ("current", "delayed"), "current"),
+                          "--backend-opt mode=later: expected one of current, delayed"),
+                         (lambda: option_flag({"f": "maybe"}, "f", True), "--backend-opt f=maybe: expected on or off"),
+                         (lambda: option_int({"n": "-1"}, "n", 0), "--backend-opt n=-1: expected an integer >= 0")):
+        with pytest.raises(BackendUnavailable) as e:
+            call()
+        assert str(e.value) == expect
+
+
 def test_cuda_without_a_driver_says_so_in_one_hint(monkeypatch):
     """No NVIDIA driver: the cuda plugin names that, not a missing CuPy (and no pip hints contradicting each other)."""
     import ctypes

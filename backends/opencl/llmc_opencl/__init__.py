@@ -74,6 +74,12 @@ def build_program(ctx, name: str, options: str = ""):
     if hit is not None:
         return hit
     src = _source(name)
+    from .probe import build_verdicts
+    for d in ctx.devices:  # (built in a child process first: a failed build can abort this one at exit)
+        why = build_verdicts(d, [(name, options)])[f"{name} {options}"]
+        if why:
+            raise BackendUnavailable(f"OpenCL {d.name.strip()}: cannot build {name} ({options or 'no options'}): "
+                                     f"{why}")
     try:
         prg = cl.Program(ctx, src).build(options=options)
     except Exception as e:  # noqa: BLE001  (the build log's first error, not pyopencl's status words)
@@ -84,7 +90,7 @@ def build_program(ctx, name: str, options: str = ""):
     built = set(prg.get_info(cl.program_info.KERNEL_NAMES).split(";"))
     if not built >= set(sigs):  # (a compiler that dropped a kernel it could not lower, and said nothing)
         dev = ", ".join(d.name.strip() for d in ctx.devices)
-        raise BackendUnavailable(f"OpenCL {dev}: building {name} ({options or 'no options'}) gave no kernel "
+        raise BackendUnavailable(f"OpenCL {dev}: cannot build {name} ({options or 'no options'}): gave no kernel "
                                  f"{', '.join(sorted(set(sigs) - built))}")
     kernels = {}
     for kname, dts in sigs.items():
@@ -369,14 +375,8 @@ class OpenCLBackend(Backend):
         key = (a_t, b_t, va, vb) + self._tune.config_key(c)
         hit = self._gemm_kernels.get(key)
         if hit is None:
-            if c.get("kind", "tiled") == "direct":
-                opts = f"-DRM={c['RM']} -DRN={c['RN']} -DVK={c.get('VK', 4)} -DA_T={a_t} -DB_T={b_t}"
-                _, ks = build_program(self.ctx, "sgemm_direct.cl", opts)
-            else:
-                opts = (f"-DTM={c['TM']} -DTN={c['TN']} -DTK={c['TK']} -DWPTM={c['WPTM']} -DWPTN={c['WPTN']} "
-                        f"-DA_T={a_t} -DB_T={b_t} -DPREF={int(c.get('PREF', 0))} -DVEC={int(c.get('VEC', 0))} "
-                        f"-DVA={va} -DVB={vb}")
-                _, ks = build_program(self.ctx, "sgemm.cl", opts)
+            layout = ("T" if a_t else "N") + ("T" if b_t else "N")
+            _, ks = build_program(self.ctx, *self._tune.build_options(c, layout, va, vb))
             hit = self._gemm_kernels[key] = (ks["sgemm"], c)
         return hit
 

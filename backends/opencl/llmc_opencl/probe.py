@@ -18,7 +18,6 @@ PROBE_VERSION = 1
 _SRC = "__kernel void probe(__global float* o) { const int i = get_global_id(0); o[i] = 2.0f * (float)i + 1.0f; }"
 _N = 64
 _SEEN: dict[str, str] = {}  # this process's verdicts: device key -> "" (usable) or the reason
-_BUILT: dict[str, list[str]] = {}  # this process's wide_builds answers: device key -> the options that built
 
 
 def cache_path() -> Path:
@@ -86,70 +85,77 @@ def check(platform, device) -> str:
     return reason
 
 
-# Float16 vectors (sgemm_direct's 16-wide register blocks) are their own hazard: PoCL 3.0 from PyPI targets a Zen 4
-# EPYC as znver3 (its LLVM 14 knows no znver4), whose ABI has no 512-bit vectors, and then "builds" some such
-# kernels into a program without them (INVALID_KERNEL_NAME later), which ones depending on the layout; worse, once
-# such a build was tried LLVM aborts the process at exit ("still have references to IRs"), so one candidate tried
-# would fail a whole run. So every 16-wide configuration is built in a child process, once per device, and the
-# ones that built are cached beside the probe's verdict.
-_WIDE_CHILD = r"""
+# A build that fails can take the process down with it: PoCL 3.0 from PyPI targets a Zen 4 EPYC as znver3 (its
+# LLVM 14 knows no znver4), whose ABI has no 512-bit vectors, and then "builds" some float16 kernels (sgemm_direct's
+# 16-wide register blocks, which ones depending on the layout) into a program without them; once such a build was
+# tried, LLVM aborts the process at exit ("still have references to IRs"): one tuning candidate would fail a whole
+# run or test session. So every program is first built in a child process, once per device, file and options (a
+# batch in one child), and the verdicts are cached beside the probe's; only programs that built there, every
+# kernel present, are built in-process.
+_BUILD_CHILD = r"""
 import json, sys
 import pyopencl as cl
-pi, di, path, todo = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+pi, di, jobs = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.stdin.read())
 ctx = cl.Context([cl.get_platforms()[pi].get_devices()[di]])
-src = open(path).read()
-for opts in todo:
+for path, opts, want in jobs:
     try:
-        names = cl.Program(ctx, src).build(options=opts).get_info(cl.program_info.KERNEL_NAMES)
-    except Exception:
-        names = ""
-    print(("built " if "sgemm" in names.split(";") else "failed ") + opts, flush=True)
+        prg = cl.Program(ctx, open(path).read()).build(options=opts)
+        missing = sorted(set(want) - set(prg.get_info(cl.program_info.KERNEL_NAMES).split(";")))
+        why = ("gave no kernel " + ", ".join(missing)) if missing else ""
+    except Exception as e:
+        why = str(e)
+    print(json.dumps([path, opts, why]), flush=True)
 """
+_BUILT: dict[str, dict[str, str]] = {}  # this process's build verdicts: device key -> {"file options": "" or why}
 
 
-def _direct_options(c: dict, layout: str) -> str:
-    """sgemm_direct.cl's build options for configuration `c` and layout "NT", "NN" or "TN"."""
-    return (f"-DRM={c['RM']} -DRN={c['RN']} -DVK={c['VK']} -DA_T={int(layout[0] == 'T')} "
-            f"-DB_T={int(layout[1] == 'T')}")
-
-
-def _wide_in_child(device, todo: list[str]) -> tuple[list[str], bool]:
-    """(the options of `todo` that built, whether the answer may be cached)."""
+def _builds_in_child(device, jobs: list[tuple[str, str]]) -> dict[str, str]:
+    """{"file options": "" or why not} for the jobs a child process answered (a child that died answers fewer)."""
     import json
     import subprocess
     import sys
 
     import pyopencl as cl
+
+    from . import _signatures, _source
     where = next(((pi, di) for pi, plat in enumerate(cl.get_platforms()) for di, d in enumerate(plat.get_devices())
                   if d.int_ptr == device.int_ptr), None)
     if where is None:
-        return [], False
+        return {}
+    todo = [[str(Path(__file__).with_name(name)), opts, sorted(_signatures(_source(name)))] for name, opts in jobs]
     try:
-        r = subprocess.run([sys.executable, "-c", _WIDE_CHILD, str(where[0]), str(where[1]),
-                            str(Path(__file__).with_name("sgemm_direct.cl")), json.dumps(todo)],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run([sys.executable, "-c", _BUILD_CHILD, str(where[0]), str(where[1])], input=json.dumps(todo),
+                           capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired):
-        return [], False
-    said = dict(line.split(" ", 1)[::-1] for line in r.stdout.splitlines() if line.startswith(("built ", "failed ")))
-    # (a child that died before answering everything is asked again next time)
-    return [o for o in todo if said.get(o) == "built"], all(o in said for o in todo)
+        return {}
+    said = {}
+    for line in r.stdout.splitlines():
+        try:
+            path, opts, why = json.loads(line)
+        except ValueError:
+            continue
+        missing = why.startswith("gave no kernel ")
+        said[f"{Path(path).name} {opts}"] = why if not why or missing else first_error_line(RuntimeError(why))
+    return said
 
 
-def wide_builds(device, c: dict) -> bool:
-    """Whether the 16-wide direct configuration `c` builds on `device` in every layout (see above)."""
-    todo = [_direct_options(w, lay) for w in tune.DIRECT if 16 in (w["VK"], w["RN"]) for lay in tune.LAYOUTS]
-    key = device_key(device.platform, device) + "|float16"
-    built = _BUILT.get(key)
-    if built is None:
-        path = cache_path()
-        hit = tune.load_cache(path).get(key)
-        if isinstance(hit, dict) and isinstance(hit.get("built"), list) and hit.get("tried") == todo:
-            built = hit["built"]
-        else:
-            built, keep = _wide_in_child(device, todo)
-            if keep:
-                cache = tune.load_cache(path)
-                cache[key] = {"tried": todo, "built": built}
-                tune.save_cache(cache, path)
-        _BUILT[key] = built
-    return all(_direct_options(c, lay) in built for lay in tune.LAYOUTS)
+def build_verdicts(device, jobs: list[tuple[str, str]]) -> dict[str, str]:
+    """{"file options": "" when that program builds on `device` with every kernel it declares, else why not}
+    for each (file, options) of `jobs`, asking one child process about those not known yet (see above)."""
+    key = device_key(device.platform, device) + "|builds"
+    known = _BUILT.get(key)
+    if known is None:
+        hit = tune.load_cache(cache_path()).get(key)
+        known = _BUILT[key] = dict(hit) if isinstance(hit, dict) and all(
+            isinstance(v, str) for v in hit.values()) else {}
+    names = [f"{name} {opts}" for name, opts in jobs]
+    missing = [job for job, n in zip(jobs, names) if n not in known]
+    if missing:
+        said = _builds_in_child(device, list(dict.fromkeys(missing)))
+        known.update(said)
+        if said:
+            cache = tune.load_cache(cache_path())  # another process may have written meanwhile
+            cache[key] = {**(cache.get(key) if isinstance(cache.get(key), dict) else {}), **said}
+            tune.save_cache(cache, cache_path())
+    # (a job the child never answered, its process dead: not built here, and asked again next time)
+    return {n: known.get(n, "the build check's child process ended without an answer") for n in names}

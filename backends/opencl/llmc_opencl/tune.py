@@ -111,13 +111,29 @@ def save_cache(data: dict, path: Path | None = None) -> None:
     write_cache_file(path or cache_path(), json.dumps(data, indent=1, sort_keys=True))  # (a failure is ignored)
 
 
+def build_options(c: dict, layout: str, va: int = 0, vb: int = 0) -> tuple[str, str]:
+    """(program file, build options) of configuration `c` for layout "NT", "NN" or "TN" (vector reads va, vb)."""
+    a_t, b_t = int(layout[0] == "T"), int(layout[1] == "T")
+    if c.get("kind", "tiled") == "direct":
+        return "sgemm_direct.cl", f"-DRM={c['RM']} -DRN={c['RN']} -DVK={c.get('VK', 4)} -DA_T={a_t} -DB_T={b_t}"
+    return "sgemm.cl", (f"-DTM={c['TM']} -DTN={c['TN']} -DTK={c['TK']} -DWPTM={c['WPTM']} -DWPTN={c['WPTN']} "
+                        f"-DA_T={a_t} -DB_T={b_t} -DPREF={int(c.get('PREF', 0))} -DVEC={int(c.get('VEC', 0))} "
+                        f"-DVA={va} -DVB={vb}")
+
+
+def builds(device, configs: list[dict]) -> list[bool]:
+    """Whether each configuration builds on `device` in every layout (asked in one child process for all of them
+    and cached: probe.build_verdicts). Not every compiler builds every configuration (PoCL's znver3 target and
+    float16 vectors)."""
+    from .probe import build_verdicts
+    jobs = [build_options(c, lay) for c in configs for lay in LAYOUTS]
+    ok = build_verdicts(device, jobs)
+    return [all(ok[f"{n} {o}"] == "" for n, o in (build_options(c, lay) for lay in LAYOUTS)) for c in configs]
+
+
 def fits(device, c: dict) -> bool:
     if c.get("kind", "tiled") == "direct":
-        if 16 in (c["VK"], c["RN"]):  # float16 vectors: not every compiler builds them (probe.wide_builds)
-            from .probe import wide_builds
-            if not wide_builds(device, c):
-                return False
-        return c["LX"] * c["LY"] <= device.max_work_group_size
+        return c["LX"] * c["LY"] <= device.max_work_group_size and builds(device, [c])[0]
     threads = (c["TM"] // c["WPTM"]) * (c["TN"] // c["WPTN"])
     pad = 4 if c.get("VEC") else 1
     local = 4 * c["TK"] * (c["TM"] + c["TN"] + 2 * pad)
@@ -125,7 +141,8 @@ def fits(device, c: dict) -> bool:
             and c["TM"] % c["WPTM"] == 0 and c["TN"] % c["WPTN"] == 0
             and (not c.get("VEC") or (c["WPTM"] % 4 == 0 and c["WPTN"] % 4 == 0))
             and c["TN"] // c["WPTN"] <= device.max_work_item_sizes[0]
-            and c["TM"] // c["WPTM"] <= device.max_work_item_sizes[1])
+            and c["TM"] // c["WPTM"] <= device.max_work_item_sizes[1]
+            and builds(device, [c])[0])
 
 
 def measure(be, c: dict, M: int, N: int, K: int, reps: int = 2, check: bool = True, layout: str = "NT") -> float:
@@ -164,6 +181,7 @@ def autotune(be) -> tuple[dict, dict]:
     import pyopencl as cl
     gpu = bool(be.device.type & cl.device_type.GPU)
     size = 2048 if gpu else 384
+    builds(be.device, candidates(be.device))  # (one child process checks every candidate's build first)
     best_all, results = default_config(be.device), {}
     for lay in LAYOUTS:
         best_g = -1.0

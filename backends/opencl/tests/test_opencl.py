@@ -398,10 +398,13 @@ def test_a_build_failure_after_the_probe_names_the_compilers_error(broken_compil
         llmc_opencl.OpenCLPlugin().create()
 
 
-def test_a_build_that_drops_a_kernel_silently_is_refused(monkeypatch):
+def test_a_build_that_drops_a_kernel_silently_is_refused(monkeypatch, tmp_path):
     """PoCL on a Zen 4 EPYC it takes for Zen 3 "builds" some float16 kernels into an empty program."""
     if llmc_opencl.cl is None:
         pytest.skip("pyopencl is not installed")
+    from llmc_opencl import probe
+    monkeypatch.setenv("LLMC_OPENCL_PROBE_CACHE", str(tmp_path / "probe.json"))
+    monkeypatch.setattr(probe, "_BUILT", {})
     try:
         dev = llmc_opencl.select_device(None)[1]
     except BackendUnavailable as e:
@@ -409,13 +412,17 @@ def test_a_build_that_drops_a_kernel_silently_is_refused(monkeypatch):
     ctx = llmc_opencl.cl.Context([dev])
     real = llmc_opencl._signatures
     monkeypatch.setattr(llmc_opencl, "_signatures", lambda src: {**real(src), "sgemm_wide": []})
-    with pytest.raises(BackendUnavailable, match=r"building sgemm_direct\.cl \(-DRN=8\) gave no kernel sgemm_wide$"):
-        llmc_opencl.build_program(ctx, "sgemm_direct.cl", "-DRN=8")
+    with pytest.raises(BackendUnavailable, match=r"cannot build sgemm_direct\.cl \(-DRN=8\): gave no kernel sgemm_wide$"):
+        llmc_opencl.build_program(ctx, "sgemm_direct.cl", "-DRN=8")  # (found by the child process)
+    monkeypatch.setattr(probe, "build_verdicts", lambda d, jobs: {f"{n} {o}": "" for n, o in jobs})
+    with pytest.raises(BackendUnavailable, match=r"cannot build sgemm_direct\.cl \(-DRN=8\): gave no kernel sgemm_wide$"):
+        llmc_opencl.build_program(ctx, "sgemm_direct.cl", "-DRN=8")  # (and by the build here, had the child missed it)
 
 
-def test_16_wide_configurations_that_do_not_build_are_never_tried(monkeypatch, tmp_path):
-    """Which 16-wide direct configurations build is asked once, in a child process (a failed build aborts the
-    process that tried it at exit), and cached; the others neither fit, nor are tuned, nor are the default."""
+def test_programs_that_do_not_build_are_found_in_a_child_and_never_built_here(monkeypatch, tmp_path):
+    """Every program is built first in a child process (a failed build can abort the process that tried it at
+    exit), in batches, and the verdicts cached: configurations that do not build neither fit, nor are tuned, nor
+    are the default, and build_program refuses them in one line without building them."""
     if llmc_opencl.cl is None:
         pytest.skip("pyopencl is not installed")
     from llmc_opencl import probe
@@ -425,28 +432,37 @@ def test_16_wide_configurations_that_do_not_build_are_never_tried(monkeypatch, t
         pytest.skip(f"no OpenCL device: {e}")
     monkeypatch.setenv("LLMC_OPENCL_PROBE_CACHE", str(tmp_path / "probe.json"))
     monkeypatch.setattr(probe, "_BUILT", {})
-    real_child, asked = probe._wide_in_child, []
+    real_child, asked = probe._builds_in_child, []
 
-    def child(device, todo):  # this compiler builds nothing 16-wide transposed ("NT", "TN")
-        asked.append(todo)
-        return [o for o in todo if "-DA_T=0 -DB_T=0" in o], True
-    monkeypatch.setattr(probe, "_wide_in_child", child)
+    def child(device, jobs):  # this compiler builds nothing transposed 16 wide
+        asked.append(jobs)
+        return {f"{n} {o}": "gave no kernel sgemm" if "=16" in o and "-DA_T=0 -DB_T=0" not in o else ""
+                for n, o in jobs}
+    monkeypatch.setattr(probe, "_builds_in_child", child)
     wide = [c for c in tune.DIRECT if 16 in (c["VK"], c["RN"])]
     assert wide and not any(tune.fits(dev, c) for c in wide)
     assert all(tune.fits(dev, c) or c["LX"] * c["LY"] > dev.max_work_group_size
                for c in tune.DIRECT if c not in wide)
-    monkeypatch.setattr(probe, "_BUILT", {})  # a new process: the cached answer, no child
-    assert not tune.fits(dev, wide[0]) and len(asked) == 1
+    n = len(asked)
+    monkeypatch.setattr(probe, "_BUILT", {})  # a new process: the cached verdicts, no child
+    assert not tune.fits(dev, wide[0]) and len(asked) == n
     for c in tune.default_config(dev).values():
         assert tune.fits(dev, c)
     tried = []
     monkeypatch.setattr(tune, "measure", lambda be, c, *a, **k: tried.append(c) or 1.0)
     tune.autotune(types.SimpleNamespace(device=dev))
     assert tried and not any(c in wide for c in tried)
-    # the real child on this machine answers for every configuration, built or not
-    todo = [probe._direct_options(c, lay) for c in wide for lay in tune.LAYOUTS]
-    built, complete = real_child(dev, todo)
-    assert complete and set(built) <= set(todo)
+    ctx = llmc_opencl.cl.Context([dev])
+    with pytest.raises(BackendUnavailable, match=r"cannot build sgemm_direct\.cl \(-DRM=4 -DRN=4 -DVK=16 -DA_T=0 "
+                                                 r"-DB_T=1\): gave no kernel sgemm$"):
+        llmc_opencl.build_program(ctx, *tune.build_options(wide[0], "NT"))
+    # the real child on this machine answers for every job, built or not, and a broken source gets its error line
+    monkeypatch.setattr(probe, "_BUILT", {})
+    jobs = [tune.build_options(c, lay) for c in wide for lay in tune.LAYOUTS] + [("kernels.cl", "-DRED_LS=1")]
+    said = real_child(dev, jobs)
+    assert set(said) == {f"{n} {o}" for n, o in jobs} and said["kernels.cl -DRED_LS=1"] == ""
+    said = real_child(dev, [("kernels.cl", "-DRED_LS=)")])
+    assert list(said.values())[0], "a build that fails must say why"
 
 
 def test_first_error_line():
