@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from llmc_cli.kernels import BackendUnavailable
+from llmc_cli.kernels import BackendUnavailable, VariantUnsupported
 
 llmc_opencl = pytest.importorskip("llmc_opencl", reason="llmc-opencl is not installed")
 from llmc_opencl import tune  # noqa: E402
@@ -488,8 +488,12 @@ def test_every_work_group_variant_computes_the_defaults_bits():
             inputs = kc._upload(case, b, kc._host_inputs(case, 0))
             want = kc._call_once(case, b, kc._clone(case, b, inputs))
             for name in names:
-                with b.variant(case.kernel, name):
-                    got = kc._call_once(case, b, kc._clone(case, b, inputs))
+                try:
+                    with b.variant(case.kernel, name):
+                        got = kc._call_once(case, b, kc._clone(case, b, inputs))
+                except VariantUnsupported as e:  # (a device's limit for this kernel: NVIDIA's is 256 for some)
+                    assert name[2:].isdigit() and int(name[2:]) > 64, f"{case.name} {name}: {e}"
+                    continue
                 ran += 1
                 for out in case.outputs:
                     assert np.array_equal(got[out], want[out]), f"{case.name} {name}: {out}"
