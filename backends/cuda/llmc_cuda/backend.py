@@ -318,13 +318,22 @@ class CudaBackend(Backend):
         return int(n % pack == 0 and self._aligned(*bufs))
 
     def scratch(self, key: str, n: int, dtype=np.float32) -> cp.ndarray:
-        """Scratch kept between calls (sized by the largest request), so steady-state steps allocate nothing."""
+        """Scratch kept between calls (sized by the largest request), so steady-state steps allocate nothing. A
+        buffer outgrown goes back to the driver, not to CuPy's cache, where it would stay counted as in use."""
         k = (key, np.dtype(dtype).str)
         a = self._scratch.get(k)
         if a is None or a.size < n:
+            if a is not None:
+                del self._scratch[k], a
+                cp.get_default_memory_pool().free_all_blocks()  # (cudaFree waits for the kernels that used it)
             a = self._scratch[k] = cp.empty(max(n, 1), dtype=dtype)
             self._allocated["scratch"] = sum(x.nbytes for x in self._scratch.values())
         return a[:n]
+
+    def _transient(self, nbytes: int) -> cp.ndarray:
+        """Bytes for the duration of one call: cuDNN attention's workspace and the FP8 casts share them (never
+        needed at once), so FP8 takes no more memory than bf16 where the attention workspace is the larger."""
+        return self.scratch("transient", nbytes, np.uint8)
 
     # ---- memory ----------------------------------------------------------------------------------------------
     def alloc(self, shape, dtype=FLOAT32, tag="other"):
@@ -776,7 +785,7 @@ class CudaBackend(Backend):
 
     def _fp8_arena(self, *sizes):
         """Views of one scratch buffer (the largest request of any call; models.families.fp8_cast_bytes)."""
-        a = self.scratch("fp8", sum(sizes), np.uint8)
+        a = self._transient(sum(sizes))
         out, at = [], 0
         for n in sizes:
             out.append(a[at:at + n])
@@ -913,7 +922,8 @@ class CudaBackend(Backend):
         if self._cudnn is None and self.use_cudnn:
             try:
                 from .cudnn_attention import CudnnAttention
-                self._cudnn = CudnnAttention(cp, self.stream.ptr, plan_dir=self._decisions_path.parent)
+                self._cudnn = CudnnAttention(cp, self.stream.ptr, plan_dir=self._decisions_path.parent,
+                                             workspace=self._transient)
                 self._cudnn.bwd_workspace_max = self.cudnn_workspace
                 self.cudnn_reason = "ok"
             except Exception as e:

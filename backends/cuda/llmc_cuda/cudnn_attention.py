@@ -28,8 +28,11 @@ Q, K, V, O, STATS, DO, DQ, DK, DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 
 class CudnnAttention:
-    def __init__(self, cupy, stream_ptr: int, plan_dir: Path | None = None):
+    def __init__(self, cupy, stream_ptr: int, plan_dir: Path | None = None, workspace=None):
+        """`workspace(nbytes)`, when given, returns device memory of at least nbytes for one call (the backend's
+        scratch, shared with what other calls need only while they run); else this object keeps its own."""
         self.cp = cupy
+        self._workspace = workspace
         self.handle = cudnn.create_handle()
         cudnn.set_stream(self.handle, stream_ptr)
         self.plan_dir = plan_dir / f"cudnn-{cudnn.backend_version()}" if plan_dir is not None else None
@@ -40,7 +43,9 @@ class CudnnAttention:
         self.bwd_slices: dict[tuple, tuple] = {}  # (B, T, NH, NKV, hd) -> (graph, sequences per slice)
 
     def _ws(self, size: int):
-        if self.workspace is None or self.workspace.size < size:
+        if self._workspace is not None:
+            self.workspace = self._workspace(size)
+        elif self.workspace is None or self.workspace.size < size:
             self.workspace = self.cp.empty(max(size, 1), dtype=self.cp.uint8)
         return self.workspace
 
