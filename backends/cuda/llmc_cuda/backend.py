@@ -816,19 +816,41 @@ class CudaBackend(Backend):
     def _fp8_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
         if not self.fp8_wgrad:
             return self._fp8_backward_dinp(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
+        one_pass = N * OC + max(N * OC + OC * C, N * C)
+        if dinp is not None and one_pass > self.cudnn_workspace:
+            return self._fp8_backward_two_pass(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
         # the transposed gradient first; after it, the gradient and the weight for dinp, then (over them) the
         # transposed input for dweight
         d8t, rest = self._fp8_arena(N * OC, max(N * OC + OC * C, N * C))
         d8, w8t = rest[:N * OC], rest[N * OC:N * OC + OC * C]
         x8t = rest[:N * C]
-        s = self.stream.ptr
         self._fp8_zero()
         self._fp8_cast(dout, 2, N, OC, out=d8 if dinp is not None else None, out_t=d8t, e5m2=True,
                        site=self._fp8_site(weight, "dout"), sums=dbias is not None)
         if dinp is not None and not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
             return False  # (nothing accumulated yet: the bf16 path redoes the product)
+        return self._fp8_dweight(dweight, dbias, d8t, x8t, inp, weight, N, C, OC)
+
+    def _fp8_backward_two_pass(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
+        """The backward of a product whose one-pass casts (the gradient normal and transposed at once) would need
+        more bytes than cuDNN's attention workspace, which the casts share: the gradient cast twice, once for dinp
+        and once, transposed, for dweight, in half the bytes for one more read of it (the same scale, so the same
+        bits: Llama 3.2-1B's w13, whose gradient is 16384 x 16384 at B=8 T=2048)."""
+        site = self._fp8_site(weight, "dout")
+        d8, w8t = self._fp8_arena(N * OC, OC * C)
+        self._fp8_zero()
+        self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True, site=site)
+        if not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
+            return False  # (nothing accumulated yet: the bf16 path redoes the product)
+        d8t, x8t = self._fp8_arena(N * OC, N * C)
+        self._fp8_cast(dout, 2, N, OC, out_t=d8t, e5m2=True, site=site, sums=dbias is not None)
+        return self._fp8_dweight(dweight, dbias, d8t, x8t, inp, weight, N, C, OC)
+
+    def _fp8_dweight(self, dweight, dbias, d8t, x8t, inp, weight, N, C, OC) -> bool:
+        """dweight += the cast gradient d8t (transposed, slot 2) times inp, cast transposed into x8t here; then
+        dbias += the sums d8t's cast took. False, with neither touched, if cuBLASLt has no FP8 algorithm."""
         self._fp8_cast(inp, 0, N, C, out_t=x8t, site=self._fp8_site(weight, "x"))
-        if not self.lt.backward_weight_fp8(dweight.data.ptr, d8t.data.ptr, x8t.data.ptr, N, C, OC, s,
+        if not self.lt.backward_weight_fp8(dweight.data.ptr, d8t.data.ptr, x8t.data.ptr, N, C, OC, self.stream.ptr,
                                            (self._fp8_slot(0)[1], self._fp8_slot(2)[1])):
             return False  # (dinp is overwritten by the bf16 path; dweight and dbias untouched so far)
         if dbias is not None:

@@ -661,6 +661,34 @@ def test_fp8_delayed_scaling_resumes_bit_exactly(tmp_path):
     bf.close()
 
 
+def test_fp8_backward_in_two_passes_computes_the_same_bits():
+    """A product whose one-pass casts would outgrow cuDNN's workspace (which they share) casts its gradient twice
+    instead: dinp, dweight and dbias are the one-pass path's, bit for bit, with current and delayed scaling."""
+    if _INFO is None or not _INFO.usable:
+        cuda("fp8")
+    rng, hb = np.random.default_rng(6), cuda("fp8")
+    B, T, C, OC = 2, 64, 256, 192
+    x, w = held(hb, rng.standard_normal((B, T, C))), held(hb, rng.standard_normal((OC, C)) / math.sqrt(C))
+    dout = held(hb, rng.standard_normal((B, T, OC)) * 1e-2)
+    for scaling in ("current", "delayed"):
+        got = []
+        for cap in (None, 0):  # 0: every product with a dinp takes two passes
+            b = _INFO.plugin.create(dtype="fp8", options={"fp8_scaling": scaling})
+            if cap is not None:
+                b.cudnn_workspace = cap
+            W, X, D = up(b, w), up(b, x), up(b, dout)
+            outs = []
+            for step in range(2):  # (delayed: the second step scales by the first one's history)
+                b.begin_step()
+                dinp, dw, db = poisoned(b, (B, T, C)), up(b, np.zeros((OC, C))), up(b, np.full(OC, 0.5))
+                b.matmul_backward(dinp, dw, db, D, X, W)
+                b.end_step()
+                outs += [down(b, dinp), down(b, dw), down(b, db)]
+            got.append(outs)
+        for one, two in zip(*got):
+            assert np.array_equal(one, two), scaling
+
+
 def test_fp8_wgrad_off_keeps_the_weight_gradient_in_bf16():
     b = cuda("fp8")
     rng = np.random.default_rng(4)
