@@ -91,7 +91,9 @@ class TrainArgs:
     hellaswag_every: int = 0
     tensorboard: str | None = None        # also write TensorBoard event files (train/val/eval scalars) into this dir
     zero: int = 0                         # data parallel: 1 = ZeRO-1 (optimizer state sharded over the ranks)
-    overlap: bool = True                  # data parallel: reduce each layer's gradients during the backward pass
+    # data parallel: reduce each layer's gradients during the backward pass. Off by default: on 2xH200 (NVLink)
+    # NCCL's kernels beside the backward's matmuls cost more than the reduction they hide (docs/performance.md)
+    overlap: bool = False
 
 
 def model_config(a: TrainArgs):

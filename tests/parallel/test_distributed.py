@@ -74,8 +74,8 @@ def test_two_ranks_match_one_rank_and_zero_matches_allreduce(data, tmp_path):
 
 @needs_mpi
 def test_overlapped_reduction_matches_the_reduction_after_backward(data, tmp_path):
-    """Gradients reduced layer by layer during the backward pass (--overlap, the default) train as the one reduction
-    after it (--no-overlap), with --zero 0 and 1: three ranks (the ZeRO-1 owners' boundaries cut layers' tensors,
+    """Gradients reduced layer by layer during the backward pass (--overlap) train as the one reduction
+    after it (--no-overlap, the default), with --zero 0 and 1: three ranks (the ZeRO-1 owners' boundaries cut layers' tensors,
     and a tail of the parameter vector is all-reduced), two micro-steps a step (only the last one's backward
     reduces)."""
     common = [*TINY, "--n-layer", 2, "--data", data, "--steps", 4, "-b", 1, "--procs", 3,
@@ -275,7 +275,8 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
     for zero in (0, 1):
         comm = Recorder()
         a = TrainArgs(data=str(tmp_path / "r_train_*.bin"), model="d2", n_layer=3, n_embd=32, batch_size=1,
-                      seq_len=16, total_batch_size=2 * 3 * 16, steps=1, val_every=0, sample_every=0, zero=zero)
+                      seq_len=16, total_batch_size=2 * 3 * 16, steps=1, val_every=0, sample_every=0, zero=zero,
+                      overlap=True)
         tr = Trainer(a, create_backend("cpu"), say=lambda m: None, comm=comm)
         assert isinstance(tr.reducer, OverlappedReduction)
         base = [tr.model.grads.buf.__array_interface__["data"][0]]

@@ -5,7 +5,8 @@
 #   PART=1b     ...   Llama 3.2-1B B=8 T=2048 bf16: --dry-run's plan, then llmc vs PyTorch (eager, torch.compile)
 #                     through `llmc bench train --compare torch`
 #   PART=profile ...  where a decoded token's time goes (decode_profile.py), d12 and Llama 3.2-1B
-#   PART=8b     ...   Llama 3.1 8B (B, T, ZERO, RECOMPUTE from the environment) on every GPU here
+#   PART=8b     ...   Llama 3.1 8B on every GPU here: CONFIGS="BxT:recompute ..." tried in order until one
+#                     trains (ZERO, STEPS, DTYPE, EXTRA train options, TAG for the log names from the environment); device memory sampled by nvidia-smi
 # Expects python3.12 at /opt/torch/.venv (CuPy, torch), the carried cp312 wheels in .whl/ (pyopencl and its
 # dependencies, nvmath-python, cudnn-frontend), NVIDIA's driver with libnvidia-opencl.so.1.
 set -u
@@ -57,15 +58,26 @@ decode)
   tail -n 5 "$OUT/1b_bench_train.err"
   ;;
 8b)
+  # CONFIGS: B x T : recompute, tried in order until one trains (the first that fits is the fastest)
   cd /tmp
   NG=$(nvidia-smi -L | wc -l)
-  A="--backend cuda --dtype bf16 --model llama3.1-8b -b ${B:-1} -t ${T:-8192} --zero ${ZERO:-1} --recompute ${RECOMPUTE:-all}"
-  timeout 60 $LLMC train $A --gpus "$NG" --dry-run 2>&1 | tail -n 20 | tee "$OUT/8b_dry_run.log"
   $PY -c "import numpy as np; from llmc_cli.formats.shards import write_shard; \
 write_shard('/tmp/l3_train_000.bin', np.random.default_rng(0).integers(0, 128256, 4_000_000), tokenizer='llama3')"
-  timeout 500 $LLMC train $A --gpus "$NG" --steps "${STEPS:-8}" --val-every 0 --sample-every 0 \
-    --data "/tmp/l3_train_*.bin" > "$OUT/8b_train.log" 2>&1 || rc=1
-  tail -n 12 "$OUT/8b_train.log"
+  for cfg in ${CONFIGS:-1x8192:none 1x8192:gelu 1x8192:gelu+layernorm}; do
+    B=${cfg%%x*}; rest=${cfg#*x}; T=${rest%%:*}; R=${cfg#*:}; tag="8b_b${B}_t${T}_${R/+/_}_z${ZERO:-1}_${DTYPE:-bf16}${TAG:-}"
+    A="--backend cuda --dtype ${DTYPE:-bf16} --model llama3.1-8b -b $B -t $T --zero ${ZERO:-1} --recompute $R ${EXTRA:-}"
+    timeout 60 $LLMC train $A --gpus "$NG" --dry-run 2>&1 | tail -n 12 > "$OUT/${tag}_dry_run.log"
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/${tag}_mem.csv" &
+    SMI=$!
+    timeout "${T8B:-420}" $LLMC train $A --gpus "$NG" --steps "${STEPS:-10}" --val-every 0 --sample-every 0 \
+      --data "/tmp/l3_train_*.bin" > "$OUT/${tag}_train.log" 2>&1; code=$?
+    kill $SMI
+    tail -n 4 "$OUT/${tag}_train.log"
+    echo "$tag: exit $code; planned $(grep -E 'total' "$OUT/${tag}_dry_run.log" | tr -s ' ' | head -1); device peak \
+$(sort -t, -k2 -n "$OUT/${tag}_mem.csv" | tail -1) MiB" | tee -a "$OUT/8b_summary.log"
+    $PY "$HERE/bench/train_median.py" --skip 3 "$OUT/${tag}_train.log" | tee -a "$OUT/8b_summary.log"
+    [ $code = 0 ] && break
+  done
   ;;
 esac
 done

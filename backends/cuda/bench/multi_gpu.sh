@@ -1,39 +1,76 @@
 #!/usr/bin/env bash
-# Multi-GPU check on the GPU machine (issue 7): NCCL collectives through llmc_cli.parallel.comm, then GPT-2 d12
-# (B=64 per GPU, T=1024, bf16, ZeRO-1) on 1 GPU and on N GPUs with `llmc train --gpus N`.
-#   bash backends/cuda/bench/multi_gpu.sh [N=2] [STEPS=30]     (logs under $OUT or ./multi_gpu_out)
+# Data-parallel scaling on the GPU machine, in one call: NCCL collectives through the cuda plugin's communicator,
+# then GPT-2 d12 (B=64 per GPU, T=1024, bf16, ZeRO-1) and d48 (B=16 per GPU, --recompute gelu) on 1 GPU and on
+# N GPUs (`llmc train --gpus N`), the N-GPU runs with the gradient reduction overlapped with the backward pass
+# (--overlap) and after it (--no-overlap, the default), runs alternated; medians of steps after the first 5; the overlapped and
+# the plain N-GPU runs must log the same losses (with 2 ranks the two reductions add the same pairs).
+#   bash backends/cuda/bench/multi_gpu.sh [N=all GPUs] [STEPS=30]     (logs under $OUT or ./multi_gpu_out)
+#   MODELS="d12 d48" ROUNDS=2 ZERO=1 VARIANTS="overlap plain z0overlap z0plain" ...
 set -u
-N=${1:-2}; STEPS=${2:-30}
-OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-PY=${PY:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-$PY -m pip install -q --no-deps --no-build-isolation --no-compile -e . -e backends/cpu -e backends/cuda 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.log"
+export OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
+. "$(dirname "$0")/device_setup.sh"
+N=${1:-$(nvidia-smi -L | wc -l)}; STEPS=${2:-30}; ROUNDS=${ROUNDS:-2}
 nvidia-smi topo -m 2>&1 | head -5 | tee -a "$OUT/env.log"
-$PY backends/cuda/bench/nccl_check.py "$N" 2>&1 | tee "$OUT/nccl_check.log"
-mkdir -p /tmp/llmc_data
-$PY - <<'PYEOF'
-import numpy as np
-from llmc_cli.data.loader import write_shard
-rng = np.random.default_rng(0)
-write_shard("/tmp/llmc_data/synth_train_000.bin", rng.integers(0, 50257, 20_000_000).astype(np.uint16))
-PYEOF
-ARGS="--backend cuda --dtype bf16 --model d12 -b 64 -t 1024 --steps $STEPS --zero 1 --val-every 0 --sample-every 0 --data /tmp/llmc_data/synth_train_*.bin"
-[ "${SKIP1:-0}" = 1 ] || timeout 200 llmc train $ARGS --log "$OUT/d12_1gpu.jsonl" 2>&1 | tee "$OUT/d12_1gpu.log"
-timeout 200 llmc train $ARGS --gpus "$N" --log "$OUT/d12_${N}gpu.jsonl" 2>&1 | tee "$OUT/d12_${N}gpu.log"
-$PY - "$OUT" "$N" <<'PYEOF'
-import json, sys, statistics
+mkdir -p /tmp/llmc_data /tmp/runs
+(cd /tmp/runs && timeout 180 $PY "$HERE/backends/cuda/bench/nccl_check.py" "$N") 2>&1 | tail -n 20 \
+  | tee "$OUT/nccl_check.log"
+$PY -c "import numpy as np; from llmc_cli.formats.shards import write_shard; \
+write_shard('/tmp/llmc_data/synth_train_000.bin', np.random.default_rng(0).integers(0, 50257, 20_000_000))"
+LOGS=/tmp/multi_gpu_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
+run() {  # run NAME ARGS...: one llmc train, its median line appended to medians.log
+  local name=$1; shift
+  (cd /tmp/runs && env $ENVS timeout 240 $LLMC train "$@" --steps "$STEPS" --val-every 0 --sample-every 0 \
+    --data '/tmp/llmc_data/synth_train_*.bin' > "$LOGS/$name.log" 2>&1) || { rc=1; tail -n 3 "$LOGS/$name.log"; }
+  $PY "$HERE/bench/train_median.py" --skip 5 "$LOGS/$name.log" | tee -a "$OUT/medians.log"
+}
+losses() { grep -oE "step +[0-9]+/[0-9]+ \| loss [0-9.]+ \| norm [0-9.]+" "$1"; }
+# the N-GPU variants: overlap (--overlap), plain (--no-overlap, the default), z0overlap / z0plain (--zero 0: every
+# piece all-reduced)
+variant() {
+  ENVS="LLMC_X=1"; V="--zero ${ZERO:-1}"
+  case $1 in
+    overlap) V="$V --overlap" ;;
+    plain) V="$V --no-overlap" ;;
+    z0overlap) V="--zero 0 --overlap" ;;
+    z0plain) V="--zero 0 --no-overlap" ;;
+  esac
+}
+for model in ${MODELS:-d12 d48}; do
+  case $model in
+    d12) A="--backend cuda --dtype bf16 --model d12 -b 64 -t 1024" ;;
+    *) A="--backend cuda --dtype bf16 --model $model -b 16 -t 1024 --recompute gelu" ;;
+  esac
+  for r in $(seq "$ROUNDS"); do
+    ENVS="LLMC_X=1"; run "${model}_1gpu_$r" $A --zero "${ZERO:-1}"
+    for v in ${VARIANTS:-overlap plain}; do
+      variant "$v"; run "${model}_${N}gpu_${v}_$r" $A $V --gpus "$N"
+    done
+  done
+  if [ -f "$LOGS/${model}_${N}gpu_plain_1.log" ]; then
+    if cmp -s <(losses "$LOGS/${model}_${N}gpu_overlap_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log"); then
+      echo "$model: overlapped and plain reductions log the same losses" | tee -a "$OUT/medians.log"
+    else
+      echo "$model: the losses DIFFER between the overlapped and plain reductions" | tee -a "$OUT/medians.log"; rc=1
+      diff <(losses "$LOGS/${model}_${N}gpu_overlap_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log") | head -6
+    fi
+  fi
+done
+tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+$PY - "$OUT" "$N" <<'PYEOF' | tee -a "$OUT/medians.log"
+import re, statistics, sys
 out, n = sys.argv[1], int(sys.argv[2])
-def rate(f):
-    recs = [json.loads(l) for l in open(f) if '"tok_per_s"' in l]
-    recs = recs[3:]  # skip warm-up steps
-    return statistics.median(r["tok_per_s"] for r in recs), [round(r["loss"], 4) for r in recs[:3]]
-one, l1 = rate(f"{out}/d12_1gpu.jsonl")
-many, ln = rate(f"{out}/d12_{n}gpu.jsonl")
-print(f"d12 1 GPU: {one:,.0f} tok/s; {n} GPUs: {many:,.0f} tok/s; scaling efficiency {many / (n * one):.1%}")
+rows = {}
+for line in open(f"{out}/medians.log"):
+    m = re.match(r".*/(\w+?)_(\d+gpu(?:_\w+?)?)_\d+\.log: .* median ([\d.]+) ms/step", line)
+    if m:
+        rows.setdefault((m[1], m[2]), []).append(float(m[3]))
+for model in sorted({k[0] for k in rows}):
+    one = rows.get((model, "1gpu"))
+    for kind in sorted({k[1] for k in rows if k[0] == model and k[1] != "1gpu"}):
+        many = rows.get((model, kind))
+        if one and many:
+            t1, tn = statistics.median(one), statistics.median(many)
+            print(f"{model} {kind}: 1 GPU {t1:.1f} ms, {n} GPUs {tn:.1f} ms/step for {n}x the tokens: "
+                  f"scaling {t1 / tn:.1%} (medians of {len(one)} and {len(many)} runs)")
 PYEOF
+exit $rc

@@ -743,8 +743,8 @@ def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
 # overlapped collectives (NCCL on its own stream), on one rank
 
 def test_nccl_overlapped_collectives_wait_for_the_compute_stream_and_join_it():
-    """The overlapped path's plumbing on a 1-rank NCCL communicator (a side stream, an event per collective, the
-    join): it runs, and the values come out as queued. Whether the side stream really waits shows only with two
+    """The overlapped path's plumbing on a 1-rank NCCL communicator (a side stream, one event and one NCCL group
+    per block, the join): it runs, and the values come out as queued. Whether the side stream really waits shows only with two
     ranks (multi_gpu.sh); one rank's in-place reductions change nothing whenever they run."""
     from llmc_cuda.nccl import NCCLCommunicator, _nccl_unique_id
     b = cuda(FLOAT32)
