@@ -159,7 +159,7 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
               help="Data parallel: reduce each layer's gradients as soon as the backward pass has made them final, "
               "beside the layers still to come (on the communicator's own stream where it has one, as the cuda "
               "backend's does); such runs replay no captured graphs. Off by default: on two NVLink-connected H200s it "
-              "measured 1-1.5 %% slower than one reduction after the backward pass (NCCL's kernels take SMs from the "
+              "measured 1-1.5 %% slower than one reduction after the backward pass (the collectives' kernels take SMs from the "
               "matmuls); try it where the link is slow.")
 @click.option("--init-file", default=None, type=click.Path(),
               help="Multi-node without MPI: a path on a shared file system through which rank 0 hands out the device "

@@ -40,6 +40,13 @@ class DataParallelAdamW(AdamW):
         if self.comm.world_size > 1:
             self.comm.all_reduce(self.grads.buf, AVG)
 
+    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float) -> tuple[float, float, bool]:
+        """AdamW's guarded step over the ranks' mean loss (averaged on the device; the gradients, already averaged,
+        give every rank the same norm): every rank reaches the same verdict with no host read before the end."""
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(self.loss_buf, AVG)
+        return super().guarded_step(lr, seed, max_loss, max_norm)
+
     def state_host(self):
         return super().state_host() if self.comm.rank == 0 else None
 
@@ -69,6 +76,8 @@ class ShardedAdamW:
         backend.fill(self.v, 0.0)
         self.master = backend.alloc(local, FLOAT32, tag="optimizer") if backend.dtype == BFLOAT16 else None
         self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
+        self.loss_buf = backend.alloc(1, FLOAT32, tag="optimizer")   # the step's mean loss (loss_sum)
+        self.guard = backend.alloc(4, FLOAT32, tag="optimizer")      # [loss, norm, scale, apply] (step_guard)
         self.step_count = 0
         # one segment per (tensor, owned range) overlap: weight decay is a property of the tensor
         self._segments = []
@@ -104,24 +113,44 @@ class ShardedAdamW:
         if self._tail_grads is not None:
             self.comm.all_reduce(self._tail_grads, AVG)
 
+    def _norm_parts(self) -> list:
+        """What this rank adds to the global norm: its owned chunk, and the tail on rank 0 (counted once)."""
+        return [self._own_grads] + ([self._tail_grads] if self._tail_grads is not None and self.comm.rank == 0
+                                    else [])
+
     def grad_norm(self) -> float:
         """Global norm of the averaged gradient: each rank's owned chunk, the tail counted once (on rank 0)."""
-        parts = [self._own_grads]
-        if self._tail_grads is not None and self.comm.rank == 0:
-            parts.append(self._tail_grads)
-        self.backend.global_norm_squared(self.norm_buf, parts)
+        self.backend.global_norm_squared(self.norm_buf, self._norm_parts())
         local = float(self.backend.download(self.norm_buf)[0])
         return math.sqrt(max(self.comm.all_reduce_value(local, SUM), 0.0))
 
     def step(self, lr: float, grad_norm: float, seed: int) -> None:
-        c = self.cfg
         self.step_count += 1
-        scale = clip_scale(grad_norm, c.grad_clip)
+        self._updates(lr, self.step_count, clip_scale(grad_norm, self.cfg.grad_clip), seed, None)
+
+    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float) -> tuple[float, float, bool]:
+        """The step with no host read before its end, as AdamW.guarded_step: the squared norm summed and the loss
+        averaged over the ranks on the device, so every rank's step_guard reaches the same verdict; the update
+        and the all-gather queued behind it (a skipped step gathers the parameters unchanged)."""
+        b = self.backend
+        b.global_norm_squared(self.norm_buf, self._norm_parts())
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(self.norm_buf, SUM)
+            self.comm.all_reduce(self.loss_buf, AVG)
+        b.step_guard(self.guard, self.loss_buf, self.norm_buf, self.cfg.grad_clip, max_loss, max_norm)
+        self._updates(lr, self.step_count + 1, 1.0, seed, self.guard)
+        loss, norm, _, apply = (float(v) for v in b.download(self.guard))
+        if apply:
+            self.step_count += 1
+        return loss, norm, bool(apply)
+
+    def _updates(self, lr: float, step: int, scale: float, seed: int, guard) -> None:
+        c = self.cfg
         for i, decay, p, g, m, v, master in self._segments:
             self.backend.adamw_update(
                 p, g, m, v, master, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                weight_decay=c.weight_decay if decay else 0.0, step=self.step_count, grad_scale=scale,
-                seed=(seed * 1000003 + self.step_count * 64 + i) & 0x7FFFFFFF)
+                weight_decay=c.weight_decay if decay else 0.0, step=step, grad_scale=scale,
+                seed=(seed * 1000003 + step * 64 + i) & 0x7FFFFFFF, guard=guard)
         self.comm.all_gather(self._main_params)
 
     def sync_master_from_params(self) -> None:

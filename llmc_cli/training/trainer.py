@@ -20,10 +20,10 @@ from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
 from llmc_cli.formats.shards import has_split
 from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.inference.sampling import generate
-from llmc_cli.kernels import AVG, BFLOAT16, CAP_GRAPHS, MAX, Backend, update_applies
+from llmc_cli.kernels import BFLOAT16, CAP_GRAPHS, MAX, Backend, update_applies
 from llmc_cli.models.base import STAGED, check_recompute
 from llmc_cli.models.families import family_for, family_of
-from llmc_cli.optim import AdamW, AdamWConfig, lr_at
+from llmc_cli.optim import AdamWConfig, lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
 from llmc_cli.parallel.zero import OverlappedReduction, make_optimizer, reshard_loader_state
 from llmc_cli.training.guard import OutlierDetector
@@ -92,7 +92,7 @@ class TrainArgs:
     tensorboard: str | None = None        # also write TensorBoard event files (train/val/eval scalars) into this dir
     zero: int = 0                         # data parallel: 1 = ZeRO-1 (optimizer state sharded over the ranks)
     # data parallel: reduce each layer's gradients during the backward pass. Off by default: on 2xH200 (NVLink)
-    # NCCL's kernels beside the backward's matmuls cost more than the reduction they hide (docs/performance.md)
+    # the collectives' kernels beside the backward's matmuls cost more than the reduction they hide (performance.md)
     overlap: bool = False
 
 
@@ -329,7 +329,7 @@ class Trainer:
             line += f" (device {r.device_total / 2**30:.1f} GiB{free})"
         return line
 
-    def _micro_step(self, i: int, dloss: float, on_device: bool) -> None:
+    def _micro_step(self, i: int, dloss: float) -> None:
         """The kernels of micro-step i over the staged batch (gradients zeroed first at i = 0): all a captured
         graph holds, since nothing here moves data to or from the host."""
         model = self.model
@@ -337,17 +337,16 @@ class Trainer:
             model.zero_grad()
         model.forward(STAGED, STAGED, dloss=dloss)
         model.backward()
-        if on_device:
-            self.backend.loss_sum(self.opt.loss_buf, model.acts["losses"], dloss, accumulate=i > 0)
+        self.backend.loss_sum(self.opt.loss_buf, model.acts["losses"], dloss, accumulate=i > 0)
 
-    def _replays(self, dloss: float, on_device: bool) -> list | None:
+    def _replays(self, dloss: float) -> list | None:
         """The micro-steps as captured graphs (the first, and one for every later micro-step), captured once
         GRAPH_AFTER steps ran uncaptured (they size every scratch buffer and let the backend tune its kernels);
         None while not (yet) captured. A capture that fails turns graphs off for the run, with one line said."""
         if self.graphs is None and self.steps_run >= GRAPH_AFTER:
             try:
                 cap = self.backend.capture
-                self.graphs = [cap(lambda i=i: self._micro_step(i, dloss, on_device))
+                self.graphs = [cap(lambda i=i: self._micro_step(i, dloss))
                                for i in range(min(self.grad_accum, 2))]
                 self.say(f"graphs: each micro-step replays one captured graph from step {self.steps_run + 1} "
                          "(--no-graphs to compare)")
@@ -360,12 +359,10 @@ class Trainer:
         a, model = self.a, self.model
         timer = self.backend.timer()
         timer.start()
-        loss = 0.0
         dloss = 1.0 / (a.batch_size * a.seq_len * self.grad_accum)
-        # one process: the loss, the norm and the skip verdict stay on the device until the update is queued
-        # (AdamW reads them there), so the device never idles waiting for the host inside a step
-        on_device = self.comm.world_size == 1 and isinstance(self.opt, AdamW)
-        replays = self._replays(dloss, on_device)
+        # the loss, the norm and the skip verdict stay on the device until the update is queued (AdamW reads them
+        # there; data parallel reduces them there too), so the device never idles waiting for the host in a step
+        replays = self._replays(dloss)
         waits = self.feed.waits
         self.backend.begin_step()
         for i in range(self.grad_accum):
@@ -375,12 +372,10 @@ class Trainer:
             else:
                 last = i == self.grad_accum - 1  # (only the last micro-step's backward makes gradients final)
                 model.on_layer_grads = self.reducer.layer_done if self.reducer is not None and last else None
-                self._micro_step(i, dloss, on_device)
+                self._micro_step(i, dloss)
                 model.on_layer_grads = None
             if i + 1 < self.grad_accum or step + 1 < a.steps:  # (the run's last batch has no batch after it)
                 self.feed.ahead()  # the next micro-step's batch (or the next step's) is copied while this one computes
-            if not on_device:
-                loss += model.mean_loss() / self.grad_accum
         self.steps_run += 1
         lr = lr_at(step, a.optim.lr, a.warmup, a.steps, a.lr_decay_frac)
         # llm.c's rule: z-scores against the last 128 steps; a spike skips the update (never a non-finite step).
@@ -389,19 +384,11 @@ class Trainer:
         if not math.isfinite(lr):  # no update can be applied with it (the schedule of finite options never gets here)
             max_loss = -math.inf
         self.updating = True  # from here an error may leave the weights half-updated: no rescue checkpoint
-        if on_device:
-            loss, norm, applied = self.opt.guarded_step(lr, a.seed + step, max_loss, max_norm)
-        else:
-            if self.reducer is not None:  # the layers' reductions are queued: the rest, and the wait for them
-                self.reducer.finish()
-            else:
-                self.opt.reduce_grads()
-            if self.comm.world_size > 1:  # data parallel: the step's loss and gradients are the ranks' average
-                loss = self.comm.all_reduce_value(loss, AVG)
-            norm = self.opt.grad_norm()
-            applied = update_applies(loss, norm, max_loss, max_norm)
-            if applied:
-                self.opt.step(lr, norm, seed=a.seed + step)
+        if self.reducer is not None:  # the layers' reductions are queued: the rest, and the wait for them
+            self.reducer.finish()
+        elif self.comm.world_size > 1:
+            self.opt.reduce_grads()
+        loss, norm, applied = self.opt.guarded_step(lr, a.seed + step, max_loss, max_norm)
         zloss, znorm = self.loss_outliers.update(loss), self.norm_outliers.update(norm)
         self.updating = False
         seen = self.backend.step_observations()  # (FP8's amaxes: every rank carries the ranks' largest)

@@ -241,11 +241,14 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
         name, rank, world_size, local_rank = "recorder", 0, 3, 0
 
         def __init__(self):
-            self.calls, self.joined = [], 0
+            self.calls, self.scalars, self.joined = [], [], 0
 
         def _rec(self, kind, buf, root=None):
             lo = (buf.__array_interface__["data"][0] - base[0]) // buf.itemsize
-            self.calls.append((kind, lo, buf.size, root))
+            if 0 <= lo < base[1]:
+                self.calls.append((kind, lo, buf.size, root))
+            else:  # the step's loss and squared norm, reduced on the device
+                self.scalars.append((kind, buf.size))
 
         def all_reduce(self, buf, op=AVG):
             self._rec("all_reduce", buf)
@@ -279,7 +282,7 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
                       overlap=True)
         tr = Trainer(a, create_backend("cpu"), say=lambda m: None, comm=comm)
         assert isinstance(tr.reducer, OverlappedReduction)
-        base = [tr.model.grads.buf.__array_interface__["data"][0]]
+        base = [tr.model.grads.buf.__array_interface__["data"][0], tr.model.grads.size]
         layer_order = []
         done = tr.reducer.layer_done
         tr.reducer.layer_done = lambda l: (layer_order.append(l), done(l))
@@ -296,6 +299,8 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
                 assert lo >= tr.opt.main, "only the tail is all-reduced under ZeRO-1"
         assert (covered == 1).all(), "every gradient element is reduced exactly once"
         assert not any(k == "reduce_scatter" for k, *_ in comm.calls)
+        # no host round trip for the verdict: the loss (and under ZeRO-1 the squared norm) reduced as buffers
+        assert comm.scalars == [("all_reduce", 1)] * (1 + zero), comm.scalars
 
 
 def test_step_observations_are_combined_with_max_before_end_step_and_carried_into_checkpoints(tmp_path):
