@@ -153,8 +153,10 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
               "come from the launcher.")
 @click.option("--procs", type=COUNT, default=0, help="Data parallel over N MPI processes (mpiexec -n N; for the "
               "cpu/OpenCL backends). Needs pip install 'llmc[mpi]'.")
-@click.option("--zero", type=click.Choice(["0", "1"]), default=str(_ARGS.zero), show_default=True,
-              help="1 = ZeRO-1: optimizer state sharded over the ranks (reduce-scatter + all-gather).")
+@click.option("--zero", type=click.Choice(["0", "1", "2"]), default=str(_ARGS.zero), show_default=True,
+              help="Data parallel: 1 = ZeRO-1, the optimizer state sharded over the ranks (reduce-scatter + "
+              "all-gather); 2 = ZeRO-2, the gradients sharded too (each layer's reduced into its owners' shards as "
+              "the backward pass goes; a rank holds 1/N of them plus one layer's).")
 @click.option("--overlap/--no-overlap", default=_ARGS.overlap, show_default=True,
               help="Data parallel: reduce each layer's gradients as soon as the backward pass has made them final, "
               "beside the layers still to come (on the communicator's own stream where it has one, as the cuda "
@@ -291,7 +293,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
     if comm.world_size > 1:
         console.print(f"data parallel: {comm.world_size} ranks ({rank_info.source}), {comm.name} "
                       f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank, gradients "
-                      + ("reduced layer by layer during the backward pass" if trainer.reducer is not None
+                      + ("reduced layer by layer into the ranks' shards on every micro-step" if args.zero == 2
+                         else "reduced layer by layer during the backward pass" if trainer.reducer is not None
                          else "reduced after the backward pass"))
 
     import time

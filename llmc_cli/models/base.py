@@ -143,6 +143,68 @@ class Tensors:
     def layer(self, name: str, l: int):
         return self.per_layer[name][l]
 
+    def buffers(self) -> list:
+        """What zeroing these tensors fills."""
+        return [self.buf]
+
+
+class LayerSlotGrads:
+    """Gradients as ZeRO-2 keeps them: every layer's slices of the stacked tensors in one slot, reused layer after
+    layer (`layer(name, l)` is a view into it whatever l), and the tensors stacked over nothing (embeddings, final
+    norm) in a buffer of their own that accumulates over the micro-steps. Once layer l's backward is done its slot is
+    reduced into the ranks' gradient shards and zeroed for layer l-1 (parallel.zero.LayerShardedReduction), so a
+    rank never holds the whole gradient. `layer_pieces(l)` / `other_pieces()` pair each piece's offset in the flat
+    parameter vector with where it is kept here; `shard` is the rank's shard, registered by the optimizer, zeroed with the
+    rest at a step's start."""
+    # (pieces are (flat offset, buffer, offset in it, elements): views are cut from the buffers themselves, since
+    # a backend's view of a view need not exist (OpenCL has no sub-buffer of a sub-buffer))
+
+    def __init__(self, backend: Backend, shapes: list[tuple[str, tuple[int, ...]]], stacked: set[str], dtype: str):
+        self.backend, self.full, self.per_layer_shape = backend, {}, {}
+        slot_n = sum(int(np.prod(s[1:])) for n, s in shapes if n in stacked)
+        other_n = sum(int(np.prod(s)) for n, s in shapes if n not in stacked)
+        self.slot = backend.alloc(max(slot_n, 1), dtype, tag="grads")
+        self.others = backend.alloc(max(other_n, 1), dtype, tag="grads")
+        self.shard = None
+        self._slot_views: dict[str, object] = {}
+        self._layer_pieces: list[list[tuple[int, object, int, int]]] = []
+        self._other_pieces: list[tuple[int, object, int, int]] = []
+        off = s_off = o_off = 0
+        for name, shape in shapes:
+            n = int(np.prod(shape))
+            if name in stacked:
+                step = n // shape[0]
+                view = backend.view(self.slot, s_off, shape[1:])
+                self._slot_views[name] = view
+                self._layer_pieces += [[] for _ in range(shape[0] - len(self._layer_pieces))]
+                for l in range(shape[0]):
+                    self._layer_pieces[l].append((off + l * step, self.slot, s_off, step))
+                s_off += step
+            else:
+                self.full[name] = backend.view(self.others, o_off, shape)
+                self._other_pieces.append((off, self.others, o_off, n))
+                o_off += n
+            off += n
+        self.size = off
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["full"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def layer(self, name: str, l: int):
+        return self._slot_views[name]
+
+    def layer_pieces(self, l: int) -> list[tuple[int, object, int, int]]:
+        return self._layer_pieces[l]
+
+    def other_pieces(self) -> list[tuple[int, object, int, int]]:
+        return self._other_pieces
+
+    def buffers(self) -> list:
+        return [self.slot, self.others] + ([self.shard] if self.shard is not None else [])
+
 
 # forward(STAGED, STAGED, ...): the batch is already in acts["inputs"] / acts["targets"] (Model.stage), so the call
 # enqueues kernels only: what a captured graph of the step (CAP_GRAPHS) may hold.
@@ -168,7 +230,10 @@ class Model:
         directly), which keeps them in bf16 unless the backend is told otherwise."""
         return {"precise": True} if CAP_FP8 in self.backend.capabilities else {}
 
-    def _alloc_parameters(self, stacked: set[str], training: bool, share_params: "Model | None") -> None:
+    def _alloc_parameters(self, stacked: set[str], training: bool, share_params: "Model | None",
+                          layer_grads: bool = False) -> None:
+        """`layer_grads`: gradients in one layer-sized slot plus the unstacked tensors (LayerSlotGrads, ZeRO-2)
+        instead of a whole flat buffer."""
         dt, backend = self.backend.dtype, self.backend
         shapes = type(self).param_shapes(self.cfg)
         self.num_params = sum(int(np.prod(s)) for _, s in shapes)
@@ -177,7 +242,9 @@ class Model:
         else:
             self.params = Tensors(backend, backend.alloc(self.num_params, dt, tag="params"), shapes, stacked)
         self.grads = None
-        if training:
+        if training and layer_grads:
+            self.grads = LayerSlotGrads(backend, shapes, stacked, dt)
+        elif training:
             self.grads = Tensors(backend, backend.alloc(self.num_params, dt, tag="grads"), shapes, stacked)
 
     # parameters in and out, always as float32 on the host
@@ -196,7 +263,8 @@ class Model:
             self.backend.upload(self.acts["targets"], targets)
 
     def zero_grad(self) -> None:
-        self.backend.fill(self.grads.buf, 0.0)
+        for buf in self.grads.buffers():
+            self.backend.fill(buf, 0.0)
 
     def mean_loss(self) -> float:
         return float(self.backend.download(self.acts["losses"]).astype(np.float64).mean())

@@ -71,15 +71,24 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
                 world_size: int = 1, zero: int = 0) -> dict[str, int]:
     """Bytes the engine will allocate on one rank, by component, without allocating anything (for --dry-run). With
     ZeRO (`zero` >= 1) over `world_size` ranks a rank holds its shard of the optimizer state: n // W elements plus
-    the tail of fewer than W that every rank keeps (parallel.zero.ShardedAdamW)."""
+    the tail of fewer than W that every rank keeps (parallel.zero.ShardedAdamW); with ZeRO-2 its gradients are such
+    a shard, one layer's slot and the unstacked tensors (models.base.LayerSlotGrads)."""
     fam = family_of(cfg)
     half = dtype in (BFLOAT16, FP8)  # fp8 keeps every buffer in bf16 (only the matmuls' operands are cast)
     act_bytes = 2 if half else 4
     n = fam.num_parameters(cfg)
     plan = {"parameters": n * act_bytes}
     if training:
-        plan["gradients"] = n * act_bytes
         held = n if zero < 1 or world_size <= 1 else n // world_size + n % world_size
+        if zero >= 2:  # the shard, one layer's slot, and the tensors stacked over nothing (LayerSlotGrads)
+            stacked = fam.model_class.stacked_tensors(cfg)
+            shapes = fam.parameter_shapes(cfg)
+            slot = sum(int(np.prod(s[1:])) for name, s in shapes if name in stacked)
+            others = sum(int(np.prod(s)) for name, s in shapes if name not in stacked)
+            shard = n // world_size + n % world_size
+            plan[f"gradients (ZeRO-2 shard 1/{world_size}, one layer, embeddings)"] = (shard + slot + others) * act_bytes
+        else:
+            plan["gradients"] = n * act_bytes
         key = "optimizer (m, v" + (", fp32 master)" if half else ")")
         if held < n:
             key += f", ZeRO-{zero} shard 1/{world_size}"

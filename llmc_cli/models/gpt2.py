@@ -194,8 +194,14 @@ class GPT2(Model):
     param_shapes = staticmethod(parameter_shapes)
     DECAYED = frozenset(DECAYED)
 
+    @staticmethod
+    def stacked_tensors(cfg) -> set[str]:
+        """The parameter tensors stacked over the layers (one slice per layer)."""
+        return {n for n, s in parameter_shapes(cfg) if len(s) >= 2 and n not in ("wte", "wpe")}
+
     def __init__(self, cfg: GPT2Config, backend: Backend, B: int, T: int, training: bool = True,
-                 share_params: "GPT2 | None" = None, recompute: str = "none", classifier_chunks: int | None = None):
+                 share_params: "GPT2 | None" = None, recompute: str = "none", classifier_chunks: int | None = None,
+                 layer_grads: bool = False):
         """`share_params`: use another instance's parameters (an inference copy for sampling during training).
         `classifier_chunks`: batch chunks of the training classifier (None = auto_classifier_chunks)."""
         cfg.validate()
@@ -203,8 +209,7 @@ class GPT2(Model):
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
         dt = backend.dtype
-        self._alloc_parameters({n for n, s in parameter_shapes(cfg) if len(s) >= 2 and n not in ("wte", "wpe")},
-                               training, share_params)
+        self._alloc_parameters(self.stacked_tensors(cfg), training, share_params, layer_grads)
         self.recompute = recompute
         if classifier_chunks is None:
             classifier_chunks = auto_classifier_chunks(cfg, B, T, training, 4 if dt == FLOAT32 else 2, recompute)

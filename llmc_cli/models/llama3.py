@@ -238,8 +238,14 @@ class Llama3(Model):
     param_shapes = staticmethod(parameter_shapes)
     DECAYED = frozenset(DECAYED)
 
+    @staticmethod
+    def stacked_tensors(cfg) -> set[str]:
+        """The parameter tensors stacked over the layers (one slice per layer)."""
+        return {n for n, _ in parameter_shapes(cfg) if n not in ("wte", "lm_head", "norm")}
+
     def __init__(self, cfg: Llama3Config, backend: Backend, B: int, T: int, training: bool = True,
-                 share_params: "Llama3 | None" = None, recompute: str = "none", classifier_chunks: int | None = None):
+                 share_params: "Llama3 | None" = None, recompute: str = "none", classifier_chunks: int | None = None,
+                 layer_grads: bool = False):
         """As GPT2.__init__; `classifier_chunks`: chunks of the B*T rows the training classifier runs in (None =
         auto_classifier_chunks)."""
         cfg.validate()
@@ -248,8 +254,7 @@ class Llama3(Model):
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
         dt = backend.dtype
-        self._alloc_parameters({n for n, _ in parameter_shapes(cfg) if n not in ("wte", "lm_head", "norm")},
-                               training, share_params)
+        self._alloc_parameters(self.stacked_tensors(cfg), training, share_params, layer_grads)
         self.recompute = recompute
         if classifier_chunks is None:
             classifier_chunks = auto_classifier_chunks(cfg, B, T, training, 4 if dt == FLOAT32 else 2)

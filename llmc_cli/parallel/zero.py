@@ -26,7 +26,7 @@ from llmc_cli.kernels import AVG, BFLOAT16, FLOAT32, SUM, Backend, Communicator,
 from llmc_cli.optim import AdamW, AdamWConfig
 from llmc_cli.parallel.comm import SingleProcess
 
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2)
 
 
 class DataParallelAdamW(AdamW):
@@ -54,6 +54,8 @@ class DataParallelAdamW(AdamW):
 class ShardedAdamW:
     """ZeRO stage 1: optimizer state sharded over the ranks (see the module docstring)."""
 
+    stage = 1
+
     def __init__(self, backend: Backend, params, grads, tensors: list[tuple[str, bool]], cfg: AdamWConfig,
                  comm: Communicator):
         self.backend, self.params, self.grads, self.cfg, self.comm = backend, params, grads, cfg, comm
@@ -75,6 +77,11 @@ class ShardedAdamW:
         backend.fill(self.m, 0.0)
         backend.fill(self.v, 0.0)
         self.master = backend.alloc(local, FLOAT32, tag="optimizer") if backend.dtype == BFLOAT16 else None
+        # where this rank's reduced gradients are read: the whole gradient buffer (ZeRO-1), or a shard of
+        # `local` elements laid out like m and v (ZeRO-2)
+        shard = self._gradient_shard(local)
+        grad_at = (lambda lo, l0, n: backend.view(grads.buf, lo, n)) if shard is None else \
+            (lambda lo, l0, n: backend.view(shard, l0, n))
         self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
         self.loss_buf = backend.alloc(1, FLOAT32, tag="optimizer")   # the step's mean loss (loss_sum)
         self.guard = backend.alloc(4, FLOAT32, tag="optimizer")      # [loss, norm, scale, apply] (step_guard)
@@ -95,16 +102,38 @@ class ShardedAdamW:
                     continue
                 l0 = lstart + (a - lo)
                 self._segments.append((i, decay,
-                                       backend.view(params.buf, a, b - a), backend.view(grads.buf, a, b - a),
+                                       backend.view(params.buf, a, b - a), grad_at(a, l0, b - a),
                                        backend.view(self.m, l0, b - a), backend.view(self.v, l0, b - a),
                                        None if self.master is None else backend.view(self.master, l0, b - a)))
             off += size
         if off != n:
             raise ValueError(f"tensor table covers {off} of {n} parameters")
-        self._main_grads = backend.view(grads.buf, 0, self.main)
         self._main_params = backend.view(params.buf, 0, self.main)
-        self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
-        self._own_grads = backend.view(grads.buf, r * self.chunk, self.chunk)
+        if shard is None:
+            self._main_grads = backend.view(grads.buf, 0, self.main)
+            self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
+            self._own_grads = backend.view(grads.buf, r * self.chunk, self.chunk)
+        else:
+            self._tail_grads = backend.view(shard, self.chunk, self.tail) if self.tail else None
+            self._own_grads = backend.view(shard, 0, self.chunk)
+
+    def _gradient_shard(self, local: int):
+        return None
+
+    def owner_pieces(self, off: int, n: int) -> list[tuple[int, int, int | None]]:
+        """(lo, hi, owner) covering [off, off + n) of the flat vector, cut at the owners' boundaries; owner None
+        for the tail every rank updates (all-reduced)."""
+        chunk, main, out = self.chunk, self.main, []
+        lo, end = off, off + n
+        while lo < end:
+            if lo >= main:
+                out.append((lo, end, None))
+                break
+            owner = lo // chunk
+            hi = min(end, (owner + 1) * chunk)
+            out.append((lo, hi, owner))
+            lo = hi
+        return out
 
     # --- the step ---------------------------------------------------------------------------------------------
     def reduce_grads(self) -> None:
@@ -240,19 +269,7 @@ class OverlappedReduction:
 
     def _pieces(self, off: int, n: int):
         """(lo, hi, owner) covering [off, off + n): owner None = all-reduce (--zero 0, or ZeRO-1's tail)."""
-        if not self.sharded:
-            return [(off, off + n, None)]
-        chunk, main, out = self.opt.chunk, self.opt.main, []
-        lo, end = off, off + n
-        while lo < end:
-            if lo >= main:
-                out.append((lo, end, None))
-                break
-            owner = lo // chunk
-            hi = min(end, (owner + 1) * chunk)
-            out.append((lo, hi, owner))
-            lo = hi
-        return out
+        return self.opt.owner_pieces(off, n) if self.sharded else [(off, off + n, None)]
 
     def layer_done(self, l: int) -> None:
         self._queue(self.grads.layer_ranges[l])
@@ -264,12 +281,71 @@ class OverlappedReduction:
             join()
 
 
+class Zero2AdamW(ShardedAdamW):
+    """ZeRO stage 2: ShardedAdamW's ownership and step, and the gradients sharded too. The model keeps its
+    gradients as LayerSlotGrads (one layer's slot and the unstacked tensors); LayerShardedReduction reduces each
+    layer's slot into the owners' shards as the backward pass goes, so a rank holds n / W reduced gradients plus one
+    layer's, not n."""
+
+    stage = 2
+
+    def _gradient_shard(self, local: int):
+        if not hasattr(self.grads, "layer_pieces"):
+            raise ValueError("--zero 2 needs the model built with layer_grads=True (LayerSlotGrads)")
+        self.grads.shard = self.backend.alloc(local, self.backend.dtype, tag="grads")
+        self.backend.fill(self.grads.shard, 0.0)
+        return self.grads.shard
+
+    def reduce_grads(self) -> None:
+        raise RuntimeError("--zero 2 reduces as the backward pass goes (LayerShardedReduction), not after it")
+
+
+class LayerShardedReduction:
+    """ZeRO-2's gradient path. After layer l's backward, on every micro-step (the slot is reused by layer l-1), each
+    piece of the slot is reduced to its owner (cut at the owners' boundaries; the tail all-reduced), the owner adds
+    it into its shard, and the slot is zeroed; `finish()` (after the last micro-step) does the same for the
+    unstacked tensors, which accumulated in their own buffer. Everything runs in order on the backend's stream:
+    the slot's reuse needs no event, and on two NVLink GPUs collectives beside the matmuls did not pay (--overlap).
+    The shard ends with what ZeRO-1's reduce-scatter leaves in the owned chunk, each micro-step's reduction added
+    in turn (bf16 gradients: the rounding of that sum differs from accumulating before reducing)."""
+
+    every_micro_step = True
+
+    def __init__(self, opt: Zero2AdamW, grads, comm: Communicator):
+        self.opt, self.grads, self.comm, self.backend = opt, grads, comm, opt.backend
+        self.rank = comm.rank
+
+    def _into_shard(self, off: int, buf, at: int, n: int) -> None:
+        b, opt = self.backend, self.opt
+        for lo, hi, owner in opt.owner_pieces(off, n):
+            piece = b.view(buf, at + lo - off, hi - lo)
+            if owner is None:
+                self.comm.all_reduce(piece, AVG)
+                dst = b.view(self.grads.shard, opt.chunk + (lo - opt.main), hi - lo)
+            else:
+                self.comm.reduce(piece, owner, AVG)
+                if owner != self.rank:
+                    continue
+                dst = b.view(self.grads.shard, lo - owner * opt.chunk, hi - lo)
+            b.residual_forward(dst, dst, piece)
+
+    def layer_done(self, l: int) -> None:
+        for piece in self.grads.layer_pieces(l):
+            self._into_shard(*piece)
+        self.backend.fill(self.grads.slot, 0.0)
+
+    def finish(self) -> None:
+        for piece in self.grads.other_pieces():
+            self._into_shard(*piece)
+
+
 def make_optimizer(backend: Backend, model, cfg: AdamWConfig, comm: Communicator | None = None, zero: int = 0):
-    """The optimizer for `model` on this rank: whole-state AdamW (gradients all-reduced) or ZeRO-1."""
+    """The optimizer for `model` on this rank: whole-state AdamW (gradients all-reduced), ZeRO-1, or ZeRO-2 (the
+    model built with layer_grads=True)."""
     comm = comm or SingleProcess()
     if zero not in ZERO_STAGES:
         raise ValueError(f"--zero {zero}: llmc has ZeRO stages {', '.join(map(str, ZERO_STAGES))}")
-    cls = ShardedAdamW if zero == 1 else DataParallelAdamW
+    cls = {0: DataParallelAdamW, 1: ShardedAdamW, 2: Zero2AdamW}[zero]
     return cls(backend, model.params, model.grads, model.tensor_names(), cfg, comm)
 
 

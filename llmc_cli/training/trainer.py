@@ -25,7 +25,7 @@ from llmc_cli.models.base import STAGED, check_recompute
 from llmc_cli.models.families import family_for, family_of
 from llmc_cli.optim import AdamWConfig, lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
-from llmc_cli.parallel.zero import OverlappedReduction, make_optimizer, reshard_loader_state
+from llmc_cli.parallel.zero import LayerShardedReduction, OverlappedReduction, make_optimizer, reshard_loader_state
 from llmc_cli.training.guard import OutlierDetector
 from llmc_cli.training.memory import out_of_memory_message
 
@@ -90,7 +90,8 @@ class TrainArgs:
     hellaswag: str | None = None          # llm.c HellaSwag eval file, scored every hellaswag_every steps
     hellaswag_every: int = 0
     tensorboard: str | None = None        # also write TensorBoard event files (train/val/eval scalars) into this dir
-    zero: int = 0                         # data parallel: 1 = ZeRO-1 (optimizer state sharded over the ranks)
+    zero: int = 0                         # data parallel: 1 = ZeRO-1 (optimizer state sharded over the ranks),
+                                          # 2 = ZeRO-2 (the gradients too)
     # data parallel: reduce each layer's gradients during the backward pass. Off by default: on 2xH200 (NVLink)
     # the collectives' kernels beside the backward's matmuls cost more than the reduction they hide (performance.md)
     overlap: bool = False
@@ -211,8 +212,11 @@ class Trainer:
         self.tokens_per_step = total
         self.steps_run = 0
 
+        if a.zero == 2 and a.overlap:
+            raise TrainError("--overlap: --zero 2 already reduces each layer's gradients during the backward pass "
+                             "(into the ranks' shards, on the compute stream); leave --overlap out")
         try:
-            self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute)
+            self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute, layer_grads=a.zero == 2)
             self.model.load_parameters(params)
             self.opt = make_optimizer(backend, self.model, a.optim, self.comm, a.zero)
         except Exception as e:
@@ -222,9 +226,13 @@ class Trainer:
         self.opt.sync_master_from_params()
         # data parallel: each layer's gradients reduced as soon as the backward pass has made them final, on the
         # communicator's own stream where it has one; that reduction is queued from inside the micro-step, so
-        # such runs replay no captured graphs
-        self.reducer = OverlappedReduction(self.opt, self.model.grads, self.comm) \
-            if a.overlap and self.comm.world_size > 1 else None
+        # such runs replay no captured graphs. ZeRO-2 reduces each layer's gradients into the shards on every
+        # micro-step, in order on the backend's stream
+        if a.zero == 2:
+            self.reducer = LayerShardedReduction(self.opt, self.model.grads, self.comm)
+        else:
+            self.reducer = OverlappedReduction(self.opt, self.model.grads, self.comm) \
+                if a.overlap and self.comm.world_size > 1 else None
         # None: not captured yet (False: never); the list of replays once captured (see _replays)
         self.graphs = None if a.graphs and CAP_GRAPHS in backend.capabilities and self.reducer is None else False
         self.loss_outliers = OutlierDetector(a.outlier_window)
@@ -370,7 +378,8 @@ class Trainer:
             if replays:
                 replays[min(i, 1)]()
             else:
-                last = i == self.grad_accum - 1  # (only the last micro-step's backward makes gradients final)
+                # (only the last micro-step's backward makes gradients final; ZeRO-2 reduces every micro-step's)
+                last = i == self.grad_accum - 1 or getattr(self.reducer, "every_micro_step", False)
                 model.on_layer_grads = self.reducer.layer_done if self.reducer is not None and last else None
                 self._micro_step(i, dloss)
                 model.on_layer_grads = None

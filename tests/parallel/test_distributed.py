@@ -93,6 +93,56 @@ def test_overlapped_reduction_matches_the_reduction_after_backward(data, tmp_pat
 
 
 @needs_mpi
+def test_zero2_trains_as_zero1_and_its_checkpoint_resumes_under_zero1(data, tmp_path):
+    """ZeRO-2 (each layer's gradients reduced into the owners' shards on every micro-step, the rank holding a
+    shard, one layer's slot and the embeddings) trains as ZeRO-1: three ranks (owners' boundaries cut layers and
+    a tail is all-reduced), two micro-steps a step; its checkpoint is the whole state and continues under ZeRO-1
+    with the same losses."""
+    common = [*TINY, "--n-layer", 2, "--data", data, "--steps", 4, "-b", 1, "--procs", 3,
+              "--total-batch-size", 2 * 3 * 16]
+    runs = {}
+    for zero in (1, 2):
+        log = tmp_path / f"z{zero}.jsonl"
+        r = llmc(*common, "--zero", zero, "--log", log, "--out", tmp_path / f"run{zero}", "--checkpoint-every", 2)
+        assert f"ZeRO-{zero}" in r.stdout
+        recs = [json.loads(x) for x in log.read_text().splitlines()]
+        runs[zero] = [(x["loss"], x["norm"]) for x in recs if "norm" in x]
+    assert len(runs[2]) == 4
+    assert_close(np.ravel(runs[2]), np.ravel(runs[1]), rtol=1e-6)
+    assert "reduced layer by layer into the ranks' shards" in r.stdout
+
+    rewind_run(tmp_path / "run2", 2, 4)
+    lines = (tmp_path / "z2.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "cont.jsonl").write_text("\n".join(lines) + "\n")
+    llmc(*common, "--zero", 1, "--out", tmp_path / "run2", "--log", tmp_path / "cont.jsonl", "--resume")
+    assert_close(losses(tmp_path / "cont.jsonl"), [x for x, _ in runs[2]])
+
+
+def test_zero2_on_one_rank_matches_plain_adamw_and_plans_its_gradients(data, tmp_path):
+    """One process with --zero 2 (the shard is the whole vector) trains as --zero 0 through two micro-steps a
+    step; --dry-run plans the shard, one layer's slot and the unstacked tensors; --overlap with it is refused."""
+    common = [*TINY, "--n-layer", 3, "--data", data, "--steps", 3, "-b", 1, "--total-batch-size", 32]
+    for zero in (0, 2):
+        llmc(*common, "--zero", zero, "--log", tmp_path / f"one{zero}.jsonl")
+    assert_close(losses(tmp_path / "one2.jsonl"), losses(tmp_path / "one0.jsonl"), rtol=1e-6)
+
+    from llmc_cli.models.families import memory_plan
+    from llmc_cli.models.llama3 import PRESETS
+    cfg = PRESETS["llama3.1-8b"]
+    z1 = memory_plan(cfg, 1, 8192, "bfloat16", world_size=8, zero=1)
+    z2 = memory_plan(cfg, 1, 8192, "bfloat16", world_size=8, zero=2)
+    g2 = next(v for k, v in z2.items() if k.startswith("gradients"))
+    n = 8_030_261_248
+    # shard n/8 (+ tail), one layer (218,112,000), wte + lm_head + norm (1,050,677,248), two bytes each
+    assert g2 == 2 * (n // 8 + n % 8 + 218_112_000 + 1_050_677_248)
+    assert g2 < z1["gradients"] / 3
+
+    r = llmc(*common, "--zero", 2, "--overlap", check=False)
+    assert r.returncode != 0
+    assert "--overlap: --zero 2" in r.stderr + r.stdout and "Traceback" not in r.stderr
+
+
+@needs_mpi
 def test_zero_checkpoint_is_whole_and_resumes_on_one_rank(data, tmp_path):
     """A ZeRO-1 run on 2 ranks writes the whole optimizer state; resumed on 1 rank (gradient accumulation makes
     up the same total batch) it continues with the same losses as the 2-rank run."""

@@ -740,6 +740,41 @@ def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
 
 
 # =============================================================================================================
+# ZeRO-2's gradients (one layer's slot, the shard) on the device, one rank
+
+@pytest.mark.parametrize("model,dtype", [("d2", BFLOAT16), ("llama3-tiny", BFLOAT16), ("llama3-tiny", "fp8"),
+                                         ("d2", FLOAT32)])
+def test_zero2_gradients_train_as_the_whole_buffer(tmp_path, model, dtype):
+    """--zero 2 on one rank keeps the gradients as LayerSlotGrads (each layer's written into one slot, added into
+    the shard after its backward, the slot zeroed) with the backend's kernels on views of the slot: with one
+    micro-step a step the losses are --zero 0's bit for bit (0 + g is g); with two they stay within bf16's
+    rounding of the different order (each micro-step's gradient rounded before the sum)."""
+    from llmc_cli.formats.shards import write_shard
+    from llmc_cli.training.trainer import TrainArgs, Trainer
+    llama = model.startswith("llama")
+    write_shard(tmp_path / "z_train_000001.bin", np.random.default_rng(0).integers(0, 1000, 40_000))
+    for accum in (1, 2):
+        runs = {}
+        for zero in (0, 2):
+            a = TrainArgs(data=str(tmp_path / "z_train_*.bin"), model=model, batch_size=4, seq_len=64,
+                          total_batch_size=accum * 4 * 64, steps=5, val_every=0, sample_every=0, zero=zero,
+                          **({} if llama else {"n_embd": 128}))
+            cuda(dtype)  # (skips where the backend cannot run) then a fresh one: FP8 carries scales across steps
+            b = _INFO.plugin.create(dtype=dtype, options={"tf32": "off"} if dtype == FLOAT32 else None)
+            tr = Trainer(a, b, say=lambda m: None)
+            runs[zero] = [tr.train_step(s) for s in range(a.steps)]
+            if zero == 2:
+                assert tr.model.grads.shard is not None and tr.reducer is not None
+        losses0, losses2 = ([r["loss"] for r in runs[z]] for z in (0, 2))
+        print(model, dtype, accum, losses0, losses2)
+        if accum == 1:
+            assert losses2 == losses0
+            assert [r["norm"] for r in runs[2]] == [r["norm"] for r in runs[0]]
+        else:
+            np.testing.assert_allclose(losses2, losses0, rtol=2e-3 if dtype != FLOAT32 else 1e-6)
+
+
+# =============================================================================================================
 # overlapped collectives (NCCL on its own stream), on one rank
 
 def test_nccl_overlapped_collectives_wait_for_the_compute_stream_and_join_it():

@@ -51,3 +51,18 @@ def test_ten_steps_match_cpu():
     got = _losses(_backend("opencl"), cfg, B, T, 10)
     np.testing.assert_allclose(got, ref, rtol=1e-4)
     assert got[-1] < got[0]
+
+
+def test_zero2_gradients_train_as_the_whole_buffer(tmp_path):
+    """--zero 2 on one rank (each layer's gradients in one slot of views, added into the shard after its backward)
+    trains as --zero 0 on the OpenCL backend, two micro-steps a step: the same losses and norms."""
+    from llmc_cli.formats.shards import write_shard
+    from llmc_cli.training.trainer import TrainArgs, Trainer
+    write_shard(tmp_path / "z_train_000001.bin", np.random.default_rng(0).integers(0, 1000, 20_000))
+    runs = {}
+    for zero in (0, 2):
+        a = TrainArgs(data=str(tmp_path / "z_train_*.bin"), model="d2", n_layer=2, n_embd=64, batch_size=2,
+                      seq_len=32, total_batch_size=2 * 2 * 32, steps=3, val_every=0, sample_every=0, zero=zero)
+        tr = Trainer(a, _backend("opencl"), say=lambda m: None)
+        runs[zero] = [(r["loss"], r["norm"]) for r in (tr.train_step(s) for s in range(a.steps))]
+    np.testing.assert_allclose(np.ravel(runs[2]), np.ravel(runs[0]), rtol=1e-6)
