@@ -98,8 +98,8 @@ class CudaPlugin(BackendPlugin):
                        "(a pass over it first; env LLMC_FP8_SCALING)",
         "fp8_wgrad": "on|off: with --dtype fp8, the weight gradients' matmuls in FP8 too (default on; off: bf16, "
                      "which skips the transposed casts; env LLMC_FP8_WGRAD)",
-        "fp8_gelu": "on|off: with --dtype fp8, the products fused with GELU (GPT-2's MLP input forward, its output "
-                    "projection's backward) in FP8 too (default off: bf16, faster on GPT-2 d12 and d48; env LLMC_FP8_GELU)",
+        "fp8_dgelu": "on|off: with --dtype fp8, the backward fused with GELU's derivative (GPT-2's MLP output "
+                     "projection) in FP8 too (default off: bf16, faster on GPT-2 d12 and d48; env LLMC_FP8_DGELU)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }

@@ -194,9 +194,10 @@ class CudaBackend(Backend):
         self.fp8_classifier = option_flag(options, "fp8_classifier", False, env="LLMC_FP8_CLASSIFIER")
         self.fp8_fast_accum = option_flag(options, "fp8_fast_accum", True, env="LLMC_FP8_FAST_ACCUM")
         self.fp8_wgrad = option_flag(options, "fp8_wgrad", True, env="LLMC_FP8_WGRAD")
-        # the products fused with GELU stay bf16: in FP8 they lost more than they saved (GPT-2 d12 and d48 on an
-        # H100: 1.03x and 1.15x bf16's speed without them, 0.96x and 1.08x with them; docs/performance.md)
-        self.fp8_gelu = option_flag(options, "fp8_gelu", False, env="LLMC_FP8_GELU")
+        # a backward fused with GELU's derivative stays bf16: cuBLASLt's FP8 path has no DGELU epilogue, and the
+        # separate pass it then needs lost more than FP8 saved (GPT-2 d48 on an H100: 1.18x bf16's speed without,
+        # 1.06x with; docs/performance.md)
+        self.fp8_dgelu = option_flag(options, "fp8_dgelu", False, env="LLMC_FP8_DGELU")
         # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
         # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
@@ -600,7 +601,7 @@ class CudaBackend(Backend):
         from nvmath.bindings.cublasLt import Epilogue as E
         OC, C = weight.shape
         N = inp.size // C
-        if (pre_gelu is None or self.fp8_gelu) and self._fp8_serves(N, C, OC, precise, inp, weight, out) \
+        if self._fp8_serves(N, C, OC, precise, inp, weight, out) \
                 and self._fp8_forward(out, inp, weight, bias, pre_gelu, N, C, OC):
             return
         if N <= _GEMV_MAX_N and self._vec(C, out, inp, weight, *(b for b in (bias, pre_gelu) if b is not None)):
@@ -636,7 +637,7 @@ class CudaBackend(Backend):
         OC, C = weight.shape
         N = inp.size // C
         bufs = (inp, weight, dout, dweight, *(x for x in (dinp,) if x is not None))
-        if (pre_gelu is None or self.fp8_gelu) and self._fp8_serves(N, C, OC, precise, *bufs) \
+        if (pre_gelu is None or self.fp8_dgelu) and self._fp8_serves(N, C, OC, precise, *bufs) \
                 and self._fp8_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC):
             return
         dt = self._lt_dtype(inp)
