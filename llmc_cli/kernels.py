@@ -107,6 +107,7 @@ class MemoryReport:
     by_tag: dict[str, int] = field(default_factory=dict)
     device_total: int | None = None
     device_free: int | None = None
+    cached: int | None = None  # freed memory the backend's allocator keeps for reuse (still in use to the device)
 
 
 class Backend(abc.ABC):

@@ -340,6 +340,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
             msg += f"; the checkpoint of the last completed step could not be written either ({trainer.rescue_error})"
         fail(msg + ("" if trainer.rescued is not None else trainer.last_good()))
     console.print(data_waits_line(trainer.feed, args.prefetch))
+    console.print(trainer.memory_line("memory at the end"))  # (the kernels' scratch is sized by the first steps)
     if trainer.stopped:
         st = trainer.stopped
         if args.out:

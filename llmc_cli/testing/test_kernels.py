@@ -251,7 +251,8 @@ def test_encoder_backward(backend, rng, B, T, C, V, Vp, maxT, with_wpe):
 # layernorm, residual, rmsnorm
 
 NORM_SHAPES = [(2, 7, 48, 2.0), (3, 5, 96, 1.0), (1, 1, 64, 1.0), (4, 9, 768, 1.0),
-               (2, 3, 48, 3e-3), (2, 5, 2048, 1.0)]  # B,T,C, input scale (small: eps matters); 2048: Llama 1B's C
+               (2, 3, 48, 3e-3), (2, 5, 2048, 1.0),  # B,T,C, input scale (small: eps matters); 2048: Llama 1B's C
+               (8, 300, 256, 1.0), (3, 37, 4096, 1.0), (1, 3, 8192, 1.0)]  # rows > blocks; 8B's C; 70B's C
 
 
 def _ln_inputs(backend, rng, B, T, C, s):

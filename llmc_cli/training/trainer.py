@@ -328,10 +328,12 @@ class Trainer:
         val = part("val", self.val_loader) if self.val_loader is not None else "val: none"
         return f"data: {part('train', self.train_loader)}; {val}"
 
-    def memory_line(self) -> str:
+    def memory_line(self, label: str = "memory") -> str:
         r = self.backend.memory_report()
         parts = [f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(r.by_tag.items())]
-        line = f"memory: {', '.join(parts)}; total {r.allocated / 2**20:.1f} MiB"
+        line = f"{label}: {', '.join(parts)}; total {r.allocated / 2**20:.1f} MiB"
+        if r.cached:
+            line += f"; allocator cache {r.cached / 2**20:.1f} MiB"
         if r.device_total:
             free = f", free {r.device_free / 2**30:.1f} GiB" if r.device_free is not None else ""
             line += f" (device {r.device_total / 2**30:.1f} GiB{free})"

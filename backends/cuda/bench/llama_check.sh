@@ -5,6 +5,8 @@
 #   PART=1b     ...   Llama 3.2-1B B=8 T=2048 bf16: --dry-run's plan, then llmc vs PyTorch (eager, torch.compile)
 #                     through `llmc bench train --compare torch`
 #   PART=profile ...  where a decoded token's time goes (decode_profile.py), d12 and Llama 3.2-1B
+#   PART=norm   ...   the CUDA norm tests, then the norm backward's implementations (`llmc bench kernels --variants`)
+#                     on Llama 3.2-1B's (B=8 T=2048) and Llama 3.1 8B's (B=1 T=8192) shapes
 #   PART=8b     ...   Llama 3.1 8B on every GPU here: CONFIGS="BxT:recompute ..." tried in order until one
 #                     trains (ZERO, STEPS, DTYPE, EXTRA train options, TAG for the log names from the environment); device memory sampled by nvidia-smi
 # Expects python3.12 at /opt/torch/.venv (CuPy, torch), the carried cp312 wheels in .whl/ (pyopencl and its
@@ -38,6 +40,15 @@ decode)
     $PY -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print(sys.argv[1].rsplit('/',1)[1], \
 {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != 'device'})" "$f" || tail -n 3 "${f%.json}.err"
   done | tee "$OUT/decode_summary.log"
+  ;;
+norm)
+  timeout 300 $PY -m pytest -q -m cuda -p no:cacheprovider -k "norm" tests/contract backends/cuda/tests 2>&1 \
+    | tail -n 8 | tee "$OUT/tests_norm.log"
+  cd /tmp
+  for shape in "llama3.2-1b -b 8 -t 2048" "llama3.1-8b -b 1 -t 8192"; do
+    timeout 200 $LLMC bench kernels --backend cuda --dtype bf16 --variants --only rmsnorm_bwd --model $shape \
+      --repeat 20 2>&1 | tail -n 30 | tee -a "$OUT/norm_variants.log"
+  done
   ;;
 1b)
   for ws in ${CUDNN_WS:-512}; do  # cuDNN's attention-backward workspace cap (MiB); several values: one profile each

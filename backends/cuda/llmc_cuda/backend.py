@@ -54,11 +54,12 @@ _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory
 
 # Variants (`llmc bench kernels --variants`, Backend.variants): "b<n>" is the default's code at n threads a block,
 # "scalar-b<n>" its path without 128-bit packs (what unaligned shapes take), "naive-b<n>" one thread per row
-# (norm_forward_naive), "own" attention on the own kernels instead of cuDNN.
+# (norm_forward_naive), "warp-b<n>" the norm backward with a warp a row (norm_backward_vec, the default before
+# norm_backward_grp), "own" attention on the own kernels instead of cuDNN.
 _BLOCKS = (32, 64, 128, 256, 512, 1024)
 _NORM_FWD = ("layernorm_forward", "fused_residual_layernorm_forward", "rmsnorm_forward")
 _NORM_BWD = ("layernorm_backward", "rmsnorm_backward")  # packed kernels: __launch_bounds__(256)
-_IMPLS = {**{k: ("", "scalar", "naive") for k in _NORM_FWD}, **{k: ("", "scalar") for k in _NORM_BWD},
+_IMPLS = {**{k: ("", "scalar", "naive") for k in _NORM_FWD}, **{k: ("", "warp", "scalar") for k in _NORM_BWD},
           **{k: ("", "scalar") for k in ("residual_forward", "gelu_forward", "gelu_backward", "swiglu_forward",
                                           "swiglu_backward", "classifier_forward_backward")},
           "adamw_update": ("",)}
@@ -277,7 +278,7 @@ class CudaBackend(Backend):
         table = {}
         for impl in _IMPLS.get(kernel, ()):
             for n in _BLOCKS:
-                if not (impl == "" and kernel in _NORM_BWD and n > 256):
+                if not (impl in ("", "warp") and kernel in _NORM_BWD and n > 256):
                     table[f"{impl}-b{n}" if impl else f"b{n}"] = (impl, n)
         return table
 
@@ -440,8 +441,10 @@ class CudaBackend(Backend):
 
     def memory_report(self):
         free, total = cp.cuda.runtime.memGetInfo()
+        pool = cp.get_default_memory_pool()
         return MemoryReport(allocated=sum(v for k, v in self._allocated.items()), by_tag=dict(self._allocated),
-                            device_total=int(total), device_free=int(free))
+                            device_total=int(total), device_free=int(free),
+                            cached=int(pool.total_bytes() - pool.used_bytes()))
 
     def describe(self):
         dt = ("fp8 matmuls, bf16" if self.fp8 else "bf16" if self.dtype == BFLOAT16
@@ -513,6 +516,25 @@ class CudaBackend(Backend):
         p = (C // pack + 31) // 32
         return p if p <= 8 else 0
 
+    def _norm_row_packs(self, C, *bufs):
+        """128-bit packs in a row for norm_backward_grp, or 0 when it does not apply (unaligned, too wide)."""
+        pack = 16 // bufs[0].dtype.itemsize
+        if C % pack or not self._aligned(*[b for b in bufs if b is not None]):
+            return 0
+        return C // pack if C // pack <= 8 * 256 else 0
+
+    @staticmethod
+    def _norm_groups(packs: int, warps: int) -> tuple[int, int]:
+        """(packs a lane, warps a row) for norm_backward_grp: the fewest warps that leave a lane at most 2 packs;
+        rows too wide for that take 8 warps and up to 8 packs a lane (the compiled kernels)."""
+        for g in (1, 2, 4, 8):
+            if g <= warps and packs <= 64 * g:
+                return (packs + 32 * g - 1) // (32 * g), g
+        p = (packs + 255) // 256
+        if warps < 8 or p > 8:
+            raise VariantUnsupported(f"{packs} packs a row need 8 warps a block and at most 8 packs a lane")
+        return p, 8
+
     def _norm_forward(self, kernel, out, mean, rstd, residual, inp1, inp2, weight, bias, eps, rms):
         C = inp1.shape[-1]
         N = inp1.size // C
@@ -541,15 +563,25 @@ class CudaBackend(Backend):
     def _norm_backward(self, kernel, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rms):
         C = inp.shape[-1]
         N = inp.size // C
-        P = self._norm_packs(C, dinp, dout, inp, weight) if self._variant.get(kernel, ("",))[0] == "" else 0
-        if P:
-            # one wave of 256-thread blocks, each owning a contiguous range of rows; partials per block
-            blocks = max(1, min(self.sm_count * 2, N))
+        impl = self._variant.get(kernel, ("",))[0]
+        k = None
+        if impl == "warp" and (P := self._norm_packs(C, dinp, dout, inp, weight)):
+            # a warp a row: a lane holds P packs of each of the row's tensors (C <= 2048 in bf16)
+            k = self._kk(f"norm_backward_{'rms_' if rms else ''}vec{P}", dinp)
+            _, threads = self._cfg(kernel, k, 0, 256)
+            per_sm = 2
+        elif impl == "" and (packs := self._norm_row_packs(C, dinp, dout, inp, weight)):
+            # G warps a row, so a lane holds at most 2 packs up to C = 4096 (bf16) and 4 blocks fit an SM
+            threads = self._variant.get(kernel, ("", 256))[1]
+            P, G = self._norm_groups(packs, threads // 32)
+            k = self._kk(f"norm_backward_{'rms_' if rms else ''}grp{P}_{G}", dinp)
+            per_sm = 4
+        if k is not None:
+            # one wave of blocks, each owning a contiguous range of rows; partials per block
+            blocks = max(1, min(self.sm_count * per_sm, N))
             rows_per_block = (N + blocks - 1) // blocks
             blocks = (N + rows_per_block - 1) // rows_per_block
             part = self.scratch("norm_partials", blocks * 2 * C)
-            k = self._kk(f"norm_backward_{'rms_' if rms else ''}vec{P}", dinp)
-            _, threads = self._cfg(kernel, k, 0, 256)
             shared = 2 * C * 4
             if shared > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = shared

@@ -602,6 +602,139 @@ NORM_VEC(6)
 NORM_VEC(7)
 NORM_VEC(8)
 
+// Backward phase 1, grouped: G warps share a row (its 32*G lanes P packs each), so a lane holds few packs,
+// registers stay low and many rows are in flight per SM (the one-warp-a-row kernel above keeps a whole row of
+// C=2048 in a lane's registers: one block an SM, 0.9 TB/s). A row's two sums are added across its G warps in
+// warp order through shared memory (double-buffered: one barrier a row); the block's groups then add their
+// dweight / dbias columns in group order into partial[b][2][C]. Fixed order everywhere: deterministic.
+template <int P, int G, bool RMS>
+__device__ __forceinline__ void norm_backward_grp_impl(act_t* dinp, float* partial, const act_t* dout,
+                                                       const act_t* inp, const act_t* weight, const float* mean,
+                                                       const float* rstd, int N, int C, int rows_per_block) {
+    extern __shared__ float sm[];  // [2][C]
+    __shared__ float red[2][32][2];
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int groups = warps / G, group = warp / G, t = (warp % G) * 32 + lane;
+    int npk = C / PACK;
+    float dw[P][PACK], db[P][PACK];
+    pack_t w[P];
+    #pragma unroll
+    for (int k = 0; k < P; k++) {
+        int pk = t + 32 * G * k;
+        if (pk < npk) w[k] = load_pack(weight + pk * PACK);
+        #pragma unroll
+        for (int j = 0; j < PACK; j++) { dw[k][j] = 0.0f; db[k][j] = 0.0f; }
+    }
+    int r0 = blockIdx.x * rows_per_block;
+    int r1 = min(N, r0 + rows_per_block);
+    int iters = (r1 - r0 + groups - 1) / groups;
+    for (int it = 0; it < iters; it++) {
+        int row = r0 + it * groups + group;
+        bool active = row < r1 && group < groups;
+        long long base = (long long)row * C;
+        float m = 0.0f, r = 0.0f;
+        pack_t xp[P], gp[P], dp[P];
+        float s1 = 0.0f, s2 = 0.0f;
+        if (active) {
+            m = RMS ? 0.0f : mean[row]; r = rstd[row];
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                int pk = t + 32 * G * k;
+                if (pk < npk) {
+                    xp[k] = load_pack(inp + base + pk * PACK);
+                    gp[k] = load_pack(dout + base + pk * PACK);
+                    dp[k] = load_pack(dinp + base + pk * PACK);
+                }
+            }
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                if (t + 32 * G * k < npk) {
+                    #pragma unroll
+                    for (int j = 0; j < PACK; j++) {
+                        float xh = (to_f(xp[k].v[j]) - m) * r;
+                        float dn = to_f(gp[k].v[j]) * to_f(w[k].v[j]);
+                        if (!RMS) s1 += dn;
+                        s2 += dn * xh;
+                    }
+                }
+            }
+        }
+        s1 = warp_sum(s1); s2 = warp_sum(s2);
+        if (lane == 0) { red[it & 1][warp][0] = s1; red[it & 1][warp][1] = s2; }
+        __syncthreads();
+        if (active) {
+            s1 = 0.0f; s2 = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < G; i++) { s1 += red[it & 1][group * G + i][0]; s2 += red[it & 1][group * G + i][1]; }
+            s1 /= C; s2 /= C;
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                int pk = t + 32 * G * k;
+                if (pk < npk) {
+                    #pragma unroll
+                    for (int j = 0; j < PACK; j++) {
+                        float xh = (to_f(xp[k].v[j]) - m) * r;
+                        float gg = to_f(gp[k].v[j]);
+                        float dn = gg * to_f(w[k].v[j]);
+                        float d = RMS ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
+                        dp[k].v[j] = from_f(to_f(dp[k].v[j]) + d);
+                        dw[k][j] += gg * xh;
+                        if (!RMS) db[k][j] += gg;
+                    }
+                    store_pack(dinp + base + pk * PACK, dp[k]);
+                }
+            }
+        }
+    }
+    float* sdw = sm;
+    float* sdb = sm + C;
+    for (int gi = 0; gi < groups; gi++) {
+        if (group == gi) {
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                int pk = t + 32 * G * k;
+                if (pk < npk) {
+                    #pragma unroll
+                    for (int j = 0; j < PACK; j++) {
+                        int c = pk * PACK + j;
+                        if (gi == 0) { sdw[c] = dw[k][j]; sdb[c] = db[k][j]; }
+                        else { sdw[c] += dw[k][j]; sdb[c] += db[k][j]; }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* out = partial + (long long)blockIdx.x * 2 * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) { out[c] = sdw[c]; out[C + c] = RMS ? 0.0f : sdb[c]; }
+}
+
+#define NORM_GRP(P, G)                                                                                            \
+extern "C" __global__ void __launch_bounds__(256) norm_backward_grp##P##_##G(act_t* dinp, float* partial, const act_t* dout,            \
+        const act_t* inp, const act_t* weight, const float* mean, const float* rstd, int N, int C,               \
+        int rows_per_block) {                                                                                     \
+    norm_backward_grp_impl<P, G, false>(dinp, partial, dout, inp, weight, mean, rstd, N, C, rows_per_block);     \
+}                                                                                                                 \
+extern "C" __global__ void __launch_bounds__(256) norm_backward_rms_grp##P##_##G(act_t* dinp, float* partial, const act_t* dout,        \
+        const act_t* inp, const act_t* weight, const float* mean, const float* rstd, int N, int C,               \
+        int rows_per_block) {                                                                                     \
+    norm_backward_grp_impl<P, G, true>(dinp, partial, dout, inp, weight, mean, rstd, N, C, rows_per_block);      \
+}
+NORM_GRP(1, 1)
+NORM_GRP(2, 1)
+NORM_GRP(1, 2)
+NORM_GRP(2, 2)
+NORM_GRP(1, 4)
+NORM_GRP(2, 4)
+NORM_GRP(1, 8)
+NORM_GRP(2, 8)
+NORM_GRP(3, 8)
+NORM_GRP(4, 8)
+NORM_GRP(5, 8)
+NORM_GRP(6, 8)
+NORM_GRP(7, 8)
+NORM_GRP(8, 8)
+
 // Backward phase 2: dweight[c] += sum_p partial[p][0][c], dbias likewise. 32 columns per block, its 8 warps
 // take p = warp, warp+8, ... and warp 0 adds the 8 sums in order (fixed order: deterministic).
 extern "C" __global__ void norm_backward_reduce_vec(act_t* dweight, act_t* dbias, const float* partial, int P,
