@@ -116,7 +116,7 @@ def main():
             att.bwd_workspace_max = limit
             att.bwd_slices.clear()
             ms = timed(lambda: be.attention_backward(dqkv, dout, qkv, out, lse, NH, NH))
-            g, Bs = att.bwd_slices[(B, T, NH, NH, hd)]
+            g, Bs, _ = att.bwd_slices[(B, T, NH, NH, hd)]
             ws = g.get_workspace_size()
             flops = 2.5 * 4 * B * NH * T * T * hd / 2
             print(f"attention_backward B={B}: slices of {Bs} sequences, workspace {ws / 2**20:.1f} MiB, {ms:.3f} ms "

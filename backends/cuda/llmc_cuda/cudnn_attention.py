@@ -6,9 +6,11 @@ starting at NH*hd and (NH+NKV)*hd. The output (B, T, NH*hd) and the float32 log-
 (B, NH, T, 1) are written in place. Graphs are built once per (B, T, NH, NKV, hd) and executed with raw
 pointers; the backward graph asks for cuDNN's deterministic algorithm.
 
-That deterministic backward wants a workspace that grows with B (about 1.5 GiB at GPT-2 124M, B=64, T=1024), so
-the backward runs over batch slices, the largest whose workspace stays within `bwd_workspace_max`: sequences
-are independent, so the slices compute exactly what one call would.
+That deterministic backward wants a workspace that grows with B and the heads (about 1.5 GiB at GPT-2 124M, B=64,
+T=1024; 4 GiB for one sequence of Llama 3.1 8B at T=8192), so the backward runs over batch slices, and when one
+sequence is still too much, over groups of key/value heads (each with its query heads), the largest whose workspace
+stays within `bwd_workspace_max`: sequences and head groups are independent, so the slices compute what one call
+would. A head group's graph sees the full buffers' strides, so it too needs no copies.
 
 Building a graph's plan takes cuDNN a few hundred milliseconds (its SDPA engines are compiled at run time), so
 each built plan is serialized into `plan_dir` (llmc's cache directory, per GPU and cuDNN version) and a later run
@@ -40,7 +42,8 @@ class CudnnAttention:
         self.failed: dict[tuple, str] = {}
         self.workspace = None
         self.bwd_workspace_max = 512 << 20  # bytes
-        self.bwd_slices: dict[tuple, tuple] = {}  # (B, T, NH, NKV, hd) -> (graph, sequences per slice)
+        # (B, T, NH, NKV, hd) -> (graph, sequences per slice, key/value heads per slice)
+        self.bwd_slices: dict[tuple, tuple] = {}
 
     def _ws(self, size: int):
         if self._workspace is not None:
@@ -49,18 +52,23 @@ class CudnnAttention:
             self.workspace = self.cp.empty(max(size, 1), dtype=self.cp.uint8)
         return self.workspace
 
-    def _dims(self, B, T, NH, NKV, hd):
+    @staticmethod
+    def _dims(T, NH, NKV, hd):
+        """Strides of q/k/v (and their gradients), of o/dO, of the statistics, for buffers of NH query heads and
+        NKV key/value heads (a head group's graph describes part of them)."""
         W = (NH + 2 * NKV) * hd
-        qs = [T * W, hd, W, 1]
-        os_ = [T * NH * hd, hd, NH * hd, 1]
-        return qs, os_
+        return [T * W, hd, W, 1], [T * NH * hd, hd, NH * hd, 1], [NH * T, T, 1, 1]
 
     def _build(self, key):
-        kind, B, T, NH, NKV, hd = key
+        # a head group's key ends with the full buffers' head counts: (kind, B, T, NH, NKV, hd[, NH_all, NKV_all])
+        kind, B, T, NH, NKV, hd, *full = key
         bf = cudnn.data_type.BFLOAT16
         g = cudnn.pygraph(io_data_type=bf, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
-        qs, os_ = self._dims(B, T, NH, NKV, hd)
+        qs, os_, ss = self._dims(T, *(full or (NH, NKV)), hd)
+        if full:  # cuDNN wants the statistics packed: a head group's are, for one sequence (its only use)
+            assert B == 1, "head groups are planned for one sequence at a time"
+            ss = [NH * T, T, 1, 1]
         q = g.tensor(name="q", dim=[B, NH, T, hd], stride=qs, data_type=bf, uid=Q)
         k = g.tensor(name="k", dim=[B, NKV, T, hd], stride=qs, data_type=bf, uid=K)
         v = g.tensor(name="v", dim=[B, NKV, T, hd], stride=qs, data_type=bf, uid=V)
@@ -69,12 +77,12 @@ class CudnnAttention:
             o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=scale,
                               use_causal_mask=True)
             o.set_uid(O).set_output(True).set_dim([B, NH, T, hd]).set_stride(os_).set_data_type(bf)
-            stats.set_uid(STATS).set_output(True).set_dim([B, NH, T, 1]).set_stride([NH * T, T, 1, 1]) \
+            stats.set_uid(STATS).set_output(True).set_dim([B, NH, T, 1]).set_stride(ss) \
                 .set_data_type(cudnn.data_type.FLOAT)
         else:
             o = g.tensor(name="o", dim=[B, NH, T, hd], stride=os_, data_type=bf, uid=O)
             do = g.tensor(name="do", dim=[B, NH, T, hd], stride=os_, data_type=bf, uid=DO)
-            stats = g.tensor(name="stats", dim=[B, NH, T, 1], stride=[NH * T, T, 1, 1],
+            stats = g.tensor(name="stats", dim=[B, NH, T, 1], stride=ss,
                              data_type=cudnn.data_type.FLOAT, uid=STATS)
             dq, dk, dv = g.sdpa_backward(name="sdpa_bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats,
                                          attn_scale=scale, use_causal_mask=True,
@@ -115,9 +123,10 @@ class CudnnAttention:
             return
         write_cache_file(path, data)
 
-    def graph(self, kind, B, T, NH, NKV, hd):
-        """The built graph, or None when cuDNN cannot plan this shape (the reason is kept in `failed`)."""
-        key = (kind, B, T, NH, NKV, hd)
+    def graph(self, kind, B, T, NH, NKV, hd, *full):
+        """The built graph, or None when cuDNN cannot plan this shape (the reason is kept in `failed`). `full`: the
+        buffers' (NH, NKV) when the graph covers a group of their heads."""
+        key = (kind, B, T, NH, NKV, hd, *full)
         g = self.graphs.get(key)
         if g is None and key not in self.failed:
             g = self._load(key)
@@ -142,19 +151,28 @@ class CudnnAttention:
         return True
 
     def _backward_plan(self, B, T, NH, NKV, hd):
-        """The backward graph for the largest batch slice (B, B/2, B/4, ...) whose workspace fits, or None."""
+        """(graph, sequences, key/value heads) of the largest slice whose workspace fits: the batch halved while
+        it divides (B, B/2, ...), then one sequence, then its key/value heads (NKV, NKV/2, ...); None when cuDNN
+        plans no backward."""
         key = (B, T, NH, NKV, hd)
         if key not in self.bwd_slices:
             plan = None
-            Bs = B
+            Bs, G, rep = B, NKV, NH // NKV
             while True:
-                g = self.graph("bwd", Bs, T, NH, NKV, hd)
+                g = self.graph("bwd", Bs, T, G * rep, G, hd, *(() if G == NKV else (NH, NKV)))
                 if g is None:
                     break
-                plan = (g, Bs)
-                if g.get_workspace_size() <= self.bwd_workspace_max or Bs % 2:
+                plan = (g, Bs, G)
+                if g.get_workspace_size() <= self.bwd_workspace_max:
                     break
-                Bs //= 2
+                if Bs % 2 == 0:
+                    Bs //= 2
+                elif Bs > 1:
+                    Bs = 1
+                elif G % 2 == 0:
+                    G //= 2
+                else:
+                    break
             self.bwd_slices[key] = plan
         return self.bwd_slices[key]
 
@@ -162,13 +180,16 @@ class CudnnAttention:
         plan = self._backward_plan(B, T, NH, NKV, hd)
         if plan is None:
             return False
-        g, Bs = plan
+        g, Bs, G = plan
         ws = self._ws(g.get_workspace_size()).data.ptr
-        ko, vo = NH * hd * elsize, (NH + NKV) * hd * elsize
-        W = (NH + 2 * NKV) * hd
-        for b in range(0, B, Bs):  # byte offsets of sequence b in each buffer
-            oq, oo, ol = b * T * W * elsize, b * T * NH * hd * elsize, b * NH * T * 4
-            pack = {Q: qkv_ptr + oq, K: qkv_ptr + oq + ko, V: qkv_ptr + oq + vo, O: out_ptr + oo, DO: dout_ptr + oo,
-                    STATS: lse_ptr + ol, DQ: dqkv_ptr + oq, DK: dqkv_ptr + oq + ko, DV: dqkv_ptr + oq + vo}
-            g.execute(pack, ws, handle=self.handle)
+        rep, W = NH // NKV, (NH + 2 * NKV) * hd
+        for b in range(0, B, Bs):
+            for kv in range(0, NKV, G):  # byte offsets of sequence b's head group kv.. in each buffer
+                h = kv * rep
+                oq = (b * T * W + h * hd) * elsize
+                ok, ov = (b * T * W + (NH + kv) * hd) * elsize, (b * T * W + (NH + NKV + kv) * hd) * elsize
+                oo, ol = (b * T * NH + h) * hd * elsize, (b * NH + h) * T * 4
+                pack = {Q: qkv_ptr + oq, K: qkv_ptr + ok, V: qkv_ptr + ov, O: out_ptr + oo, DO: dout_ptr + oo,
+                        STATS: lse_ptr + ol, DQ: dqkv_ptr + oq, DK: dqkv_ptr + ok, DV: dqkv_ptr + ov}
+                g.execute(pack, ws, handle=self.handle)
         return True
