@@ -6,6 +6,9 @@
 # the plain N-GPU runs must log the same losses (with 2 ranks the two reductions add the same pairs).
 #   bash backends/cuda/bench/multi_gpu.sh [N=all GPUs] [STEPS=30]     (logs under $OUT or ./multi_gpu_out)
 #   MODELS="d12 d48" ROUNDS=2 ZERO=1 VARIANTS="overlap plain z0overlap z0plain" ...
+#   ONE_GPU_ON="0 1" ...   the 1-GPU baseline on each of these GPUs (default 0): is one GPU slower than the other?
+#   PAIR=1 ...             also two 1-GPU runs at once, on GPUs 0 and 1 (no communication): what sharing the host
+#                          and its power costs a GPU, apart from the reduction
 set -u
 export OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_setup.sh"
@@ -41,7 +44,14 @@ for model in ${MODELS:-d12 d48}; do
     *) A="--backend cuda --dtype bf16 --model $model -b 16 -t 1024 --recompute gelu" ;;
   esac
   for r in $(seq "$ROUNDS"); do
-    ENVS="LLMC_X=1"; run "${model}_1gpu_$r" $A --zero "${ZERO:-1}"
+    for g in ${ONE_GPU_ON:-0}; do  # (GPU 0's runs are the baseline; another GPU's are named _1gpu_g<N>)
+      ENVS="CUDA_VISIBLE_DEVICES=$g"; run "${model}_1gpu$([ "$g" = 0 ] || echo _g$g)_$r" $A --zero "${ZERO:-1}"
+    done
+    if [ -n "${PAIR:-}" ]; then
+      (ENVS="CUDA_VISIBLE_DEVICES=1"; run "${model}_1gpu_paired1_$r" $A --zero "${ZERO:-1}" > /dev/null) &
+      ENVS="CUDA_VISIBLE_DEVICES=0"; run "${model}_1gpu_paired0_$r" $A --zero "${ZERO:-1}"
+      wait
+    fi
     for v in ${VARIANTS:-overlap plain}; do
       variant "$v"; run "${model}_${N}gpu_${v}_$r" $A $V --gpus "$N"
     done
@@ -68,7 +78,10 @@ for model in sorted({k[0] for k in rows}):
     one = rows.get((model, "1gpu"))
     for kind in sorted({k[1] for k in rows if k[0] == model and k[1] != "1gpu"}):
         many = rows.get((model, kind))
-        if one and many:
+        if kind.startswith("1gpu_") and one and many:  # the baseline on another GPU
+            print(f"{model} {kind}: 1 GPU {statistics.median(many):.1f} ms on that GPU, {statistics.median(one):.1f} "
+                  f"on GPU 0 (medians of {len(many)} and {len(one)} runs)")
+        elif one and many:
             t1, tn = statistics.median(one), statistics.median(many)
             print(f"{model} {kind}: 1 GPU {t1:.1f} ms, {n} GPUs {tn:.1f} ms/step for {n}x the tokens: "
                   f"scaling {t1 / tn:.1%} (medians of {len(one)} and {len(many)} runs)")
