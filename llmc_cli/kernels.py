@@ -648,19 +648,29 @@ class BackendUnavailable(RuntimeError):
     """Raised by a plugin's `create` (or `probe`) when it cannot run here; the message says why."""
 
 
-def _option_raw(options: dict[str, str] | None, name: str, env: str | None) -> str | None:
-    """A backend option's text: `options[name]` if given, else the environment variable `env`, else None."""
+def _option_raw(options: dict[str, str] | None, name: str, env: str | None) -> tuple[str | None, str]:
+    """A backend option's text: `options[name]` if given, else the environment variable `env`, else None; and
+    where it came from, as an error names it (`--backend-opt NAME`, or the variable `ENV`)."""
     import os
     raw = (options or {}).get(name)
     if raw is None and env:
-        raw = os.environ.get(env)
-    return raw
+        raw = os.environ.get(env) or None  # an empty variable (`export LLMC_X=`) is an unset one
+        if raw is not None:
+            return raw, env
+    return raw, f"--backend-opt {name}"
+
+
+def _option_error(where: str, name: str, raw, expected: str) -> BackendUnavailable:
+    if where.startswith("--backend-opt"):
+        return BackendUnavailable(f"{where}={raw}: expected {expected}")
+    return BackendUnavailable(f"{where}={raw} (the environment variable for --backend-opt {name}): expected {expected}")
 
 
 def option_flag(options: dict[str, str] | None, name: str, default: bool, env: str | None = None) -> bool:
     """An on/off backend option: `options[name]` if given, else the environment variable `env` (the older way
-    to set it), else `default`. BackendUnavailable names the option on anything but on/off (1/0, true/false)."""
-    raw = _option_raw(options, name, env)
+    to set it), else `default`. BackendUnavailable names the option (or the variable) on anything but on/off
+    (1/0, true/false, yes/no)."""
+    raw, where = _option_raw(options, name, env)
     if raw is None:
         return default
     v = str(raw).strip().lower()
@@ -668,34 +678,50 @@ def option_flag(options: dict[str, str] | None, name: str, default: bool, env: s
         return True
     if v in ("0", "off", "false", "no"):
         return False
-    raise BackendUnavailable(f"--backend-opt {name}={raw}: expected on or off")
+    raise _option_error(where, name, raw, "on or off")
 
 
 def option_choice(options: dict[str, str] | None, name: str, choices: Sequence[str], default: str,
-                  env: str | None = None) -> str:
+                  env: str | None = None, aliases: dict[str, str] | None = None) -> str:
     """A backend option with named values: `options[name]` if given, else the environment variable `env`, else
-    `default`. BackendUnavailable names the option and its choices on anything else."""
-    raw = _option_raw(options, name, env)
+    `default`; `aliases` maps other spellings to a choice (e.g. "1" -> "on"). BackendUnavailable names the option
+    (or the variable) and its choices on anything else."""
+    raw, where = _option_raw(options, name, env)
     if raw is None:
         return default
     v = str(raw).strip().lower()
+    v = (aliases or {}).get(v, v)
     if v not in choices:
-        raise BackendUnavailable(f"--backend-opt {name}={raw}: expected one of {', '.join(choices)}")
+        raise _option_error(where, name, raw, f"one of {', '.join(choices)}")
     return v
 
 
-def option_int(options: dict[str, str] | None, name: str, default: int, env: str | None = None) -> int:
-    """An integer backend option (>= 0): `options[name]` if given, else the environment variable `env`, else
-    `default`. BackendUnavailable names the option on anything else."""
-    raw = _option_raw(options, name, env)
+def option_int(options: dict[str, str] | None, name: str, default: int | None, env: str | None = None, *,
+               min: int = 0, max: int | None = None, off: int | None = None, power_of_two: bool = False) -> int | None:
+    """An integer backend option in [min, max] (`off`: one more value outside it that turns the setting off, e.g.
+    0; `power_of_two`: only powers of two): `options[name]` if given, else the environment variable `env`, else
+    `default`. BackendUnavailable names the option (or the variable) and the range on anything else: every
+    numeric option of every backend is checked here, so a NaN, a negative or a huge value never reaches a kernel
+    launch, an allocation or a thread pool."""
+    raw, where = _option_raw(options, name, env)
     if raw is None:
         return default
+    if power_of_two:
+        expected = f"a power of two in [{min}, {max}]"
+    elif max is not None:
+        expected = f"an integer in [{min}, {max}]"
+    else:
+        expected = f"an integer >= {min}"
+    if off is not None:
+        expected = f"{off} (off) or {expected}"
     try:
-        v = int(str(raw).strip())
-        if v < 0:
-            raise ValueError
+        v = int(str(raw).strip(), 10)
     except ValueError:
-        raise BackendUnavailable(f"--backend-opt {name}={raw}: expected an integer >= 0") from None
+        raise _option_error(where, name, raw, expected) from None
+    if v == off:
+        return v
+    if v < min or (max is not None and v > max) or (power_of_two and v & (v - 1)):
+        raise _option_error(where, name, raw, expected)
     return v
 
 

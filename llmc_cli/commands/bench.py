@@ -82,7 +82,7 @@ def _write_plot(draw, res: dict, path: str) -> None:
         draw(res, path)
     except BenchError as e:
         fail(str(e))
-    err_console.print(f"plot: {path}")
+    err_console.print(f"plot: {path}", markup=False)
 
 
 def _model_options(f=None, *, batch: int = 4, seq: int = 64, seq_help: str = "Sequence length (tokens)."):
@@ -125,9 +125,15 @@ def _model_options(f=None, *, batch: int = 4, seq: int = 64, seq_help: str = "Se
 def _setup(o: dict):
     """Shared option checks: the model config and the backends (fails with one line)."""
     from llmc_cli.commands.console import DTYPES, backend_options, fail
+    from llmc_cli.commands.options import check_tokens
     B, T = o["batch_size"], o["seq_len"]
     if B <= 0 or T <= 0:
         fail(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
+    if (why := check_tokens(B, T)) is not None:
+        fail(why)
+    for prefix in o.get("only") or ():
+        if not prefix.strip():
+            fail("--only: an empty name matches every kernel; give the start of a kernel's name, e.g. --only matmul")
     # the preset's own vocabulary and context unless given (GPT-2's: 50257 and 1024)
     over = {k: o[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if o[k]}
     try:
@@ -173,10 +179,11 @@ def _report_header(console, res: dict, backends, skipped, as_json: bool) -> bool
     if as_json:
         _emit_json(res)
         return False
+    from rich.markup import escape  # device names, reasons and paths are text, not markup
     for line in machine_lines(res["machine"]):
-        console.print(f"[dim]{line}[/]")
+        console.print(f"[dim]{escape(line)}[/]")
     for n, r in skipped:
-        console.print(f"[dim]not benchmarked: {n} ({r})[/]")
+        console.print(f"[dim]not benchmarked: {escape(n)} ({escape(r)})[/]")
     return True
 
 
@@ -308,10 +315,12 @@ def train(**o) -> None:
         except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
             fail(str(e))
     if _report_header(console, res, backends, skipped, o["as_json"]):
-        console.print(f"[dim]data: {res['config']['data']}; {res['config']['flops_per_step'] / 1e9:.2f} GFLOP/step[/]")
+        from rich.markup import escape
+        console.print(f"[dim]data: {escape(str(res['config']['data']))}; "
+                      f"{res['config']['flops_per_step'] / 1e9:.2f} GFLOP/step[/]")
         print_wide(console, train_table(res))
         for n in res["notes"]:
-            console.print(f"[yellow]{n}[/]")
+            console.print(f"[yellow]{escape(n)}[/]")
     if o["plot"]:
         _write_plot(plot_train, res, o["plot"])
 
@@ -338,6 +347,8 @@ def decode(**o) -> None:
     from llmc_cli.bench.decode import run_decode
     from llmc_cli.bench.report import decode_table
     from llmc_cli.commands.console import console, fail
+    if o["plot"]:  # refused before the benchmark runs, not after it
+        fail("--plot: `llmc bench decode` draws no plot; use --json")
     cfg, B, S, backends, skipped = _setup(o)
     with _progress(o["as_json"]) as progress:
         try:
@@ -347,8 +358,6 @@ def decode(**o) -> None:
             fail(str(e))
     if _report_header(console, res, backends, skipped, o["as_json"]):
         print_wide(console, decode_table(res))
-    if o["plot"]:
-        fail("--plot: `llmc bench decode` draws no plot; use --json")
 
 
 @bench.command()
@@ -416,7 +425,7 @@ def overlap(**o) -> None:
     if _report_header(console, res, backends, skipped + more, o["as_json"]):
         print_wide(console, overlap_table(res))
         for line in overlap_lines(res):
-            console.print(line)
+            console.print(line, markup=False)
     if o["plot"]:
         _write_plot(plot_overlap, res, o["plot"])
     if res["mismatches"]:

@@ -38,7 +38,10 @@ def backend_options(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
         if not sep or not key.strip():
             fail(f"--backend-opt {pair!r}: expected KEY=VALUE, e.g. --backend-opt tune=off (see `llmc backends "
                  "--options`)")
-        out[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if key in out and out[key] != value:  # which one was meant? (the same twice is harmless)
+            fail(f"--backend-opt {key} is given twice, as {out[key]!r} and {value!r}; give it once")
+        out[key] = value
     return out
 
 

@@ -39,4 +39,4 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto", force: bool = Fals
     except CheckpointError as e:
         fail(str(e))
     console.print(f"{src} ({kind}, L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size}) -> "
-                  f"{dst}: {what}, {dtype}")
+                  f"{dst}: {what}, {dtype}", markup=False)

@@ -14,10 +14,16 @@ import math
 import click
 
 
+INT32_MAX = 2**31 - 1  # the most tokens, rows or elements the kernels index, and what the model files' headers hold
+
+
 class _Bounded(click.ParamType):
+    """`min`/`max`: the option's declared range (in the message of a value outside it); `cap`: a ceiling past which
+    a value is nonsense for any option of this kind (an integer the kernels and files hold), said as `<= cap`."""
+
     def __init__(self, min: float | None = None, max: float | None = None, min_open: bool = False,
-                 max_open: bool = False):
-        self.min, self.max, self.min_open, self.max_open = min, max, min_open, max_open
+                 max_open: bool = False, cap: float | None = None):
+        self.min, self.max, self.min_open, self.max_open, self.cap = min, max, min_open, max_open, cap
 
     def _parse(self, value):
         raise NotImplementedError
@@ -36,6 +42,8 @@ class _Bounded(click.ParamType):
         if ((lo is not None and (x < lo or (self.min_open and x == lo)))
                 or (hi is not None and (x > hi or (self.max_open and x == hi)))):
             self.fail(f"must be {self._range()} (got {value})", param, ctx)
+        if self.cap is not None and x > self.cap:
+            self.fail(f"must be <= {self.cap} (got {value})", param, ctx)
         return x
 
 
@@ -80,9 +88,31 @@ class PowerOfTwo(Int):
         return x
 
 
-POSITIVE = Int(1)         # counts and sizes that cannot be zero: batch size, sequence length, dimensions
-COUNT = Int(0)            # counts where 0 means "off" or "all"
+class ZeroOrReal(Real):
+    """0 (the option's "off", e.g. greedy decoding), or a finite float in [min, max]: a positive value so small
+    that the arithmetic it feeds overflows (a temperature of 1e-320) is refused rather than computed into NaNs."""
+
+    def convert(self, value, param, ctx):
+        x = self._parse(value, param, ctx)
+        if x == 0:
+            return 0.0
+        if x < self.min or (self.max is not None and x > self.max):
+            hi = f" and <= {self.max:g}" if self.max is not None else ""
+            self.fail(f"must be 0 or >= {self.min:g}{hi} (got {value})", param, ctx)
+        return x
+
+
+POSITIVE = Int(1, cap=INT32_MAX)  # counts and sizes that cannot be zero: batch size, sequence length, dimensions
+COUNT = Int(0, cap=INT32_MAX)     # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
+
+
+def check_tokens(B: int, T: int) -> str | None:
+    """Why a micro-batch of B sequences of T tokens is refused (None when it is not): its B*T rows are indexed in
+    32 bits by every kernel, and planning memory for more would count chunks past any machine."""
+    if B * T > INT32_MAX:
+        return f"-b {B} -t {T}: {B * T:,} tokens a micro-batch, more than the kernels index (2**31 - 1)"
+    return None
 
 
 def usage_error_line(e: click.UsageError) -> str:

@@ -33,4 +33,4 @@ def plot(runs, out, x, smooth) -> None:
         path = plot_runs(list(runs), out if out is not None else default_png(list(runs)), x, smooth)
     except PlotError as e:
         fail(str(e))
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", markup=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from llmc_cli.commands.console import BACKEND_OPT_HELP, DTYPES, backend_options, err_console, fail, make_backend
-from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real, ZeroOrReal
 
 
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
@@ -28,7 +28,8 @@ def load_for_inference(checkpoint: str, backend, B: int, T: int):
 @click.option("--prompt-file", default=None, type=click.Path(), help="Read the prompt from this text file.")
 @click.option("--max-new-tokens", type=COUNT, default=128, show_default=True, help="Tokens to generate per sample.")
 @click.option("--num-samples", type=POSITIVE, default=1, show_default=True, help="Independent samples (one rng).")
-@click.option("--temperature", type=Real(0), default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=ZeroOrReal(1e-6), default=1.0, show_default=True,
+              help="0 = greedy; else at least 1e-6 (below it the logits' quotient overflows).")
 @click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the k most likely (0 = all).")
 @click.option("--top-p", type=Real(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus mass (1.0 = off).")
 @click.option("--seed", type=SEED, default=1337, show_default=True)
@@ -72,6 +73,10 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         tok = load_tokenizer(tok_name, tok_file)
     except (ckpt.CheckpointError, DataError) as e:  # DataError: an unreadable or unknown tokenizer
         fail(f"--checkpoint: {e}")
+    if tok.vocab_size > cfg.vocab_size:  # ids the model has no row for: another model's tokenizer (a smaller one
+        # may serve a padded vocabulary: generation stays within the tokenizer's ids)
+        fail(f"--checkpoint: {tok_file or tok.name}: a tokenizer of {tok.vocab_size:,} tokens, more than the model's "
+             f"vocabulary of {cfg.vocab_size:,}: not this model's tokenizer")
     # GPT-2 documents start with <|endoftext|>, which also seeds an empty prompt (llm.c); Llama 3 documents
     # start with <|begin_of_text|>, which Meta's and Hugging Face's tokenizers put before every prompt
     prefix = [] if tok.name == "gpt2" else tok.doc_prefix

@@ -50,9 +50,20 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
         name = key.replace("-", "_")
         if name not in names or name == "config":
             raise click.BadParameter(f"{value}: {key!r} is not an option of `llmc train` (see --help)", ctx, param)
-        if isinstance(v, (dict, list)) and not names[name].multiple:
-            raise click.BadParameter(f"{value}: {key} must be a single value, not a {type(v).__name__}", ctx, param)
         opt = names[name]
+        if isinstance(v, (dict, list)) and not opt.multiple:
+            raise click.BadParameter(f"{value}: {key} must be a single value, not a {type(v).__name__}", ctx, param)
+        if opt.multiple:  # a list of strings, or one string for a list of one
+            v = [v] if isinstance(v, str) else v
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise click.BadParameter(f"{value}: {key} must be a string or a list of strings, e.g. "
+                                         f"{key} = [\"threads=2\"]", ctx, param)
+        elif opt.is_flag:  # TOML's true / false, nothing else (click would read 5 or 1.5 with a traceback)
+            if not isinstance(v, bool):
+                raise click.BadParameter(f"{value}: {key} must be true or false (got {v!r})", ctx, param)
+        elif isinstance(v, bool) or not isinstance(v, (str, int, float)):  # a date, a time, or true for a number
+            kind = {"integer": "an integer", "float": "a number"}.get(opt.type.name, "a string")
+            raise click.BadParameter(f"{value}: {key} must be {kind} (got {v!r})", ctx, param)
         if not opt.is_flag and not opt.multiple:  # checked here, so the error names the file as well as the key
             try:
                 opt.type.convert(v, opt, ctx)
@@ -203,9 +214,11 @@ def train(**o) -> None:
             read_evalfile(o["hellaswag"])
         except DataError as e:
             fail(f"--hellaswag: {e}")
+    _check_combination(o)
     if o.pop("dry_run"):
         return dry_run(o)
     taken = _options_from_run(o) if (o["resume"] and o["out"]) else []  # said once the run has started
+    _check_combination(o)  # again with what --resume took from the run
     if not o["data"]:
         fail("--data: give a glob of training shards, e.g. --data 'datasets/shakespeare/*train*.bin'")
     if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
@@ -213,6 +226,7 @@ def train(**o) -> None:
     try:  # said before any rank starts; the trainer checks again under the run directory's lock
         if o["out"]:  # a run directory is continued only on purpose: a fresh run must not clobber its checkpoints
             check_out(o["out"], o["resume"])
+            _check_config_target(Path(o["out"]) / CONFIG_FILE)
         if o["log"]:
             check_log(o["log"])
     except (RunDirError, LogError) as e:
@@ -221,8 +235,14 @@ def train(**o) -> None:
     from llmc_cli.parallel import comm as comm_mod
     gpus, procs, init_file, init_addr = o.pop("gpus"), o.pop("procs"), o.pop("init_file"), o.pop("init_addr")
     o["zero"] = int(o["zero"])
-    if gpus < 0 or procs < 0 or (gpus > 1 and procs > 1):
-        fail("--gpus N (one process per GPU) and --procs N (MPI processes) are positive and exclusive")
+    fault = _fault_spec()  # the test hooks' settings, checked before any rank starts
+    try:
+        from llmc_cli.formats.files import fault_delay_seconds
+        fault_delay_seconds()
+    except ValueError as e:
+        fail(str(e))
+    if gpus > 1:
+        _check_gpus(o["backend"], gpus)
     if gpus > 1 or procs > 1:
         from llmc_cli.parallel.launch import launch_gpus, launch_mpi
         args = child_args(click.get_current_context())
@@ -237,6 +257,7 @@ def train(**o) -> None:
         fail(str(e))
     if rank_info.world_size > 1:
         _RANK.update(rank=rank_info.rank, world=rank_info.world_size)
+        _check_init_file(init_file, rank_info.rank)
         console.quiet = rank_info.rank != 0  # rank 0 speaks for the run
         if o["device"] is None:
             comm_mod.pin_local_device(rank_info)  # one GPU per rank, by rank on the node
@@ -257,20 +278,20 @@ def train(**o) -> None:
     except Exception:  # sampling during training is optional; the run does not need a tokenizer
         decode, eot = None, None
     try:
-        trainer = Trainer(args, backend, say=console.print, decode=decode, eot=eot, comm=comm)
+        trainer = Trainer(args, backend, say=_say, decode=decode, eot=eot, comm=comm)
     except (TrainError, DataError, ValueError, OSError) as e:
         fail(one_line(e))
     if taken:
-        console.print(f"options from {args.out}: {' '.join(taken)}")
+        _say(f"options from {args.out}: {' '.join(taken)}")
     if args.out and rank_info.rank == 0:
-        _write_config(Path(args.out) / "config.toml", click.get_current_context())
+        _write_config(Path(args.out) / CONFIG_FILE, click.get_current_context())
     try:
-        _train_run(trainer, args, backend, comm, rank_info, load_tokenizer)
+        _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault)
     finally:
         trainer.close()
 
 
-def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
+def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=None) -> None:
     from llmc_cli.formats.files import DataError
     from llmc_cli.kernels import BackendUnavailable
     from llmc_cli.training.trainer import TrainError
@@ -281,15 +302,15 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
         except Exception:
             trainer.decode = None
     cfg = trainer.cfg
-    console.print(f"backend: {backend.describe()} ({backend.matmul_dtype or backend.dtype})")
+    _say(f"backend: {backend.describe()} ({backend.matmul_dtype or backend.dtype})")
     console.print(f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} "
                   f"(padded {cfg.padded_vocab_size}) maxT={cfg.block_size}, {trainer.model.num_params:,} params")
     console.print(f"batch: B={args.batch_size} T={args.seq_len}, {trainer.tokens_per_step} tokens/step, "
                   f"grad accumulation {trainer.grad_accum}")
-    console.print(trainer.data_line())
+    _say(trainer.data_line())
     console.print(trainer.memory_line())
     if trainer.start_step:
-        console.print(f"resumed from {args.out} at step {trainer.start_step}")
+        _say(f"resumed from {args.out} at step {trainer.start_step}")
     if comm.world_size > 1:
         console.print(f"data parallel: {comm.world_size} ranks ({rank_info.source}), {comm.name} "
                       f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank, gradients "
@@ -325,7 +346,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
     try:
         with StopSignals() as stop, (bar if bar is not None else _nothing()):
             trainer.stop_requested = lambda: stop.requested
-            trainer.run(on_step=_fault_hook(comm, show))
+            trainer.run(on_step=_fault_hook(comm, show, fault))
     except TrainAborted as e:
         where = (f"; {args.out} keeps its last complete checkpoint, resume with: {how}" if args.out
                  else "; nothing was saved (no --out)")
@@ -344,8 +365,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer) -> None:
     if trainer.stopped:
         st = trainer.stopped
         if args.out:
-            console.print(f"stopped by {st['signal']} after step {st['step']}; checkpoint {st['checkpoint']} "
-                          f"written. Resume with:\n  {how}")
+            _say(f"stopped by {st['signal']} after step {st['step']}; checkpoint {st['checkpoint']} "
+                 f"written. Resume with:\n  {how}")
             sys.exit(75)
         console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
                       f"--out DIR, so this run cannot be resumed")
@@ -374,25 +395,127 @@ def _abort_on_uncaught(comm) -> None:
     sys.excepthook = hook
 
 
-def _fault_hook(comm, show):
-    """on_step for every rank: rank 0 prints; LLMC_FAULT_RANK=R:STEP makes rank R fail after STEP (tests the
-    launchers' shutdown)."""
+def _fault_spec() -> tuple[int, int] | None:
+    """LLMC_FAULT_RANK=R:STEP (a test hook: rank R fails after STEP), checked before anything starts."""
     import os
-    spec = os.environ.get("LLMC_FAULT_RANK", "")
-    fault = tuple(int(x) for x in spec.split(":")) if spec else None
+    spec = os.environ.get("LLMC_FAULT_RANK", "").strip()
+    if not spec:
+        return None
+    rank, sep, step = spec.partition(":")
+    if not (sep and rank.strip().isdigit() and step.strip().isdigit()):
+        fail(f"LLMC_FAULT_RANK={spec}: expected RANK:STEP, two integers >= 0 (a test hook; unset it)")
+    return int(rank), int(step)
+
+
+def _fault_hook(comm, show, fault: tuple[int, int] | None = None):
+    """on_step for every rank: rank 0 prints; `fault` (LLMC_FAULT_RANK=R:STEP) makes rank R fail after STEP
+    (tests the launchers' shutdown)."""
 
     def on_step(r: dict) -> None:
         if comm.rank == 0:
             show(r)
         if fault and fault[0] == comm.rank and r["step"] >= fault[1]:
-            fail(f"injected failure after step {r['step']} (LLMC_FAULT_RANK={spec})", code=7)
+            fail(f"injected failure after step {r['step']} (LLMC_FAULT_RANK={fault[0]}:{fault[1]})", code=7)
     return on_step
+
+
+def _say(text: str) -> None:
+    """A line of the run as it is: paths, device names and sampled text may hold '[...]', which is not markup."""
+    console.print(text, markup=False)
+
+
+def _check_combination(o: dict) -> None:
+    """What the options say together, refused in one line before any rank starts or any plan is printed (the
+    trainer checks again in each rank, where a refusal would reach the user once per rank)."""
+    from llmc_cli.commands.options import check_tokens
+    gpus, procs, zero = o["gpus"], o["procs"], int(o["zero"])
+    if gpus and procs:
+        fail("--gpus N (one process per GPU) and --procs N (MPI processes) are exclusive: give one of them")
+    if zero == 2 and o["overlap"]:
+        fail("--overlap: --zero 2 already reduces each layer's gradients during the backward pass (into the ranks' "
+             "shards, on the compute stream); leave --overlap out")
+    B, T = o["batch_size"], o["seq_len"]
+    if (why := check_tokens(B, T)) is not None:
+        fail(why)
+    ranks = max(gpus, procs, 1)
+    total = o["total_batch_size"]
+    if total is not None and total % (B * T * ranks):
+        what = f"B*T*ranks = {B}*{T}*{ranks}" if ranks > 1 else f"B*T = {B}*{T}"
+        fail(f"--total-batch-size {total} is not a multiple of {what} = {B * T * ranks}")
+    if o["init_file"] and o["init_addr"]:
+        fail("give --init-file PATH or --init-addr HOST:PORT (how rank 0 hands out the communicator's id), not both")
+    import os
+    for where, addr in (("--init-addr", o["init_addr"]), ("LLMC_INIT_ADDR", os.environ.get("LLMC_INIT_ADDR"))):
+        if addr:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                fail(f"{where} {addr!r}: expected HOST:PORT, a port in 1..65535 (rank 0's address, reachable by "
+                     "every rank)")
+            break
+
+
+def _check_gpus(backend: str, n: int) -> None:
+    """--gpus N starts N processes here, one a GPU, that reduce through the backend's own communicator: refused in
+    one line, before any starts, for a backend without one (cpu, OpenCL: --procs) or with fewer devices."""
+    from llmc_cli.kernels import BackendPlugin
+    from llmc_cli.registry import discover
+    found = discover()
+    if backend == "auto":
+        plugin = next((p for p in found if p.usable and p.plugin is not None), None)
+        if plugin is None:
+            fail("--gpus: no usable backend installed (see `llmc backends`)")
+    else:
+        plugin = next((p for p in found if p.name == backend), None)
+        if plugin is None:
+            fail(f"--backend {backend}: not installed (installed: {', '.join(p.name for p in found) or 'none'})")
+        if plugin.plugin is None or not plugin.usable:
+            fail(f"--backend {backend}: cannot run here: {plugin.reason}")
+    own = getattr(type(plugin.plugin), "communicator", None)
+    if own is None or own is BackendPlugin.communicator:
+        fail(f"--gpus {n}: the {plugin.name} backend reduces through MPI, so start its ranks with --procs {n} "
+             "(or mpirun/srun)")
+    try:
+        devices = plugin.plugin.devices()
+    except Exception:  # noqa: BLE001  (the ranks say what is wrong with the device)
+        devices = []
+    if devices and n > len(devices):
+        fail(f"--gpus {n}: the {plugin.name} backend sees {len(devices)} device(s) here ({', '.join(devices)})")
+
+
+def _check_init_file(init_file: str | None, rank: int) -> None:
+    """Rank 0 writes the communicator's id to --init-file (or LLMC_INIT_FILE) and deletes it once every rank is in:
+    a path that already exists is a stale id, or a file that is not llmc's, and stays as it is."""
+    import os
+    path = init_file or os.environ.get("LLMC_INIT_FILE")
+    if rank == 0 and path and (os.path.lexists(path)):
+        where = "--init-file" if init_file else "LLMC_INIT_FILE"
+        fail(f"{where} {path}: exists; rank 0 writes a fresh id there and deletes it once the ranks are in, so give a "
+             "path that does not exist yet (a stale one from an earlier run can be deleted); nothing was changed")
+
+
+CONFIG_FILE = "config.toml"
+CONFIG_HEADER = "# the options of this run, as `llmc train --config` reads them\n"
+
+
+def _check_config_target(path: Path) -> None:
+    """OUT/config.toml is replaced at the start of every run: only when llmc wrote it (its first line)."""
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(CONFIG_HEADER.encode()))
+    except OSError as e:
+        fail(f"--out: {path}: {e.strerror or e}")
+    if not path.is_file() or path.is_symlink() or head != CONFIG_HEADER.encode():
+        fail(f"--out: {path} exists and was not written by llmc; llmc replaces only its own config.toml, so move it "
+             "or give another --out; nothing was changed")
 
 
 def dry_run(o: dict) -> None:
     """Plans the model's memory on the host, allocating nothing: works for models this machine cannot hold."""
     from llmc_cli.models.families import memory_plan
     from llmc_cli.training.trainer import TrainArgs, model_config
+    _check_backend_opt_names(o["backend"], o["backend_opt"])
     try:
         cfg = model_config(TrainArgs(data=o["data"] or "", model=o["model"], n_layer=o["n_layer"], n_head=o["n_head"],
                                      n_embd=o["n_embd"], n_kv_head=o["n_kv_head"], block_size=o["block_size"]))
@@ -419,6 +542,26 @@ def dry_run(o: dict) -> None:
         table.add_row(k, f"{v / 2**30:.2f}")
     table.add_row("total", f"{sum(plan.values()) / 2**30:.2f}")
     console.print(table)
+
+
+def _check_backend_opt_names(backend: str, pairs) -> None:
+    """--dry-run opens no backend, so its --backend-opt are checked here as far as that allows: KEY=VALUE, each
+    key once, and a key the backend declares (the values are the backend's to check when a run opens it)."""
+    from llmc_cli.registry import discover, load_plugin
+    opts = backend_options(pairs)
+    if not opts:
+        return
+    if backend == "auto":
+        plugin = next((p.plugin for p in discover() if p.usable and p.plugin is not None), None)
+    else:
+        plugin = load_plugin(backend)
+    if plugin is None:
+        return
+    known = getattr(plugin, "options", {}) or {}
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        fail(f"--backend {plugin.name}: --backend-opt {unknown[0]}: backend '{plugin.name}' has no such option "
+             f"(options: {', '.join(known) or 'none'}; see `llmc backends --options`)")
 
 
 def resume_command(ctx) -> str:
@@ -502,7 +645,7 @@ def _write_config(path: Path, ctx: click.Context) -> None:
 
     from llmc_cli.formats.files import atomic_write_bytes
     skip = {"dry_run", "resume", "gpus", "procs", "init_file", "init_addr"}
-    lines = ["# the options of this run, as `llmc train --config` reads them\n"]
+    lines = [CONFIG_HEADER]
     for p in ctx.command.params:
         v = ctx.params.get(p.name) if p.name else None
         if not isinstance(p, click.Option) or p.name in skip or v is None or v == ():

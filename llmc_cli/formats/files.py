@@ -95,13 +95,29 @@ class CheckpointError(ValueError):
     """A model file or run directory that cannot be used; the message names the file and the problem."""
 
 
+def fault_delay_seconds() -> float:
+    """LLMC_FAULT_CHECKPOINT_DELAY (a test hook) as seconds, 0 when unset; ValueError naming it otherwise (`llmc
+    train` asks before it starts, so a bad value is one line then, not a failed checkpoint later)."""
+    import math
+    d = os.environ.get("LLMC_FAULT_CHECKPOINT_DELAY", "").strip()
+    if not d:
+        return 0.0
+    try:
+        s = float(d)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and 0 <= s <= 3600):
+        raise ValueError(f"LLMC_FAULT_CHECKPOINT_DELAY={d}: expected seconds in [0, 3600] (a test hook; unset it)")
+    return s
+
+
 def fault_delay(phase: str) -> None:
     """Test hook: LLMC_FAULT_CHECKPOINT_DELAY=seconds sleeps at each phase of a checkpoint write, so a test's
     SIGKILL lands inside one. Unset (always, outside tests): does nothing."""
-    d = os.environ.get("LLMC_FAULT_CHECKPOINT_DELAY")
-    if d:
+    s = fault_delay_seconds()
+    if s:
         import time
-        time.sleep(float(d))
+        time.sleep(s)
 
 
 class DataError(ValueError):

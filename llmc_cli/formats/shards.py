@@ -168,13 +168,8 @@ def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike], spl
     files: list[str] = []
     for p in pats:
         p = os.fspath(p)
-        if _GLOB_CHARS & set(p):
-            hits = sorted(h for h in _glob.glob(p) if os.path.isfile(h))
-            if not hits:
-                raise DataError(f"no data shards match the pattern {p!r}")
-            files += hits
-        elif os.path.isdir(p):
-            hits = sorted(_glob.glob(os.path.join(p, "*.bin")))
+        if os.path.isdir(p):  # (an existing path is itself, '[' or '*' in its name included; else a pattern)
+            hits = sorted(_glob.glob(os.path.join(_glob.escape(p), "*.bin")))
             if not hits:
                 raise DataError(f"no .bin shards in directory {p}")
             if split is not None:
@@ -187,6 +182,11 @@ def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike], spl
             files += hits
         elif os.path.isfile(p):
             files.append(p)
+        elif _GLOB_CHARS & set(p):
+            hits = sorted(h for h in _glob.glob(p) if os.path.isfile(h))
+            if not hits:
+                raise DataError(f"no data shards match the pattern {p!r}")
+            files += hits
         else:
             raise DataError(f"data shard {p} not found")
     seen: set[str] = set()
@@ -196,4 +196,5 @@ def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike], spl
 def has_split(directory: str | os.PathLike, split: str) -> bool:
     """Whether `directory` holds shards of `split` by llm.c's naming."""
     return os.path.isdir(directory) and any(split_of(h) == split
-                                            for h in _glob.glob(os.path.join(os.fspath(directory), "*.bin")))
+                                            for h in _glob.glob(os.path.join(_glob.escape(os.fspath(directory)),
+                                                                             "*.bin")))

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from llmc_cli.kernels import (CAP_KV_CACHE, CAP_REFERENCE, FLOAT32, INT32, Backend, BackendPlugin, BackendUnavailable,
-                              MemoryReport, check_decode_chunk, guard_scale)
+                              MemoryReport, check_decode_chunk, guard_scale, option_int)
 
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
 GELU_SCALE = math.sqrt(2.0 / math.pi)
@@ -512,6 +512,9 @@ class CpuBackend(Backend):
             param.reshape(-1)[...] = p
 
 
+THREADS_MAX = 1024  # --backend-opt threads
+
+
 class CpuPlugin(BackendPlugin):
     name = "cpu"
     priority = 0
@@ -530,21 +533,15 @@ class CpuPlugin(BackendPlugin):
     def devices(self):
         return ["host"]
 
-    options = {"threads": "threads of the AdamW update (BLAS keeps its own; OPENBLAS_NUM_THREADS sets those) "
-                          "(default: the cores, at most 8)"}
+    options = {"threads": f"threads of the AdamW update, 1..{THREADS_MAX} (BLAS keeps its own; OPENBLAS_NUM_THREADS "
+                          "sets those) (default: the cores, at most 8)"}
 
     def create(self, device=None, dtype=None, options=None):
         if dtype not in (None, FLOAT32):
             raise BackendUnavailable(f"the cpu backend computes in float32 only (asked for {dtype}); "
                                      "use --dtype fp32")
-        threads = (options or {}).get("threads")
-        if threads is not None:
-            try:
-                threads = int(threads)
-                if threads < 1:
-                    raise ValueError
-            except ValueError:
-                raise BackendUnavailable(f"--backend-opt threads={threads}: expected a positive integer") from None
+        # a thread pool of that many workers splits each AdamW update that many ways: a huge count never finishes
+        threads = option_int(options, "threads", None, min=1, max=THREADS_MAX)
         if device not in (None, "host", "cpu"):
             raise BackendUnavailable(f"the cpu backend has one device, 'host' (asked for '{device}')")
         return CpuBackend(threads)

@@ -6,9 +6,35 @@ loads (and `llmc backends` can say why it cannot run) on machines without a GPU 
 
 from __future__ import annotations
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, FP8, BackendPlugin, BackendUnavailable
+from llmc_cli.kernels import (
+    BFLOAT16,
+    FLOAT32,
+    FP8,
+    BackendPlugin,
+    BackendUnavailable,
+    option_choice,
+    option_flag,
+    option_int,
+)
 
 _DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32, FP8: FP8}
+
+FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
+CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 1 TiB (past any GPU's memory)
+# the on/off options and their environment variables (the older way to set them)
+_FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
+          ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
+          ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"))
+
+
+def check_options(options: dict[str, str] | None) -> None:
+    """Every option of this backend, and each one's environment variable, parsed before anything touches a
+    device (the backend parses them again where it uses them): a bad value is BackendUnavailable naming it, even
+    for an option the dtype leaves unused (tf32 under bf16, the fp8_* options under bf16 or fp32)."""
+    for name, env in _FLAGS:
+        option_flag(options, name, False, env=env)
+    option_choice(options, "fp8_scaling", FP8_SCALINGS, "delayed", env="LLMC_FP8_SCALING")
+    option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB", max=CUDNN_WORKSPACE_MAX_MIB)
 
 
 def _driver_error() -> str | None:
@@ -89,8 +115,8 @@ class CudaPlugin(BackendPlugin):
                 "(default on; env LLMC_CUBLASLT_TUNE)",
         "tf32": "on|off: with --dtype fp32, matmuls on TF32 tensor cores (operands rounded to 10 mantissa bits, "
                 "float32 accumulation; llm.c's default) rather than IEEE fp32 (default on; env LLMC_TF32)",
-        "cudnn_workspace_mib": "MiB: the most workspace cuDNN's deterministic attention backward may take; past it the "
-                               "batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
+        "cudnn_workspace_mib": "MiB, 0..1048576: the most workspace cuDNN's deterministic attention backward may take; "
+                               "past it the batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
         "fp8_classifier": "on|off: with --dtype fp8, the classifier's matmuls in FP8 too (default off: bf16; env "
                           "LLMC_FP8_CLASSIFIER)",
         "fp8_scaling": "delayed|current: with --dtype fp8, how each cast tensor is scaled: by its largest amax of "
@@ -105,6 +131,7 @@ class CudaPlugin(BackendPlugin):
     }
 
     def create(self, device=None, dtype=None, options=None):
+        check_options(options)
         ok, reason = self.probe()
         if not ok:
             raise BackendUnavailable(reason)

@@ -41,13 +41,14 @@ from llmc_cli.kernels import (
     write_cache_file,
 )
 
+from . import CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS  # the options' values (checked in CudaPlugin.create)
+
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256
 _DECODE_SPLIT = 64  # keys per block of attention_decode_part, one thread each (kernels.cu's DECODE_SPLIT)
 _DECODE_MAX_HD = 256  # its shared query row
 _GEMV_MAX_N = 8  # matmul_forward for at most this many rows: a warp per output column (kernels.cu's GEMV_MAX_N)
 FP8_MIN_CC = 89  # --dtype fp8 below this is refused
-FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
 FP8_HISTORY = 16  # steps of amax a delayed scale looks back over (torchao's default length)
 FP8_SITES = 1024  # tensors delayed scaling follows (3 per layer matmul); any beyond cast with current scaling
 _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory (non-blocking)
@@ -190,7 +191,8 @@ class CudaBackend(Backend):
                            signature=self._signature, decisions=read_cache_json(self._decisions_path),
                            on_decided=self._keep_decisions, tf32=self.tf32)
         self._cudnn = None
-        self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB") << 20
+        self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB",
+                                          max=CUDNN_WORKSPACE_MAX_MIB) << 20
         self.cudnn_reason = "not tried yet"
         self.fp8_classifier = option_flag(options, "fp8_classifier", False, env="LLMC_FP8_CLASSIFIER")
         self.fp8_fast_accum = option_flag(options, "fp8_fast_accum", True, env="LLMC_FP8_FAST_ACCUM")

@@ -21,7 +21,7 @@ import numpy as np
 
 from llmc_cli.kernels import (CAP_COPY_OVERLAP, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin,
                               BackendUnavailable, MemoryReport, VariantUnsupported, check_decode_chunk, guard_scale,
-                              option_int)
+                              option_choice, option_int)
 
 try:
     import pyopencl as cl
@@ -189,6 +189,25 @@ def _bo(a):
     return a.base_data, a.offset // a.dtype.itemsize
 
 
+RED_LS_MAX = 1024  # --backend-opt red_ls: work-items per row, a power of two up to a work-group's usual limit
+SPLITK_MIN, SPLITK_MAX = 16, 1 << 24  # --backend-opt splitk: 0 (off) or a K chunk in this range
+_TUNE_ALIASES = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+
+
+def read_options(opts: dict[str, str] | None, cpu: bool) -> dict:
+    """The backend's settings from `opts` (--backend-opt), else their environment variables, else the defaults of a
+    CPU device (`cpu`) or a GPU: every value checked, BackendUnavailable naming the option or variable otherwise
+    (LLMC_OPENCL_TUNE=garbage is refused, not taken as on)."""
+    return {
+        "tune": option_choice(opts, "tune", ("on", "off", "force"), "on", env="LLMC_OPENCL_TUNE", aliases=_TUNE_ALIASES),
+        "blas": option_choice(opts, "blas", ("llmc", "clblast"), "llmc", env="LLMC_OPENCL_BLAS"),
+        "red_ls": option_int(opts, "red_ls", 1 if cpu else 256, env="LLMC_OPENCL_RED_LS", min=1, max=RED_LS_MAX,
+                             power_of_two=True),
+        "splitk": option_int(opts, "splitk", 512 if cpu else 0, env="LLMC_OPENCL_SPLITK", min=SPLITK_MIN,
+                             max=SPLITK_MAX, off=0),
+    }
+
+
 class OpenCLBackend(Backend):
     name = "opencl"
     dtype = FLOAT32
@@ -202,12 +221,13 @@ class OpenCLBackend(Backend):
         ls = 1
         # reductions: 256 items per row on GPUs; one item per row on CPU devices, where PoCL would otherwise
         # run every work-item to each barrier in turn and stride through memory (option red_ls overrides)
-        cap = option_int(opts, "red_ls", 1 if device.type & cl.device_type.CPU else 256, env="LLMC_OPENCL_RED_LS")
+        settings = read_options(opts, cpu=bool(device.type & cl.device_type.CPU))
+        cap = settings["red_ls"]
         while ls * 2 <= min(cap, device.max_work_group_size):
             ls *= 2
         self.red_ls = ls
         # split-K chunk for long-K NN products on CPU devices (0 = off; option splitk overrides)
-        self._splitk = option_int(opts, "splitk", 512 if device.type & cl.device_type.CPU else 0, env="LLMC_OPENCL_SPLITK")
+        self._splitk = settings["splitk"]
         _, self.k = build_program(self.ctx, "kernels.cl", f"-DRED_LS={ls}")
         self._allocated: dict[str, int] = defaultdict(int)
         self._scratch: dict[str, object] = {}
@@ -219,14 +239,17 @@ class OpenCLBackend(Backend):
         self._gemm_kernels: dict[tuple, tuple] = {}
         self._dummy = cla.zeros(self.queue, (4,), np.float32)
         self.gemm_config = dict(_tune.default_config(device), source="default")
-        self.gemm_config = _tune.get_config(self, tune, mode=opts.get("tune"))
+        self.gemm_config = _tune.get_config(self, tune, mode=settings["tune"])
         self._overlap = None  # `llmc bench overlap`'s queues (overlap.py), made on first use
         self.blas = None  # an optional external BLAS (CLBlast) when present and faster
         try:
             from . import clblast as _clb
-            self.blas = _clb.maybe_load(self, opts.get("blas"))
+            self.blas = _clb.maybe_load(self, settings["blas"])
         except Exception:  # pragma: no cover - the fallback is always ours
             self.blas = None
+        if settings["blas"] == "clblast" and self.blas is None:  # asked for by name: not silently llmc's instead
+            raise BackendUnavailable("blas=clblast: CLBlast's library (libclblast) does not load here; install it, "
+                                     "or leave the option out (blas=llmc)")
 
     # ---- launching -----------------------------------------------------------------------------------------
     def _ew(self, kname: str, n: int, *args):
@@ -800,18 +823,15 @@ class OpenCLPlugin(BackendPlugin):
                 "LLMC_OPENCL_TUNE; cache file LLMC_OPENCL_TUNE_CACHE)",
         "blas": "llmc|clblast: the forward matmul's library; clblast needs libclblast (default llmc; env "
                 "LLMC_OPENCL_BLAS)",
-        "splitk": "K chunk of split-K matmuls on CPU devices, 0 = off (default 512 on CPUs, 0 on GPUs; env "
-                  "LLMC_OPENCL_SPLITK)",
-        "red_ls": "work-items per row of the reductions, a power of two (default 1 on CPUs, 256 on GPUs; env "
-                  "LLMC_OPENCL_RED_LS)",
+        "splitk": f"K chunk of split-K matmuls on CPU devices, {SPLITK_MIN}..{SPLITK_MAX}, 0 = off (default 512 on "
+                  "CPUs, 0 on GPUs; env LLMC_OPENCL_SPLITK)",
+        "red_ls": f"work-items per row of the reductions, a power of two up to {RED_LS_MAX} (default 1 on CPUs, 256 on "
+                  "GPUs; env LLMC_OPENCL_RED_LS)",
     }
 
     def create(self, device=None, dtype=None, options=None):
         opts = dict(options or {})
-        if opts.get("tune", "on").lower() not in ("on", "off", "force", "1", "0"):
-            raise BackendUnavailable(f"--backend-opt tune={opts['tune']}: expected on, off or force")
-        if opts.get("blas", "llmc").lower() not in ("llmc", "clblast"):
-            raise BackendUnavailable(f"--backend-opt blas={opts['blas']}: expected llmc or clblast")
+        read_options(opts, cpu=True)  # every option and its environment variable checked before a device opens
         if cl is None:
             raise BackendUnavailable(f"pyopencl is not importable: {_IMPORT_ERROR}")
         if dtype not in (None, FLOAT32):
