@@ -32,7 +32,7 @@ from llmc_cli.formats.files import DataError
 
 __all__ = [
     "Tokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
-    "write_tokenizer_bin", "read_tokenizer_bin", "TOKENIZER_MAGIC", "TOKENIZER_VERSION",
+    "write_tokenizer_bin", "read_tokenizer_bin", "ranks_file_bytes", "TOKENIZER_MAGIC", "TOKENIZER_VERSION",
 ]
 
 TOKENIZER_MAGIC = 20240328
@@ -61,6 +61,10 @@ LLAMA3_SPECIALS = [
     "<|reserved_special_token_1|>", "<|reserved_special_token_2|>", "<|reserved_special_token_3|>",
     "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
 ] + [f"<|reserved_special_token_{i}|>" for i in range(5, 256 - 5)]
+# the specials at the same ids in every Llama 3.x tokenizer.json (3.1 renamed some reserved ones): llmc's bos and eos
+# (required), and the chat headers and <|eot_id|> (checked where present)
+LLAMA3_FIXED_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                         "<|eot_id|>")
 
 
 class TokenizerError(DataError):
@@ -226,26 +230,105 @@ def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -
 def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, int]:
     """The ranks a byte-level BPE tokenizer.json holds (Hugging Face's Llama 3 directories): its model's vocabulary,
     each token's printable characters mapped back to bytes, the id as the rank (tiktoken's convention); the added
-    special tokens are not ranks."""
+    special tokens are not ranks. Everything llmc does not read but the file states is checked against what llmc
+    builds instead (the merges, the special tokens' ids, the split pattern), so a file that tokenizes otherwise in
+    transformers is refused rather than read differently."""
     import json
 
     from llmc_cli.formats.hf_tokenizer import bytes_to_unicode
     try:
-        model = json.loads(raw)["model"]
-        if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-            raise ValueError("not a BPE model")
-        decode = {c: b for b, c in bytes_to_unicode().items()}
-        ranks = {bytes(decode[c] for c in tok): int(i) for tok, i in model["vocab"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise TokenizerError(f"{p}: not a byte-level BPE tokenizer.json ({type(e).__name__}: {e})") from None
-    if sorted(ranks.values()) != list(range(len(ranks))) or any(bytes([b]) not in ranks for b in range(256)):
-        raise TokenizerError(f"{p}: the {what} vocabulary is not byte-level BPE ranks 0..{len(ranks) - 1}")
+        doc = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+        raise TokenizerError(f"{p}: not JSON ({type(e).__name__}: {e}); expected a Hugging Face "
+                             f"tokenizer.json") from None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(model, dict):
+        raise TokenizerError(f"{p}: no 'model' object; expected a Hugging Face tokenizer.json")
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"{p}: model type {model.get('type')!r}, expected 'BPE' (a byte-level BPE tokenizer.json)")
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict):
+        raise TokenizerError(f"{p}: model.vocab is {type(vocab).__name__}, expected an object of token: id")
+    decode = {c: b for b, c in bytes_to_unicode().items()}
+    ranks: dict[bytes, int] = {}
+    for tok, i in vocab.items():
+        if type(i) is not int:
+            raise TokenizerError(f"{p}: model.vocab[{tok!r}] is {i!r}, expected an integer id")
+        bad = next((c for c in tok if c not in decode), None) if tok else ""
+        if bad is not None:
+            raise TokenizerError(f"{p}: model.vocab token {tok!r} is not byte-level BPE (expected 1 or more of the "
+                                 f"256 byte characters{f', found {bad!r}' if bad else ''})")
+        ranks[bytes(decode[c] for c in tok)] = i
+    n = len(ranks)
+    if sorted(ranks.values()) != list(range(n)) or any(bytes([b]) not in ranks for b in range(256)):
+        raise TokenizerError(f"{p}: the {what} vocabulary is not byte-level BPE ranks 0..{n - 1}")
+    merges = model.get("merges")
+    if not isinstance(merges, list):
+        raise TokenizerError(f"{p}: model.merges is {type(merges).__name__}, expected a list of merges")
+    for k, m in enumerate(merges):
+        pair = m.split(" ") if isinstance(m, str) else m
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
+            raise TokenizerError(f"{p}: model.merges[{k}] is {m!r}, expected 'a b' or [\"a\", \"b\"]")
+        if not all(s in vocab for s in (*pair, pair[0] + pair[1])):
+            raise TokenizerError(f"{p}: model.merges[{k}] {m!r} names a token not in model.vocab")
+    added = doc.get("added_tokens")
+    if not isinstance(added, list) or not all(isinstance(a, dict) and isinstance(a.get("content"), str)
+                                              and type(a.get("id")) is int for a in added):
+        raise TokenizerError(f"{p}: added_tokens is not a list of {{\"id\": int, \"content\": str}}, expected "
+                             f"{what}'s special tokens")
+    ids = {a["content"]: a["id"] for a in added}
+    for a in added:
+        if a["content"] in vocab or not n <= a["id"] < n + len(LLAMA3_SPECIALS):
+            raise TokenizerError(f"{p}: added token {a['content']!r} has id {a['id']}, expected one of "
+                                 f"{n}..{n + len(LLAMA3_SPECIALS) - 1} after the vocabulary (and not in model.vocab)")
+    for tok in LLAMA3_FIXED_SPECIALS:
+        want = n + LLAMA3_SPECIALS.index(tok)
+        if ids.get(tok, None if tok in LLAMA3_SPECIALS[:2] else want) != want:
+            found = "is missing" if tok not in ids else f"has id {ids[tok]}"
+            raise TokenizerError(f"{p}: added token {tok} {found}, expected id {want} "
+                                 f"({what}'s special tokens follow the vocabulary's {n} ranks)")
+    patterns = _split_patterns(doc.get("pre_tokenizer"))
+    if patterns != [LLAMA3_PAT_STR]:
+        raise TokenizerError(f"{p}: pre_tokenizer splits with {patterns or 'no regex'}, expected {what}'s split "
+                             f"pattern alone (llmc tokenizes with it)")
     return ranks
+
+
+def _split_patterns(pre) -> list[str]:
+    """The regexes a tokenizer.json's pre_tokenizer splits with (Split, Sequence of them; ByteLevel with use_regex
+    splits with GPT-2's)."""
+    if isinstance(pre, list):
+        return [r for x in pre for r in _split_patterns(x)]
+    if not isinstance(pre, dict):
+        return []
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return _split_patterns(pre.get("pretokenizers"))
+    if kind == "Split":
+        pat = pre.get("pattern")
+        return [str(pat.get("Regex", pat.get("String"))) if isinstance(pat, dict) else repr(pat)]
+    if kind == "ByteLevel" and pre.get("use_regex", True):
+        return [GPT2_PAT_STR]
+    if kind is not None and kind != "ByteLevel":
+        return [f"<{kind}>"]
+    return []
 
 
 def llama3_ranks(path: str | os.PathLike) -> dict[bytes, int]:
     """Llama 3's BPE ranks from Meta's tiktoken-format tokenizer.model (token bytes -> rank = id)."""
     return _load_ranks(path, "Llama 3")
+
+
+def ranks_file_bytes(path: str | os.PathLike) -> bytes:
+    """What a copy of the Llama 3 tokenizer at `path` holds under the name tokenizer.model (Meta's tiktoken format,
+    which every reader of that name expects): the file itself, or the ranks of a Hugging Face tokenizer.json written
+    out in that format (never its JSON under the other name). OSError where the file cannot be read."""
+    p = Path(path)
+    if p.suffix != ".json":
+        return p.read_bytes()
+    ranks = llama3_ranks(p)
+    return "".join(f"{base64.b64encode(t).decode()} {r}\n"
+                   for t, r in sorted(ranks.items(), key=lambda kv: kv[1])).encode()
 
 
 def gpt2_ranks(path: str | os.PathLike | None = None) -> dict[bytes, int]:

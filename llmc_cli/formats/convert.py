@@ -84,6 +84,13 @@ def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "aut
         tok_name, tok_file = tokenizer_for(src)
     except ckpt.CheckpointError:  # a tokenizer file that is not there: nothing to copy along
         tok_name, tok_file = fam.tokenizer, None
+    if tok_file is not None:  # one that is there but unreadable is SRC's fault, said before anything is written
+        from llmc_cli.data.tokenizer import llama3_ranks
+        from llmc_cli.formats.files import DataError
+        try:
+            llama3_ranks(tok_file)
+        except (DataError, OSError) as e:
+            raise ckpt.CheckpointError(f"SRC: {e}") from None
     d = Path(dst)
     suffix = Path(fam.model_file.name).suffix
     try:

@@ -87,6 +87,7 @@ def write_evalfile(path: str | os.PathLike, examples: Sequence[dict], tokenizer:
         endings = ex["ending_tokens"]
         if len(endings) != 4:
             raise DataError(f"{path}: example {idx} has {len(endings)} completions, llm.c expects 4")
+        _check_example(path, idx, int(ex["label"]), ex["ctx_tokens"], endings)
         ex_stream = [top, 0, idx, int(ex["label"]), len(endings)]
         for toks in [ex["ctx_tokens"], *endings]:
             if any(not 0 <= int(t) < top for t in toks):
@@ -106,6 +107,16 @@ def write_evalfile(path: str | os.PathLike, examples: Sequence[dict], tokenizer:
         header[NAME_INTS] = np.frombuffer(fmt.tokenizer.encode("ascii").ljust(NAME_BYTES, b"\0"), dtype="<i4")
     atomic_write_bytes(path, [header.tobytes(), np.asarray(stream, dtype=fmt.dtype).tobytes()])
     return path
+
+
+def _check_example(path, i: int, label: int, ctx: Sequence, endings: Sequence) -> None:
+    """An example scores only with a context, non-empty completions (an empty one has no loss and always wins) and
+    a label naming one of them (any other would count as wrong, silently)."""
+    if not 0 <= label < len(endings):
+        raise DataError(f"{path}: example {i} has label {label}, expected 0..{len(endings) - 1} (one of its "
+                        f"{len(endings)} completions; corrupt?)")
+    if not len(ctx) or not all(len(e) for e in endings):
+        raise DataError(f"{path}: example {i} has an empty context or completion, expected 1 or more tokens each")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,6 +196,7 @@ def read_evalfile(path: str | os.PathLike) -> list[dict]:
             p += 1 + n
         if p != end:
             raise DataError(f"{path}: example {i} length field {nbytes} does not match its contents")
+        _check_example(path, i, label, parts[0], parts[1:])
         out.append({"index": index, "label": label, "ctx_tokens": parts[0], "ending_tokens": parts[1:]})
         pos = end
     if pos != len(s):

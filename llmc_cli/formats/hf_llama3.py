@@ -130,7 +130,12 @@ def export_hf(out_dir: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: 
     out.mkdir(parents=True, exist_ok=True)
     write_hf_weights(out, to_hf_tensors(cfg, params), bf16, max_shard_bytes)
     if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / TOKENIZER_FILE).resolve():
-        atomic_write_bytes(out / TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
+        from llmc_cli.data.tokenizer import TokenizerError, ranks_file_bytes
+        try:  # (a tokenizer.json's ranks in Meta's format: the name says tokenizer.model)
+            ranks = ranks_file_bytes(tokenizer_file)
+        except TokenizerError as e:
+            raise CheckpointError(f"cannot copy the tokenizer ({e})") from None
+        atomic_write_bytes(out / TOKENIZER_FILE, [ranks])
     conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32", tokenizer), indent=2) + "\n"
     atomic_write_bytes(out / "config.json", [conf.encode()])
     _write_tokenizer(out, cfg, tokenizer, out / TOKENIZER_FILE)

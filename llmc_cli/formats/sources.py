@@ -107,10 +107,11 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
+    ranks = None if tokenizer_file is None else ckpt._tokenizer_model_bytes(tokenizer_file)  # (before any write)
     step = out / ckpt.step_dir_name(0)
     step.mkdir(parents=True, exist_ok=True)
-    if tokenizer_file is not None:
-        ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [Path(tokenizer_file).read_bytes()])
+    if ranks is not None:
+        ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [ranks])
     ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
     ckpt.atomic_write_bytes(out / "latest", [step.name.encode() + b"\n"])
     return out

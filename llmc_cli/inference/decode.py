@@ -26,6 +26,18 @@ from llmc_cli.kernels import CAP_GRAPHS, CAP_KV_CACHE, INT32
 from llmc_cli.models.base import Model
 
 
+def check_token_ids(ids, vocab_size: int, what: str = "the prompt") -> np.ndarray:
+    """`ids` as int32 when every one is an integer id of the model's vocabulary (0..vocab_size-1), else a ValueError
+    of one line: an id outside it would read another row, or memory past the embedding table, without a sign."""
+    a = np.asarray(ids)
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{what} holds {a.dtype} values, expected integer token ids 0..{vocab_size - 1}")
+    if a.size and not (0 <= a.min() and a.max() < vocab_size):
+        bad = a.min() if a.min() < 0 else a.max()
+        raise ValueError(f"{what} has token id {bad}, outside the model's vocabulary 0..{vocab_size - 1}")
+    return a.astype(np.int32)
+
+
 def has_kv_cache(model: Model) -> bool:
     """True when `model` can decode incrementally (it has the decode methods) and its backend announces
     CAP_KV_CACHE; other models and backends fall back to full recomputation."""
@@ -80,7 +92,7 @@ class KVDecoder:
     def feed(self, tokens: np.ndarray) -> np.ndarray:
         """Appends tokens (B, n) (any n >= 1) and returns float32 logits (B, V) after the last. A first feed longer
         than the cache keeps its newest S tokens."""
-        tokens = np.asarray(tokens, dtype=np.int32)
+        tokens = check_token_ids(tokens, self.cfg.vocab_size, "the tokens fed")
         if tokens.ndim == 1:
             tokens = tokens[None, :]
         if tokens.ndim != 2 or tokens.shape[0] != self.B or tokens.shape[1] < 1:

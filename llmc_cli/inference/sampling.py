@@ -66,13 +66,16 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
     id names)."""
     if model.B != 1:
         raise ValueError("generate needs a model planned for B=1")
-    if not prompt:
+    if len(prompt) == 0:
         raise ValueError("the prompt must hold at least one token")
-    from llmc_cli.inference.decode import decoder_for, has_kv_cache
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens is {max_new_tokens}, expected 0 or more")
+    from llmc_cli.inference.decode import check_token_ids, decoder_for, has_kv_cache
+    check_token_ids(prompt, model.cfg.vocab_size)
     if kv_cache is None:
         kv_cache = has_kv_cache(model)
     window = model.T
-    tokens = list(prompt)
+    tokens = [int(t) for t in prompt]
     if kv_cache:
         dec = decoder_for(model)
         dec.reset()

@@ -267,6 +267,12 @@ class Trainer:
                 name = "llama3"
             if name != "llama3":
                 self.tokenizer_file = None
+            if self.tokenizer_file is not None:  # copied into the run at its first checkpoint: refused now if bad
+                from llmc_cli.data.tokenizer import llama3_ranks
+                try:
+                    llama3_ranks(self.tokenizer_file)
+                except DataError as e:
+                    raise TrainError(f"--init: {e}") from None
         # evaluations during the run score the model on ids of its data's tokenizer: val shards or a HellaSwag file
         # of another would be scored without complaint (GPT-2 ids all fit a Llama's vocabulary), so they are refused
         # now, before the first step, rather than at the first validation
