@@ -490,6 +490,53 @@ __device__ __forceinline__ void norm_forward_vec_impl(act_t* out, float* mean, f
     }
 }
 
+// One pack of a row's backward once its two sums are known, shared by the warp-a-row and the grouped kernels below:
+// dinp's pack (accumulated) and this lane's dweight / dbias columns.
+template <bool RMS>
+__device__ __forceinline__ void norm_bwd_apply(pack_t& d, const pack_t& x, const pack_t& g, const pack_t& w, float m,
+                                               float r, float s1, float s2, float* dw, float* db) {
+    #pragma unroll
+    for (int j = 0; j < PACK; j++) {
+        float xh = (to_f(x.v[j]) - m) * r;
+        float gg = to_f(g.v[j]);
+        float dn = gg * to_f(w.v[j]);
+        float dd = RMS ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
+        d.v[j] = from_f(to_f(d.v[j]) + dd);
+        dw[j] += gg * xh;
+        if (!RMS) db[j] += gg;
+    }
+}
+
+// The block's dweight / dbias: its `groups` row groups add their lanes' columns (lane t holds packs t, t + stride,
+// ...) in group order into shared memory [2][C], and the block writes partial[b][2][C] (fixed order).
+template <int P>
+__device__ __forceinline__ void norm_bwd_partials(float* partial, float (&dw)[P][PACK], float (&db)[P][PACK],
+                                                  int groups, int group, int t, int stride, int npk, int C,
+                                                  bool no_bias) {
+    extern __shared__ float sm[];
+    float* sdw = sm;
+    float* sdb = sm + C;
+    for (int gi = 0; gi < groups; gi++) {
+        if (group == gi) {
+            #pragma unroll
+            for (int k = 0; k < P; k++) {
+                int pk = t + stride * k;
+                if (pk < npk) {
+                    #pragma unroll
+                    for (int j = 0; j < PACK; j++) {
+                        int c = pk * PACK + j;
+                        if (gi == 0) { sdw[c] = dw[k][j]; sdb[c] = db[k][j]; }
+                        else { sdw[c] += dw[k][j]; sdb[c] += db[k][j]; }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* out = partial + (long long)blockIdx.x * 2 * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) { out[c] = sdw[c]; out[C + c] = no_bias ? 0.0f : sdb[c]; }
+}
+
 // Backward phase 1: block b owns rows [b*rows_per_block, ...), its warps take rows in turn; dinp += per row;
 // each lane accumulates dweight / dbias of its columns in registers, the warps of a block add theirs in warp
 // order in shared memory, and the block writes partial[b][2][C] (fixed order everywhere: deterministic).
@@ -497,7 +544,6 @@ template <int P, bool RMS>  // RMS: rmsnorm (no mean, no dbias: registers a P=8 
 __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* partial, const act_t* dout,
                                                        const act_t* inp, const act_t* weight, const float* mean,
                                                        const float* rstd, int N, int C, int rows_per_block) {
-    extern __shared__ float sm[];  // [2][C]
     int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int npk = C / PACK;
     float dw[P][PACK], db[P][PACK];
@@ -540,41 +586,12 @@ __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* parti
             if (pk < npk) {
                 act_t* di = dinp + base + pk * PACK;
                 pack_t dp = load_pack(di);
-                #pragma unroll
-                for (int j = 0; j < PACK; j++) {
-                    float xh = (to_f(xp[k].v[j]) - m) * r;
-                    float gg = to_f(gp[k].v[j]);
-                    float dn = gg * to_f(w[k].v[j]);
-                    float d = RMS ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
-                    dp.v[j] = from_f(to_f(dp.v[j]) + d);
-                    dw[k][j] += gg * xh;
-                    if (!RMS) db[k][j] += gg;
-                }
+                norm_bwd_apply<RMS>(dp, xp[k], gp[k], w[k], m, r, s1, s2, dw[k], db[k]);
                 store_pack(di, dp);
             }
         }
     }
-    float* sdw = sm;
-    float* sdb = sm + C;
-    for (int wi = 0; wi < warps; wi++) {
-        if (warp == wi) {
-            #pragma unroll
-            for (int k = 0; k < P; k++) {
-                int pk = lane + 32 * k;
-                if (pk < npk) {
-                    #pragma unroll
-                    for (int j = 0; j < PACK; j++) {
-                        int c = pk * PACK + j;
-                        if (wi == 0) { sdw[c] = dw[k][j]; sdb[c] = db[k][j]; }
-                        else { sdw[c] += dw[k][j]; sdb[c] += db[k][j]; }
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
-    float* out = partial + (long long)blockIdx.x * 2 * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) { out[c] = sdw[c]; out[C + c] = sdb[c]; }
+    norm_bwd_partials<P>(partial, dw, db, warps, warp, lane, 32, npk, C, false);  // (rmsnorm: db stays 0)
 }
 
 #define NORM_VEC(P)                                                                                               \
@@ -611,7 +628,6 @@ template <int P, int G, bool RMS>
 __device__ __forceinline__ void norm_backward_grp_impl(act_t* dinp, float* partial, const act_t* dout,
                                                        const act_t* inp, const act_t* weight, const float* mean,
                                                        const float* rstd, int N, int C, int rows_per_block) {
-    extern __shared__ float sm[];  // [2][C]
     __shared__ float red[2][32][2];
     int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int groups = warps / G, group = warp / G, t = (warp % G) * 32 + lane;
@@ -671,42 +687,13 @@ __device__ __forceinline__ void norm_backward_grp_impl(act_t* dinp, float* parti
             for (int k = 0; k < P; k++) {
                 int pk = t + 32 * G * k;
                 if (pk < npk) {
-                    #pragma unroll
-                    for (int j = 0; j < PACK; j++) {
-                        float xh = (to_f(xp[k].v[j]) - m) * r;
-                        float gg = to_f(gp[k].v[j]);
-                        float dn = gg * to_f(w[k].v[j]);
-                        float d = RMS ? (dn - xh * s2) * r : (dn - s1 - xh * s2) * r;
-                        dp[k].v[j] = from_f(to_f(dp[k].v[j]) + d);
-                        dw[k][j] += gg * xh;
-                        if (!RMS) db[k][j] += gg;
-                    }
+                    norm_bwd_apply<RMS>(dp[k], xp[k], gp[k], w[k], m, r, s1, s2, dw[k], db[k]);
                     store_pack(dinp + base + pk * PACK, dp[k]);
                 }
             }
         }
     }
-    float* sdw = sm;
-    float* sdb = sm + C;
-    for (int gi = 0; gi < groups; gi++) {
-        if (group == gi) {
-            #pragma unroll
-            for (int k = 0; k < P; k++) {
-                int pk = t + 32 * G * k;
-                if (pk < npk) {
-                    #pragma unroll
-                    for (int j = 0; j < PACK; j++) {
-                        int c = pk * PACK + j;
-                        if (gi == 0) { sdw[c] = dw[k][j]; sdb[c] = db[k][j]; }
-                        else { sdw[c] += dw[k][j]; sdb[c] += db[k][j]; }
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
-    float* out = partial + (long long)blockIdx.x * 2 * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) { out[c] = sdw[c]; out[C + c] = RMS ? 0.0f : sdb[c]; }
+    norm_bwd_partials<P>(partial, dw, db, groups, group, t, 32 * G, npk, C, RMS);
 }
 
 #define NORM_GRP(P, G)                                                                                            \
