@@ -43,16 +43,21 @@ def discover() -> list[PluginInfo]:
     return found
 
 
+def check_option_names(plugin: BackendPlugin, options: dict[str, str] | None) -> None:
+    """BackendUnavailable for the first of `options` the plugin does not declare (the values are its own to check)."""
+    known = getattr(plugin, "options", {}) or {}
+    unknown = sorted(set(options or {}) - set(known))
+    if unknown:
+        have = ", ".join(known) or "none"
+        raise BackendUnavailable(f"--backend-opt {unknown[0]}: backend '{plugin.name}' has no such option "
+                                 f"(options: {have}; see `llmc backends --options`)")
+
+
 def create_with(plugin: BackendPlugin, device: str | None, dtype: str | None, options: dict[str, str] | None) -> Backend:
     try:
         if not options:  # plugins written before options existed keep working
             return plugin.create(device=device, dtype=dtype)
-        known = getattr(plugin, "options", {}) or {}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            have = ", ".join(known) or "none"
-            raise BackendUnavailable(f"--backend-opt {unknown[0]}: backend '{plugin.name}' has no such option "
-                                     f"(options: {have}; see `llmc backends --options`)")
+        check_option_names(plugin, options)
         return plugin.create(device=device, dtype=dtype, options=dict(options))
     except BackendUnavailable as e:
         if dtype == FP8 and f"'{CAP_FP8}'" not in str(e):  # say what fp8 asks of a backend, whatever it said
@@ -60,23 +65,29 @@ def create_with(plugin: BackendPlugin, device: str | None, dtype: str | None, op
         raise
 
 
-def create_backend(name: str = "auto", device: str | None = None, dtype: str | None = None,
-                   options: dict[str, str] | None = None) -> Backend:
-    """The backend called `name` (or the best usable one for "auto") with the plugin's `options`;
-    BackendUnavailable says why not."""
+def usable_plugin(name: str = "auto") -> BackendPlugin:
+    """The plugin called `name` (or the best usable one for "auto"), probed usable here; BackendUnavailable says
+    why not."""
     plugins = discover()
     if name == "auto":
         usable = [p for p in plugins if p.usable and p.plugin is not None]
         if not usable:
             raise BackendUnavailable("no usable backend installed (see `llmc backends`)")
-        return create_with(usable[0].plugin, device, dtype, options)
+        return usable[0].plugin
     for p in plugins:
         if p.name == name:
             if p.plugin is None or not p.usable:
                 raise BackendUnavailable(f"backend '{name}' is installed but cannot run here: {p.reason}")
-            return create_with(p.plugin, device, dtype, options)
+            return p.plugin
     names = ", ".join(p.name for p in plugins) or "none"
     raise BackendUnavailable(f"unknown backend '{name}' (installed: {names})")
+
+
+def create_backend(name: str = "auto", device: str | None = None, dtype: str | None = None,
+                   options: dict[str, str] | None = None) -> Backend:
+    """The backend called `name` (or the best usable one for "auto") with the plugin's `options`;
+    BackendUnavailable says why not."""
+    return create_with(usable_plugin(name), device, dtype, options)
 
 
 def load_plugin(name: str) -> BackendPlugin | None:

@@ -457,25 +457,18 @@ def _check_combination(o: dict) -> None:
 def _check_gpus(backend: str, n: int) -> None:
     """--gpus N starts N processes here, one a GPU, that reduce through the backend's own communicator: refused in
     one line, before any starts, for a backend without one (cpu, OpenCL: --procs) or with fewer devices."""
-    from llmc_cli.kernels import BackendPlugin
-    from llmc_cli.registry import discover
-    found = discover()
-    if backend == "auto":
-        plugin = next((p for p in found if p.usable and p.plugin is not None), None)
-        if plugin is None:
-            fail("--gpus: no usable backend installed (see `llmc backends`)")
-    else:
-        plugin = next((p for p in found if p.name == backend), None)
-        if plugin is None:
-            fail(f"--backend {backend}: not installed (installed: {', '.join(p.name for p in found) or 'none'})")
-        if plugin.plugin is None or not plugin.usable:
-            fail(f"--backend {backend}: cannot run here: {plugin.reason}")
-    own = getattr(type(plugin.plugin), "communicator", None)
+    from llmc_cli.kernels import BackendPlugin, BackendUnavailable
+    from llmc_cli.registry import usable_plugin
+    try:
+        plugin = usable_plugin(backend)
+    except BackendUnavailable as e:
+        fail(f"--gpus {n}: {e}")
+    own = getattr(type(plugin), "communicator", None)
     if own is None or own is BackendPlugin.communicator:
         fail(f"--gpus {n}: the {plugin.name} backend reduces through MPI, so start its ranks with --procs {n} "
              "(or mpirun/srun)")
     try:
-        devices = plugin.plugin.devices()
+        devices = plugin.devices()
     except Exception:  # noqa: BLE001  (the ranks say what is wrong with the device)
         devices = []
     if devices and n > len(devices):
@@ -547,7 +540,7 @@ def dry_run(o: dict) -> None:
 def _check_backend_opt_names(backend: str, pairs) -> None:
     """--dry-run opens no backend, so its --backend-opt are checked here as far as that allows: KEY=VALUE, each
     key once, and a key the backend declares (the values are the backend's to check when a run opens it)."""
-    from llmc_cli.registry import discover, load_plugin
+    from llmc_cli.registry import check_option_names, discover, load_plugin
     opts = backend_options(pairs)
     if not opts:
         return
@@ -557,11 +550,11 @@ def _check_backend_opt_names(backend: str, pairs) -> None:
         plugin = load_plugin(backend)
     if plugin is None:
         return
-    known = getattr(plugin, "options", {}) or {}
-    unknown = sorted(set(opts) - set(known))
-    if unknown:
-        fail(f"--backend {plugin.name}: --backend-opt {unknown[0]}: backend '{plugin.name}' has no such option "
-             f"(options: {', '.join(known) or 'none'}; see `llmc backends --options`)")
+    from llmc_cli.kernels import BackendUnavailable
+    try:
+        check_option_names(plugin, opts)
+    except BackendUnavailable as e:
+        fail(f"--backend {plugin.name}: {e}")
 
 
 def resume_command(ctx) -> str:

@@ -33,6 +33,7 @@ from llmc_cli.formats.files import (
     replace_dir,
 )
 from llmc_cli.formats.hf import TOKENIZER_FILE
+from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.llama_file import (
     read_llama_header,
 )
@@ -48,16 +49,6 @@ from llmc_cli.models.llama3 import Llama3Config
 # ---- any model file: GPT-2 as llm.c's .bin, Llama as model.safetensors ---------------------------------------
 ModelConfig = GPT2Config | Llama3Config
 MODEL_FILES = ("model.bin", "model.safetensors")
-
-
-def _tokenizer_model_bytes(tokenizer_file: str | os.PathLike) -> bytes:
-    """The bytes a copy of a Llama 3 tokenizer gets under the name tokenizer.model (Meta's tiktoken format): a
-    Hugging Face tokenizer.json's ranks converted, never its JSON (which no reader of that name would take)."""
-    from llmc_cli.data.tokenizer import TokenizerError, ranks_file_bytes
-    try:
-        return ranks_file_bytes(tokenizer_file)
-    except TokenizerError as e:
-        raise CheckpointError(f"cannot copy the tokenizer ({e})") from None
 
 
 def model_file_name(cfg: ModelConfig) -> str:
@@ -126,7 +117,7 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if tokenizer_file is not None and not (run_dir / TOKENIZER_FILE).is_file():
-            atomic_write_bytes(run_dir / TOKENIZER_FILE, [_tokenizer_model_bytes(tokenizer_file)])
+            atomic_write_bytes(run_dir / TOKENIZER_FILE, [tokenizer_model_bytes(tokenizer_file)])
         for stale in run_dir.glob(".step_*.tmp-*"):  # left behind by a killed writer (the run's lock: one writer)
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()

@@ -117,6 +117,16 @@ def to_hf_tensors(cfg: Llama3Config, params: np.ndarray) -> dict[str, np.ndarray
     return t
 
 
+def tokenizer_model_bytes(tokenizer_file: str | Path) -> bytes:
+    """The bytes a copy of a Llama 3 tokenizer gets under the name tokenizer.model (Meta's tiktoken format): a
+    Hugging Face tokenizer.json's ranks converted, never its JSON (which no reader of that name would take)."""
+    from llmc_cli.data.tokenizer import TokenizerError, ranks_file_bytes
+    try:
+        return ranks_file_bytes(tokenizer_file)
+    except TokenizerError as e:
+        raise CheckpointError(f"cannot copy the tokenizer ({e})") from None
+
+
 def export_hf(out_dir: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: bool = False,
               max_shard_bytes: int = 5 * 2**30, tokenizer: str = "llama3",
               tokenizer_file: str | Path | None = None) -> Path:
@@ -130,12 +140,7 @@ def export_hf(out_dir: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: 
     out.mkdir(parents=True, exist_ok=True)
     write_hf_weights(out, to_hf_tensors(cfg, params), bf16, max_shard_bytes)
     if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / TOKENIZER_FILE).resolve():
-        from llmc_cli.data.tokenizer import TokenizerError, ranks_file_bytes
-        try:  # (a tokenizer.json's ranks in Meta's format: the name says tokenizer.model)
-            ranks = ranks_file_bytes(tokenizer_file)
-        except TokenizerError as e:
-            raise CheckpointError(f"cannot copy the tokenizer ({e})") from None
-        atomic_write_bytes(out / TOKENIZER_FILE, [ranks])
+        atomic_write_bytes(out / TOKENIZER_FILE, [tokenizer_model_bytes(tokenizer_file)])
     conf = json.dumps(hf_config(cfg, "bfloat16" if bf16 else "float32", tokenizer), indent=2) + "\n"
     atomic_write_bytes(out / "config.json", [conf.encode()])
     _write_tokenizer(out, cfg, tokenizer, out / TOKENIZER_FILE)

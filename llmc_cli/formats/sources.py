@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.hf import (
     LLMC_TOKENIZER_KEY,
     hf_model_type,
@@ -107,7 +108,7 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
-    ranks = None if tokenizer_file is None else ckpt._tokenizer_model_bytes(tokenizer_file)  # (before any write)
+    ranks = None if tokenizer_file is None else tokenizer_model_bytes(tokenizer_file)  # (before any write)
     step = out / ckpt.step_dir_name(0)
     step.mkdir(parents=True, exist_ok=True)
     if ranks is not None:

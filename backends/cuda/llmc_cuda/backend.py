@@ -511,15 +511,13 @@ class CudaBackend(Backend):
 
     # ---- layernorm / rmsnorm ---------------------------------------------------------------------------------
     def _norm_packs(self, C, *bufs):
-        """Packs per lane (1..8) for the vectorised norm kernels, or 0 when they do not apply."""
-        pack = 16 // bufs[0].dtype.itemsize
-        if C % pack or not self._aligned(*[b for b in bufs if b is not None]):
-            return 0
-        p = (C // pack + 31) // 32
+        """Packs per lane (1..8) for the vectorised norm kernels (a warp a row), or 0 when they do not apply."""
+        p = (self._norm_row_packs(C, *bufs) + 31) // 32
         return p if p <= 8 else 0
 
     def _norm_row_packs(self, C, *bufs):
-        """128-bit packs in a row for norm_backward_grp, or 0 when it does not apply (unaligned, too wide)."""
+        """128-bit packs in a row for the vectorised norm kernels, or 0 when they do not apply (unaligned, too wide
+        for norm_backward_grp)."""
         pack = 16 // bufs[0].dtype.itemsize
         if C % pack or not self._aligned(*[b for b in bufs if b is not None]):
             return 0
