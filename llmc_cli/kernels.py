@@ -536,17 +536,31 @@ class HostInputQueue:
 class Timer(Protocol):
     def start(self) -> None: ...
     def stop(self) -> float: ...  # seconds since start, after the device finished the work queued in between
+    def mark(self) -> None: ...   # a point in the work queued since start (for marks())
+    def marks(self) -> list[float]: ...  # after stop: seconds from start to each mark, in order
 
 
 class HostTimer:
+    """Host clock around synchronizes: each mark() waits for the device too, so marks perturb what they time."""
+
     def __init__(self, backend: Backend):
         self.backend = backend
         self.t0 = 0.0
+        self._marks: list[float] = []
 
     def start(self) -> None:
         import time
         self.backend.synchronize()
+        self._marks = []
         self.t0 = time.perf_counter()
+
+    def mark(self) -> None:
+        import time
+        self.backend.synchronize()
+        self._marks.append(time.perf_counter() - self.t0)
+
+    def marks(self) -> list[float]:
+        return list(self._marks)
 
     def stop(self) -> float:
         import time
@@ -619,6 +633,12 @@ class Communicator(Protocol):
     which the buffer collectives are queued on the communicator's own stream behind the work already queued on the
     backend's (so they run beside the kernels queued after them), and ``join()``, which queues the backend's next
     work behind them. A communicator without them runs each collective where it is called.
+
+    Optional, for ranks whose kernels reach each other's memory (the cuda plugin's, over NVLink): ``peer_copies(buf)``,
+    collective, maps every rank's copy of ``buf`` into this process and returns a handle (None where it cannot);
+    afterwards ``reduce_scatter`` of a view inside ``buf`` reads the peers' chunks from their memory, and the
+    backend's ``adamw_update`` takes ``mirrors=handle.others(offset)`` to write the other ranks' copies of what it
+    updates. ``device_barrier()`` queues a point no rank's stream passes before every rank's stream reached it.
 
     Reductions run in the buffer's dtype (bf16 gradients are reduced in bf16, as llm.c does) and must be
     deterministic for a fixed world size: the same inputs give bit-identical results."""

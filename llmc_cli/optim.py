@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,8 @@ def lr_at(step: int, max_lr: float, warmup: int, total_steps: int, final_frac: f
 class AdamW:
     """Optimizer state (fp32 moments, and fp32 master weights when the parameters are bf16) laid out like the
     parameters: one flat buffer each, updated tensor by tensor so weight decay hits only weight matrices."""
+
+    mark: Callable[[str], None] | None = None  # told the update's phases as they are queued (training.phases)
 
     def __init__(self, backend: Backend, params, grads, tensors: list[tuple[str, bool]], cfg: AdamWConfig):
         self.backend, self.params, self.grads, self.cfg = backend, params, grads, cfg
@@ -102,7 +105,11 @@ class AdamW:
         b = self.backend
         b.global_norm_squared(self.norm_buf, [self.grads.buf])
         b.step_guard(self.guard, self.loss_buf, self.norm_buf, self.cfg.grad_clip, max_loss, max_norm)
+        if self.mark:
+            self.mark("guard")
         self._updates(lr, self.step_count + 1, 1.0, seed, self.guard)
+        if self.mark:
+            self.mark("adamw")
         loss, norm, _, apply = (float(v) for v in b.download(self.guard))
         if apply:
             self.step_count += 1

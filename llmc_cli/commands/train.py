@@ -316,7 +316,9 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
                       f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank, gradients "
                       + ("reduced layer by layer into the ranks' shards on every micro-step" if args.zero == 2
                          else "reduced layer by layer during the backward pass" if trainer.reducer is not None
-                         else "reduced after the backward pass"))
+                         else "reduced after the backward pass")
+                      + (f"; ZeRO's {trainer.opt.peer_memory} through the GPUs' memory (peer access; "
+                         "--backend-opt p2p=off for NCCL's)" if getattr(trainer.opt, "peer_memory", None) else ""))
 
     import time
 

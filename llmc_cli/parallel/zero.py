@@ -18,6 +18,7 @@ or the ZeRO stage, and resume on any number of ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import numpy as np
@@ -55,6 +56,7 @@ class ShardedAdamW:
     """ZeRO stage 1: optimizer state sharded over the ranks (see the module docstring)."""
 
     stage = 1
+    mark: Callable[[str], None] | None = None  # told the update's phases as they are queued (training.phases)
 
     def __init__(self, backend: Backend, params, grads, tensors: list[tuple[str, bool]], cfg: AdamWConfig,
                  comm: Communicator):
@@ -88,6 +90,7 @@ class ShardedAdamW:
         self.step_count = 0
         # one segment per (tensor, owned range) overlap: weight decay is a property of the tensor
         self._segments = []
+        self._segment_at = []  # each segment's start in the flat parameter vector
         self._local_of = []  # (global start, local start, length) per range
         loc = 0
         for lo, hi in self.ranges:
@@ -101,6 +104,7 @@ class ShardedAdamW:
                 if a >= b:
                     continue
                 l0 = lstart + (a - lo)
+                self._segment_at.append(a)
                 self._segments.append((i, decay,
                                        backend.view(params.buf, a, b - a), grad_at(a, l0, b - a),
                                        backend.view(self.m, l0, b - a), backend.view(self.v, l0, b - a),
@@ -109,6 +113,20 @@ class ShardedAdamW:
         if off != n:
             raise ValueError(f"tensor table covers {off} of {n} parameters")
         self._main_params = backend.view(params.buf, 0, self.main)
+        # where the communicator maps every rank's copy of the parameters into this process (peer_copies: GPUs
+        # that reach each other's memory), the update of this rank's chunk writes every copy of it, and no
+        # all-gather follows; the gradients' reduce-scatter then reads the peers' chunks from their memory too
+        self._mirrors = None
+        peer_copies = getattr(comm, "peer_copies", None)
+        if peer_copies is not None and W > 1:
+            copies = peer_copies(params.buf)
+            if shard is None and copies is not None:
+                peer_copies(grads.buf)
+            if copies is not None:  # (the tail, which every rank updates alike, is not mirrored)
+                self._mirrors = [copies.others(a) if a < self.main else None for a in self._segment_at]
+        # what goes through the peers' memory (for the run's data-parallel line)
+        self.peer_memory = None if self._mirrors is None else \
+            "reduce-scatter and all-gather" if shard is None else "all-gather"
         if shard is None:
             self._main_grads = backend.view(grads.buf, 0, self.main)
             self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
@@ -167,6 +185,8 @@ class ShardedAdamW:
             self.comm.all_reduce(self.norm_buf, SUM)
             self.comm.all_reduce(self.loss_buf, AVG)
         b.step_guard(self.guard, self.loss_buf, self.norm_buf, self.cfg.grad_clip, max_loss, max_norm)
+        if self.mark:
+            self.mark("guard")
         self._updates(lr, self.step_count + 1, 1.0, seed, self.guard)
         loss, norm, _, apply = (float(v) for v in b.download(self.guard))
         if apply:
@@ -175,12 +195,18 @@ class ShardedAdamW:
 
     def _updates(self, lr: float, step: int, scale: float, seed: int, guard) -> None:
         c = self.cfg
-        for i, decay, p, g, m, v, master in self._segments:
+        for k, (i, decay, p, g, m, v, master) in enumerate(self._segments):
+            mirror = {} if self._mirrors is None or self._mirrors[k] is None else {"mirrors": self._mirrors[k]}
             self.backend.adamw_update(
                 p, g, m, v, master, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                 weight_decay=c.weight_decay if decay else 0.0, step=step, grad_scale=scale,
-                seed=(seed * 1000003 + step * 64 + i) & 0x7FFFFFFF, guard=guard)
-        self.comm.all_gather(self._main_params)
+                seed=(seed * 1000003 + step * 64 + i) & 0x7FFFFFFF, guard=guard, **mirror)
+        if self.mark and guard is not None:
+            self.mark("adamw")
+        if self._mirrors is not None:  # every copy written by its owner: wait for all of them before reading any
+            self.comm.device_barrier()
+        else:
+            self.comm.all_gather(self._main_params)
 
     def sync_master_from_params(self) -> None:
         if self.master is None:

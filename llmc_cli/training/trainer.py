@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -28,6 +29,8 @@ from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
 from llmc_cli.parallel.zero import LayerShardedReduction, OverlappedReduction, make_optimizer, reshard_loader_state
 from llmc_cli.training.guard import OutlierDetector
 from llmc_cli.training.memory import out_of_memory_message
+from llmc_cli.training.phases import ENV as PHASES_ENV
+from llmc_cli.training.phases import StepPhases
 
 
 class TrainError(ValueError):
@@ -164,6 +167,9 @@ class Trainer:
         """Stops the data thread and releases the run directory (safe to call twice)."""
         if getattr(self, "feed", None) is not None:
             self.feed.close()
+        if getattr(self, "phases", None) is not None:
+            self.phases.close()
+            self.phases = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -224,6 +230,10 @@ class Trainer:
                 raise TrainError(out_of_memory_message(e, backend, cfg, B, T, a.recompute)) from None
             raise
         self.opt.sync_master_from_params()
+        where = os.environ.get(PHASES_ENV)
+        self.phases = StepPhases(where, self.comm.rank) if where else None
+        if self.phases is not None:
+            self.opt.mark = self.phases.mark
         # data parallel: each layer's gradients reduced as soon as the backward pass has made them final, on the
         # communicator's own stream where it has one; that reduction is queued from inside the micro-step, so
         # such runs replay no captured graphs. ZeRO-2 reduces each layer's gradients into the shards on every
@@ -375,6 +385,9 @@ class Trainer:
         a, model = self.a, self.model
         timer = self.backend.timer()
         timer.start()
+        phases = self.phases
+        if phases:
+            phases.begin(timer)
         dloss = 1.0 / (a.batch_size * a.seq_len * self.grad_accum)
         # the loss, the norm and the skip verdict stay on the device until the update is queued (AdamW reads them
         # there; data parallel reduces them there too), so the device never idles waiting for the host in a step
@@ -383,6 +396,8 @@ class Trainer:
         self.backend.begin_step()
         for i in range(self.grad_accum):
             self.feed.stage()
+            if phases and i == 0:
+                phases.mark("stage")
             if replays:
                 replays[min(i, 1)]()
             else:
@@ -401,10 +416,14 @@ class Trainer:
         if not math.isfinite(lr):  # no update can be applied with it (the schedule of finite options never gets here)
             max_loss = -math.inf
         self.updating = True  # from here an error may leave the weights half-updated: no rescue checkpoint
+        if phases:
+            phases.mark("compute")
         if self.reducer is not None:  # the layers' reductions are queued: the rest, and the wait for them
             self.reducer.finish()
         elif self.comm.world_size > 1:
             self.opt.reduce_grads()
+        if phases:
+            phases.mark("reduce")
         loss, norm, applied = self.opt.guarded_step(lr, a.seed + step, max_loss, max_norm)
         zloss, znorm = self.loss_outliers.update(loss), self.norm_outliers.update(norm)
         self.updating = False
@@ -423,6 +442,8 @@ class Trainer:
             else:
                 reason = f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"
         seconds = timer.stop()
+        if phases:
+            phases.end(step + 1, seconds)
         finite = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731  (JSON has no NaN / inf)
         rec = {"step": step + 1, "loss": finite(loss), "norm": finite(norm), "lr": finite(lr), "ms": seconds * 1e3,
                "tok_per_s": self.tokens_per_step / seconds, "data_waits": self.feed.waits - waits}

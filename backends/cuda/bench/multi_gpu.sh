@@ -9,6 +9,8 @@
 #   ONE_GPU_ON="0 1" ...   the 1-GPU baseline on each of these GPUs (default 0): is one GPU slower than the other?
 #   PAIR=1 ...             also two 1-GPU runs at once, on GPUs 0 and 1 (no communication): what sharing the host
 #                          and its power costs a GPU, apart from the reduction
+#   PHASES=1 ...           every run writes where its steps' time goes, rank by rank (LLMC_STEP_PHASES), summarized
+#                          by bench/step_phases.py into phases.log
 set -u
 export OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_setup.sh"
@@ -22,18 +24,21 @@ write_shard('/tmp/llmc_data/synth_train_000.bin', np.random.default_rng(0).integ
 LOGS=/tmp/multi_gpu_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 run() {  # run NAME ARGS...: one llmc train, its median line appended to medians.log
   local name=$1; shift
-  (cd /tmp/runs && env $ENVS timeout 240 $LLMC train "$@" --steps "$STEPS" --val-every 0 --sample-every 0 \
+  local ph=""; [ -n "${PHASES:-}" ] && ph="LLMC_STEP_PHASES=$LOGS/phases/$name"
+  (cd /tmp/runs && env $ENVS $ph timeout 240 $LLMC train "$@" --steps "$STEPS" --val-every 0 --sample-every 0 \
     --data '/tmp/llmc_data/synth_train_*.bin' > "$LOGS/$name.log" 2>&1) || { rc=1; tail -n 3 "$LOGS/$name.log"; }
   $PY "$HERE/bench/train_median.py" --skip 5 "$LOGS/$name.log" | tee -a "$OUT/medians.log"
 }
 losses() { grep -oE "step +[0-9]+/[0-9]+ \| loss [0-9.]+ \| norm [0-9.]+" "$1"; }
-# the N-GPU variants: overlap (--overlap), plain (--no-overlap, the default), z0overlap / z0plain (--zero 0: every
-# piece all-reduced)
+# the N-GPU variants: overlap (--overlap), plain (--no-overlap, the default: ZeRO's collectives through the GPUs'
+# memory where they reach it), nccl (plain through NCCL: --backend-opt p2p=off), z0overlap / z0plain (--zero 0:
+# every piece all-reduced)
 variant() {
   ENVS="LLMC_X=1"; V="--zero ${ZERO:-1}"
   case $1 in
     overlap) V="$V --overlap" ;;
     plain) V="$V --no-overlap" ;;
+    nccl) V="$V --no-overlap --backend-opt p2p=off" ;;
     z0overlap) V="--zero 0 --overlap" ;;
     z0plain) V="--zero 0 --no-overlap" ;;
   esac
@@ -56,15 +61,17 @@ for model in ${MODELS:-d12 d48}; do
       variant "$v"; run "${model}_${N}gpu_${v}_$r" $A $V --gpus "$N"
     done
   done
-  if [ -f "$LOGS/${model}_${N}gpu_plain_1.log" ]; then
-    if cmp -s <(losses "$LOGS/${model}_${N}gpu_overlap_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log"); then
-      echo "$model: overlapped and plain reductions log the same losses" | tee -a "$OUT/medians.log"
+  for v in overlap nccl; do  # with 2 ranks every reduction adds the same pairs: the same losses to the last digit
+    [ -f "$LOGS/${model}_${N}gpu_plain_1.log" ] && [ -f "$LOGS/${model}_${N}gpu_${v}_1.log" ] || continue
+    if cmp -s <(losses "$LOGS/${model}_${N}gpu_${v}_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log"); then
+      echo "$model: $v and plain log the same losses" | tee -a "$OUT/medians.log"
     else
-      echo "$model: the losses DIFFER between the overlapped and plain reductions" | tee -a "$OUT/medians.log"; rc=1
-      diff <(losses "$LOGS/${model}_${N}gpu_overlap_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log") | head -6
+      echo "$model: the losses DIFFER between $v and plain" | tee -a "$OUT/medians.log"; rc=1
+      diff <(losses "$LOGS/${model}_${N}gpu_${v}_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log") | head -6
     fi
-  fi
+  done
 done
+[ -d "$LOGS/phases" ] && $PY "$HERE/bench/step_phases.py" "$LOGS"/phases/* | tee "$OUT/phases.log"
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 $PY - "$OUT" "$N" <<'PYEOF' | tee -a "$OUT/medians.log"
 import re, statistics, sys

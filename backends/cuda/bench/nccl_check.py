@@ -54,12 +54,26 @@ def child():
     dt = (time.perf_counter() - t0) / iters
     nbytes = g.size * 2
     bus = 2 * (W - 1) / W * nbytes / dt / 1e9
+
+    def timed(fn):  # ms a call, device events around `iters` calls after 3 more warm-ups
+        for _ in range(3):
+            fn()
+        a = be.timer()
+        a.start()
+        for _ in range(iters):
+            fn()
+        return a.stop() / iters * 1e3
+    rs_ms = timed(lambda: c.reduce_scatter(g, C.AVG))  # ZeRO-1's step: these two around the sharded update
+    ag_ms = timed(lambda: c.all_gather(g))
+    fence_ms = timed(c.device_barrier) if hasattr(c, "device_barrier") else float("nan")  # a 1-value all-reduce
     bad = [k for k, v in ok if not v]
     print(f"rank {r}/{W} via {c.binding} ({c.how}): {len(ok) - len(bad)}/{len(ok)} collectives correct"
           + (f", WRONG: {bad}" if bad else ""), flush=True)
     if r == 0:
         print(f"all-reduce of 124.5M bf16 (d12 grads, {nbytes / 1e6:.0f} MB): {dt * 1e3:.2f} ms, "
-              f"bus bandwidth {bus:.0f} GB/s", flush=True)
+              f"bus bandwidth {bus:.0f} GB/s; reduce-scatter {rs_ms:.3f} ms, all-gather {ag_ms:.3f} ms "
+              f"({(W - 1) / W * nbytes / 1e6:.0f} MB each way a rank); device barrier {fence_ms * 1e3:.1f} us",
+              flush=True)
     sys.exit(1 if bad else 0)
 
 

@@ -24,7 +24,8 @@ CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 
 # the on/off options and their environment variables (the older way to set them)
 _FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
           ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
-          ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"))
+          ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"),
+          ("p2p", "LLMC_P2P"))
 
 
 def check_options(options: dict[str, str] | None) -> None:
@@ -126,6 +127,10 @@ class CudaPlugin(BackendPlugin):
                      "which skips the transposed casts; env LLMC_FP8_WGRAD)",
         "fp8_dgelu": "on|off: with --dtype fp8, the backward fused with GELU's derivative (GPT-2's MLP output "
                      "projection) in FP8 too (default off: bf16, faster on GPT-2 d12 and d48; env LLMC_FP8_DGELU)",
+        "p2p": "on|off: data parallel on GPUs that reach each other's memory (NVLink or PCIe peer access): ZeRO's "
+               "reduce-scatter reads the peers' gradients straight from their memory and the update writes every "
+               "rank's copy of the parameters, in place of NCCL's reduce-scatter and all-gather (default on; env "
+               "LLMC_P2P)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }

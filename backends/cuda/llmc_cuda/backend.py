@@ -128,15 +128,25 @@ def _bf16_dtype():
 
 
 class EventTimer:
-    """Device time between two events on the backend's stream."""
+    """Device time between two events on the backend's stream; marks are events between them (no host wait)."""
 
     def __init__(self, stream):
         self.stream = stream
         self.a = cp.cuda.Event()
         self.b = cp.cuda.Event()
+        self._marks: list = []
 
     def start(self):
+        self._marks = []
         self.a.record(self.stream)
+
+    def mark(self):
+        ev = cp.cuda.Event()
+        ev.record(self.stream)
+        self._marks.append(ev)
+
+    def marks(self):
+        return [cp.cuda.get_elapsed_time(self.a, ev) / 1000.0 for ev in self._marks]
 
     def stop(self):
         self.b.record(self.stream)
@@ -201,6 +211,7 @@ class CudaBackend(Backend):
         # separate pass it then needs lost more than FP8 saved (GPT-2 d48 on an H100: 1.18x bf16's speed without,
         # 1.06x with; docs/performance.md)
         self.fp8_dgelu = option_flag(options, "fp8_dgelu", False, env="LLMC_FP8_DGELU")
+        self.p2p = option_flag(options, "p2p", True, env="LLMC_P2P")  # read by the communicator (nccl.py, p2p.py)
         # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
         # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
@@ -1164,7 +1175,9 @@ class CudaBackend(Backend):
         self._launch(self._k("step_guard", False), 1, 32, (guard, loss, norm_squared, np.float64(grad_clip)) + bounds)
 
     def adamw_update(self, param, grad, m, v, master, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-                     seed, guard=None):
+                     seed, guard=None, mirrors=None):
+        """(mirrors: the other ranks' copies of `param`, a device array of pointers from p2p.PeerCopies.others,
+        written with the same bits as `param`)"""
         n = param.size
         step_size = lr / (1.0 - beta1 ** step)
         rbc2 = 1.0 / math.sqrt(1.0 - beta2 ** step)
@@ -1180,7 +1193,17 @@ class CudaBackend(Backend):
                       np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(decay),
                       np.int32(weight_decay != 0.0), np.float32(c1), np.float32(c2), np.float32(step_size),
                       np.float32(rbc2), np.uint32(seed & 0xFFFFFFFF), guard if guard is not None else np.uint64(0),
-                      np.float64(1.0 - beta1), np.float64(1.0 - beta2)))
+                      np.float64(1.0 - beta1), np.float64(1.0 - beta2),
+                      mirrors if mirrors is not None else np.uint64(0),
+                      np.int32(0 if mirrors is None else mirrors.size)))
+
+    def peer_mean(self, out, srcs, nsrc: int, off: int):
+        """out[i] = the mean over nsrc ranks' copies of element off + i (srcs: a device array of their pointers,
+        in rank order); p2p.py's reduce-scatter."""
+        n = out.size
+        vec = int(self._vec(n, out) and off % (16 // out.dtype.itemsize) == 0)
+        self._launch(self._kk("peer_mean", out), self._grid(n, 16 // out.dtype.itemsize if vec else 1), _BLOCK,
+                     (out, srcs, np.int32(nsrc), np.int64(off), np.int64(n), np.int32(vec)))
 
     def scale(self, buf, factor):
         n = buf.size

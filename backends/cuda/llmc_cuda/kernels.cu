@@ -1114,7 +1114,8 @@ __device__ __forceinline__ act_t stochastic_round(float f, unsigned int rnd) {
 extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* m, float* v, float* master,
                                         long long n, float lr, float beta1, float beta2, float eps, float decay,
                                         int has_decay, float c1, float c2, float step_size, float rbc2,
-                                        unsigned int seed, const float* guard, double omb1, double omb2) {
+                                        unsigned int seed, const float* guard, double omb1, double omb2,
+                                        const unsigned long long* mirrors, int n_mirrors) {
     if (guard != 0) {  // scale and verdict from step_guard, read when the update runs
         if (guard[3] == 0.0f) return;
         double s = (double)guard[2];
@@ -1130,12 +1131,55 @@ extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* 
         m[i] = mi; v[i] = vi;
         float den = sqrtf(vi) * rbc2 + eps;
         p -= (mi / den) * step_size;
+        act_t out;
         if (master != 0) {
             master[i] = p;
             unsigned int r = hash_u32(seed ^ hash_u32((unsigned int)i ^ (unsigned int)(i >> 32) * 0x9e3779b9u));
-            param[i] = stochastic_round(p, r);
+            out = stochastic_round(p, r);
         } else {
-            param[i] = from_f(p);
+            out = from_f(p);
+        }
+        param[i] = out;
+        // data parallel over peer memory (p2p.py): the other ranks' copies of this chunk, written here in place of
+        // an all-gather after the update
+        for (int k = 0; k < n_mirrors; k++) ((act_t*)mirrors[k])[i] = out;
+    }
+    if (n_mirrors) __threadfence_system();
+}
+
+// data parallel over peer memory (p2p.py): out[i] = the mean over the ranks' copies (srcs, one pointer a rank, in
+// rank order) of element off + i, summed in rank order in float32 and divided once (for two ranks the bits of
+// NCCL's bf16 / float32 average); loads bypass the caches, since the peers wrote these buffers since the last kernel
+__device__ __forceinline__ pack_t load_pack_cv(const act_t* p) {
+    union { uint4 u; pack_t x; } c;
+    c.u = __ldcv(reinterpret_cast<const uint4*>(p));
+    return c.x;
+}
+extern "C" __global__ void peer_mean(act_t* out, const unsigned long long* srcs, int nsrc, long long off, long long n,
+                                     int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    float w = (float)nsrc;
+    if (vec) {
+        for (long long i = i0 * PACK; i < n; i += stride * PACK) {
+            float acc[PACK];
+            pack_t x = load_pack_cv((const act_t*)srcs[0] + off + i), o;
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) acc[j] = to_f(x.v[j]);
+            for (int k = 1; k < nsrc; k++) {
+                x = load_pack_cv((const act_t*)srcs[k] + off + i);
+                #pragma unroll
+                for (int j = 0; j < PACK; j++) acc[j] += to_f(x.v[j]);
+            }
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) o.v[j] = from_f(__fdiv_rn(acc[j], w));
+            store_pack(out + i, o);
+        }
+    } else {
+        for (long long i = i0; i < n; i += stride) {
+            float acc = to_f(__ldcv((const act_t*)srcs[0] + off + i));
+            for (int k = 1; k < nsrc; k++) acc += to_f(__ldcv((const act_t*)srcs[k] + off + i));
+            out[i] = from_f(__fdiv_rn(acc, w));
         }
     }
 }

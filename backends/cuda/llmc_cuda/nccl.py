@@ -12,7 +12,7 @@ from pathlib import Path
 
 from llmc_cli.kernels import AVG, MAX, SUM, CommError, RankInfo, Rendezvous, check_reduce_op, chunk_elements
 
-_NCCL_DTYPES = {"float32": 7, "bfloat16": 9, "float64": 8, "float16": 6, "int32": 2,
+_NCCL_DTYPES = {"float32": 7, "bfloat16": 9, "float64": 8, "float16": 6, "int32": 2, "uint8": 1,
                 "uint16": 9}  # a CuPy without bfloat16 stores it as raw 16-bit words
 _NCCL_OPS = {SUM: 0, MAX: 2, AVG: 4}  # ncclSum, ncclMax, ncclAvg (NCCL >= 2.10)
 NCCL_ID_BYTES = 128
@@ -94,6 +94,8 @@ class NCCLCommunicator:
         self._stream = getattr(backend, "stream", None)
         self._scalar = None
         self._side = None  # the stream of overlapped collectives (see overlapped)
+        self._fence = None  # device_barrier's one value
+        self._peers: dict[tuple[int, int], object] = {}  # (pointer, bytes) -> p2p.PeerCopies, or None: not mappable
         self._side_active = self._side_pending = False
         try:
             from cupy.cuda import nccl
@@ -177,9 +179,43 @@ class NCCLCommunicator:
         p = buf.data.ptr
         self._call("ncclAllReduce", p, p, int(buf.size), self._dtype(buf), _NCCL_OPS[op], self.stream_ptr)
 
+    # ---- data parallel over peer memory (p2p.py) --------------------------------------------------------------
+    def peer_copies(self, buf):
+        """Collective: every rank's copy of `buf` mapped into this process (p2p.PeerCopies), or None where a rank
+        cannot reach another's memory or the backend's `p2p` option is off. Afterwards a reduce_scatter (AVG) of
+        `buf` or of a view inside it reads the peers' chunks straight from their memory."""
+        key = (buf.data.ptr, buf.nbytes)
+        if key not in self._peers:
+            copies = None
+            if self.world_size > 1 and getattr(self.backend, "p2p", False):
+                from .p2p import map_peers
+                copies = map_peers(self, buf)
+            self._peers[key] = copies
+        return self._peers[key]
+
+    def device_barrier(self) -> None:
+        """A point no rank's stream passes before every rank's stream reached it (a one-value all-reduce, queued;
+        the host does not wait)."""
+        if self._fence is None:
+            self._fence = self.cp.zeros(1, dtype=self.cp.float32)
+        self.all_reduce(self._fence, MAX)
+
+    def _mapped(self, buf):
+        for copies in self._peers.values():
+            if copies is not None and copies.contains(buf):
+                return copies
+        return None
+
     def reduce_scatter(self, buf, op=AVG):
         check_reduce_op(op)
         c = chunk_elements(buf, self.world_size)
+        copies = self._mapped(buf) if op == AVG and not self._side_active else None
+        if copies is not None:  # every rank's chunk `rank` read from their memory, between two barriers
+            off = copies.offset(buf) + self.rank * c
+            self.device_barrier()
+            self.backend.peer_mean(buf[self.rank * c:(self.rank + 1) * c], copies.all(), self.world_size, off)
+            self.device_barrier()
+            return
         p = buf.data.ptr
         self._call("ncclReduceScatter", p, p + self.rank * c * buf.itemsize, c, self._dtype(buf), _NCCL_OPS[op],
                    self.stream_ptr)
@@ -246,7 +282,10 @@ class NCCLCommunicator:
         os._exit(code)
 
     def close(self):
-        pass
+        for copies in self._peers.values():
+            if copies is not None:
+                copies.close()
+        self._peers = {}
 
 
 def create(backend, info: RankInfo, rendezvous: Rendezvous) -> NCCLCommunicator:

@@ -1,0 +1,137 @@
+"""Data parallel over peer memory (llmc_cuda/p2p.py). On one GPU: peer_mean is the ranks' float32 sum in rank
+order divided once, rounded to the buffer's dtype (both the 128-bit and the scalar path, outputs poisoned first),
+and adamw_update's mirrors receive the bits it writes into the parameters (none on a skipped step). On two GPUs:
+`llmc train --gpus 2 --zero 1` through peer memory and through NCCL (`--backend-opt p2p=off`) log the same losses
+and save the same bytes, and the run says which path it took.
+
+Everything skips, with the plugin's own reason, where the CUDA backend cannot run; the two-GPU test where fewer
+than two GPUs are visible."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from llmc_cli import registry
+from llmc_cli.formats.shards import write_shard
+from llmc_cli.kernels import BFLOAT16, FLOAT32
+
+pytestmark = pytest.mark.cuda
+_BACKENDS: dict = {}
+
+
+def cuda(dtype=BFLOAT16):
+    info = next((p for p in registry.discover() if p.name == "cuda"), None)
+    if info is None:
+        pytest.skip("llmc-cuda is not installed (pip install -e backends/cuda)")
+    if info.plugin is None or not info.usable:
+        pytest.skip(f"cuda backend not usable here: {info.reason}")
+    if dtype not in _BACKENDS:
+        _BACKENDS[dtype] = info.plugin.create(dtype=dtype)
+    return _BACKENDS[dtype]
+
+
+def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32) if dtype == BFLOAT16 else x.astype(np.float32)
+
+
+def pointers(be, bufs, at=0):
+    import cupy as cp
+    return cp.asarray(np.array([b.data.ptr + at * b.dtype.itemsize for b in bufs], dtype=np.uint64))
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("off,n", [(0, 4096), (64, 1000), (3, 517)])  # packs; a scalar tail; unaligned: scalar
+def test_peer_mean_is_the_ranks_sum_in_order_divided_once(dtype, ranks, off, n):
+    be = cuda(dtype)
+    rng = np.random.default_rng(ranks * 1000 + off)
+    total = off + n + 5
+    host = [rounded(rng.standard_normal(total).astype(np.float32) * 10.0 ** rng.integers(-3, 3), dtype)
+            for _ in range(ranks)]
+    copies = [be.alloc(total, dtype) for _ in range(ranks)]
+    for c, h in zip(copies, host):
+        be.upload(c, h)
+    out = be.view(be.alloc(n + 1, dtype), 1, n) if off % 8 else be.alloc(n, dtype)
+    be.upload(out, np.full(n, np.nan, np.float32))
+    be.peer_mean(out, pointers(be, copies), ranks, off)
+    acc = host[0][off:off + n].copy()
+    for h in host[1:]:
+        acc = acc + h[off:off + n]  # float32, in rank order
+    want = rounded(acc / np.float32(ranks), dtype)
+    np.testing.assert_array_equal(be.download(out), want)
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+def test_adamw_mirrors_receive_the_bits_of_the_update(dtype):
+    be = cuda(dtype)
+    rng = np.random.default_rng(5)
+    n = 3001
+    p, g = be.alloc(n, dtype), be.alloc(n, dtype)
+    m, v = be.alloc(n, FLOAT32), be.alloc(n, FLOAT32)
+    master = be.alloc(n, FLOAT32) if dtype == BFLOAT16 else None
+    w = rng.standard_normal(n).astype(np.float32)
+    be.upload(p, w)
+    if master is not None:
+        be.upload(master, rounded(w, dtype))
+    be.upload(g, rng.standard_normal(n).astype(np.float32))
+    be.fill(m, 0.0)
+    be.fill(v, 0.0)
+    mirrors = [be.alloc(n, dtype) for _ in range(2)]
+    guard = be.alloc(4, FLOAT32)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1, grad_scale=1.0, seed=11)
+    for apply in (1.0, 0.0):
+        for mb in mirrors:
+            be.upload(mb, np.full(n, np.nan, np.float32))
+        before = be.download(p)
+        be.upload(guard, np.array([1.0, 1.0, 1.0, apply], np.float32))
+        be.adamw_update(p, g, m, v, master, guard=guard, mirrors=pointers(be, mirrors), **kw)
+        got = be.download(p)
+        if apply:
+            assert not np.array_equal(got, before)
+            for mb in mirrors:
+                np.testing.assert_array_equal(be.download(mb), got)
+        else:  # a skipped step writes nothing anywhere
+            np.testing.assert_array_equal(got, before)
+            for mb in mirrors:
+                assert np.isnan(be.download(mb)).all()
+
+
+def _gpus() -> int:
+    cuda()
+    import cupy as cp
+    return cp.cuda.runtime.getDeviceCount()
+
+
+def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path):
+    """GPT-2 d2 (C=64) on two GPUs, ZeRO-1, bf16: peer memory and NCCL give the same losses, norms and saved
+    model bytes (for two ranks the average is one float32 sum divided by two either way)."""
+    if _gpus() < 2:
+        pytest.skip("needs two GPUs (one visible here)")
+    write_shard(tmp_path / "p2p_train_000.bin", np.random.default_rng(0).integers(0, 50257, 8 * 4 * 64 * 2 + 1))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    out, lines = {}, {}
+    for mode in ("on", "off"):
+        run = tmp_path / f"run_{mode}"
+        r = subprocess.run([sys.executable, "-m", "llmc_cli", "train", "--backend", "cuda", "--dtype", "bf16",
+                            "--model", "d2", "--n-embd", "64", "-b", "4", "-t", "64", "--steps", "6", "--zero", "1",
+                            "--gpus", "2", "--val-every", "0", "--sample-every", "0", "--backend-opt", f"p2p={mode}",
+                            "--data", str(tmp_path / "p2p_train_*.bin"), "--out", str(run)],
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        lines[mode] = [ln.split("|")[1:3] for ln in r.stdout.splitlines() if ln.startswith("step ") and "loss" in ln]
+        assert len(lines[mode]) == 6, r.stdout[-2000:]
+        out[mode] = r.stdout
+        model = sorted(Path(run).rglob("model*.bin"))
+        assert model, list(Path(run).rglob("*"))
+        out[mode + "_bytes"] = model[-1].read_bytes()
+    assert "through the GPUs' memory" in out["on"], out["on"][-2000:]
+    assert "through the GPUs' memory" not in out["off"]
+    assert lines["on"] == lines["off"]
+    assert out["on_bytes"] == out["off_bytes"]

@@ -1,0 +1,56 @@
+"""Where a training step's time goes, rank by rank: `LLMC_STEP_PHASES=DIR` makes every rank append one JSON line a
+step to DIR/rank<r>.jsonl (`bench/step_phases.py` summarizes them).
+
+A step's device time (the backend's timer, events where it has them) is cut at the marks the trainer and the
+optimizer set: `stage` (the first batch made the inputs), `compute` (forward and backward of every micro-step),
+`reduce` (gradients averaged over the ranks), `guard` (norm, loss and the skip verdict), `adamw` (the updates),
+`gather` (the rest: ZeRO's all-gather of the parameters, then the read of the step's result). Beside each, the host
+clock at the same call, so a phase the device spent waiting for the host shows; `gap` is the host's time between
+two steps (logging, the stop check), which no step time counts. With a host-clock timer every mark waits for the
+device, so there the marks change what they measure."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+ENV = "LLMC_STEP_PHASES"
+
+
+class StepPhases:
+    def __init__(self, directory: str | Path, rank: int):
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.file = open(d / f"rank{rank}.jsonl", "a")  # one per rank: the ranks never share a file
+        self.timer = None
+        self.names: list[str] = []
+        self.host: list[float] = []
+        self.last_end: float | None = None
+
+    def begin(self, timer) -> None:
+        """After timer.start(): the step's first host time."""
+        self.timer, self.names, self.host = timer, [], [time.perf_counter()]
+
+    def mark(self, name: str) -> None:
+        self.timer.mark()
+        self.names.append(name)
+        self.host.append(time.perf_counter())
+
+    def end(self, step: int, seconds: float) -> None:
+        """After timer.stop() returned `seconds`: one line for `step`."""
+        now = time.perf_counter()
+        dev = [0.0] + self.timer.marks() + [seconds]
+        host = self.host + [now]
+        names = self.names + ["gather"]
+        ms = lambda a, b: round((b - a) * 1e3, 4)  # noqa: E731
+        rec = {"step": step, "ms": round(seconds * 1e3, 4),
+               "device_ms": {n: ms(dev[i], dev[i + 1]) for i, n in enumerate(names)},
+               "host_ms": {n: ms(host[i], host[i + 1]) for i, n in enumerate(names)},
+               "gap_ms": None if self.last_end is None else ms(self.last_end, self.host[0])}
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        self.last_end = now
+
+    def close(self) -> None:
+        self.file.close()
