@@ -634,11 +634,11 @@ class Communicator(Protocol):
     backend's (so they run beside the kernels queued after them), and ``join()``, which queues the backend's next
     work behind them. A communicator without them runs each collective where it is called.
 
-    Optional, for ranks whose kernels reach each other's memory (the cuda plugin's, over NVLink): ``peer_copies(buf)``,
+    Optional, for ranks whose kernels reach each other's memory (GPUs with peer access): ``peer_copies(buf)``,
     collective, maps every rank's copy of ``buf`` into this process and returns a handle (None where it cannot);
-    afterwards ``reduce_scatter`` of a view inside ``buf`` reads the peers' chunks from their memory, and the
-    backend's ``adamw_update`` takes ``mirrors=handle.others(offset)`` to write the other ranks' copies of what it
-    updates. ``device_barrier()`` queues a point no rank's stream passes before every rank's stream reached it.
+    the backend's ``adamw_update`` then takes ``mirrors=handle.others(offset)`` to write the other ranks' copies of
+    what it updates. ``device_barrier()`` queues a point no rank's stream passes before every rank's stream reached
+    it.
 
     Reductions run in the buffer's dtype (bf16 gradients are reduced in bf16, as llm.c does) and must be
     deterministic for a fixed world size: the same inputs give bit-identical results."""

@@ -317,8 +317,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
                       + ("reduced layer by layer into the ranks' shards on every micro-step" if args.zero == 2
                          else "reduced layer by layer during the backward pass" if trainer.reducer is not None
                          else "reduced after the backward pass")
-                      + (f"; ZeRO's {trainer.opt.peer_memory} through the GPUs' memory (peer access; "
-                         "--backend-opt p2p=off for NCCL's)" if getattr(trainer.opt, "peer_memory", None) else ""))
+                      + ("; the all-gather written by the update into the other ranks' memory (peer access)"
+                         if getattr(trainer.opt, "peer_memory", False) else ""))
 
     import time
 

@@ -115,18 +115,13 @@ class ShardedAdamW:
         self._main_params = backend.view(params.buf, 0, self.main)
         # where the communicator maps every rank's copy of the parameters into this process (peer_copies: GPUs
         # that reach each other's memory), the update of this rank's chunk writes every copy of it, and no
-        # all-gather follows; the gradients' reduce-scatter then reads the peers' chunks from their memory too
+        # all-gather follows (the tail, which every rank updates alike, is not mirrored)
         self._mirrors = None
         peer_copies = getattr(comm, "peer_copies", None)
-        if peer_copies is not None and W > 1:
-            copies = peer_copies(params.buf)
-            if shard is None and copies is not None:
-                peer_copies(grads.buf)
-            if copies is not None:  # (the tail, which every rank updates alike, is not mirrored)
-                self._mirrors = [copies.others(a) if a < self.main else None for a in self._segment_at]
-        # what goes through the peers' memory (for the run's data-parallel line)
-        self.peer_memory = None if self._mirrors is None else \
-            "reduce-scatter and all-gather" if shard is None else "all-gather"
+        copies = peer_copies(params.buf) if peer_copies is not None and W > 1 else None
+        if copies is not None:
+            self._mirrors = [copies.others(a) if a < self.main else None for a in self._segment_at]
+        self.peer_memory = self._mirrors is not None  # (said in the run's data-parallel line)
         if shard is None:
             self._main_grads = backend.view(grads.buf, 0, self.main)
             self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None

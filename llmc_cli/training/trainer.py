@@ -231,7 +231,12 @@ class Trainer:
             raise
         self.opt.sync_master_from_params()
         where = os.environ.get(PHASES_ENV)
-        self.phases = StepPhases(where, self.comm.rank) if where else None
+        try:
+            self.phases = StepPhases(where, self.comm.rank) if where else None
+        except OSError as e:
+            raise TrainError(f"{PHASES_ENV}={where}: cannot write the step phases there "
+                             f"({e.strerror or type(e).__name__}); give a directory llmc may create or append to") \
+                from None
         if self.phases is not None:
             self.opt.mark = self.phases.mark
         # data parallel: each layer's gradients reduced as soon as the backward pass has made them final, on the

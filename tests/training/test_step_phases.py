@@ -56,3 +56,16 @@ def test_phases_add_up_and_change_nothing(data, tmp_path, monkeypatch):
                           "--json"], capture_output=True, text=True, check=True).stdout
     s = json.loads(out)["ph/rank0"]
     assert s["steps"] == 3 and set(s["device_ms"]) == set(lines[0]["device_ms"])
+
+
+def test_a_path_that_is_a_file_is_one_line(data, tmp_path, monkeypatch):
+    """LLMC_STEP_PHASES naming a file (or a path under one): the run stops before its first step with one line
+    naming the variable, and the file is left as it was."""
+    from llmc_cli.training.trainer import TrainError
+    f = tmp_path / "notes.txt"
+    f.write_text("mine\n")
+    for where in (f, f / "sub"):
+        monkeypatch.setenv(ENV, str(where))
+        with pytest.raises(TrainError, match=f"{ENV}=.*cannot write the step phases there"):
+            train(data)
+    assert f.read_text() == "mine\n"

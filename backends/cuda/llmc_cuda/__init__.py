@@ -128,9 +128,8 @@ class CudaPlugin(BackendPlugin):
         "fp8_dgelu": "on|off: with --dtype fp8, the backward fused with GELU's derivative (GPT-2's MLP output "
                      "projection) in FP8 too (default off: bf16, faster on GPT-2 d12 and d48; env LLMC_FP8_DGELU)",
         "p2p": "on|off: data parallel on GPUs that reach each other's memory (NVLink or PCIe peer access): ZeRO's "
-               "reduce-scatter reads the peers' gradients straight from their memory and the update writes every "
-               "rank's copy of the parameters, in place of NCCL's reduce-scatter and all-gather (default on; env "
-               "LLMC_P2P)",
+               "update writes every rank's copy of the parameters it updates, in place of NCCL's all-gather after "
+               "it (default on; env LLMC_P2P)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }

@@ -1197,14 +1197,6 @@ class CudaBackend(Backend):
                       mirrors if mirrors is not None else np.uint64(0),
                       np.int32(0 if mirrors is None else mirrors.size)))
 
-    def peer_mean(self, out, srcs, nsrc: int, off: int):
-        """out[i] = the mean over nsrc ranks' copies of element off + i (srcs: a device array of their pointers,
-        in rank order); p2p.py's reduce-scatter."""
-        n = out.size
-        vec = int(self._vec(n, out) and off % (16 // out.dtype.itemsize) == 0)
-        self._launch(self._kk("peer_mean", out), self._grid(n, 16 // out.dtype.itemsize if vec else 1), _BLOCK,
-                     (out, srcs, np.int32(nsrc), np.int64(off), np.int64(n), np.int32(vec)))
-
     def scale(self, buf, factor):
         n = buf.size
         vec = self._vec(n, buf)

@@ -182,8 +182,7 @@ class NCCLCommunicator:
     # ---- data parallel over peer memory (p2p.py) --------------------------------------------------------------
     def peer_copies(self, buf):
         """Collective: every rank's copy of `buf` mapped into this process (p2p.PeerCopies), or None where a rank
-        cannot reach another's memory or the backend's `p2p` option is off. Afterwards a reduce_scatter (AVG) of
-        `buf` or of a view inside it reads the peers' chunks straight from their memory."""
+        cannot reach another's memory or the backend's `p2p` option is off."""
         key = (buf.data.ptr, buf.nbytes)
         if key not in self._peers:
             copies = None
@@ -200,22 +199,9 @@ class NCCLCommunicator:
             self._fence = self.cp.zeros(1, dtype=self.cp.float32)
         self.all_reduce(self._fence, MAX)
 
-    def _mapped(self, buf):
-        for copies in self._peers.values():
-            if copies is not None and copies.contains(buf):
-                return copies
-        return None
-
     def reduce_scatter(self, buf, op=AVG):
         check_reduce_op(op)
         c = chunk_elements(buf, self.world_size)
-        copies = self._mapped(buf) if op == AVG and not self._side_active else None
-        if copies is not None:  # every rank's chunk `rank` read from their memory, between two barriers
-            off = copies.offset(buf) + self.rank * c
-            self.device_barrier()
-            self.backend.peer_mean(buf[self.rank * c:(self.rank + 1) * c], copies.all(), self.world_size, off)
-            self.device_barrier()
-            return
         p = buf.data.ptr
         self._call("ncclReduceScatter", p, p + self.rank * c * buf.itemsize, c, self._dtype(buf), _NCCL_OPS[op],
                    self.stream_ptr)

@@ -1,15 +1,17 @@
 """Data parallel over peer memory: every rank's copy of a buffer mapped into each rank's process through CUDA IPC,
-so that kernels here read and write the other GPUs' memory over NVLink (or PCIe peer access) directly.
+so that kernels here write the other GPUs' memory over NVLink (or PCIe peer access) directly.
 
-ZeRO-1's step on two H200s spent 0.54 ms in NCCL's reduce-scatter and 0.49 ms in its all-gather of GPT-2 d12's
-bf16 gradient and parameters (docs/performance.md); a kernel that loads the peer's chunk moves it in 0.35 ms, and
-the update can store each rank's copy of its chunk as it writes its own (an all-gather for the price of the stores,
-which ride beside the update's own memory traffic). Ranks are separate processes that each see one GPU (`llmc
-train --gpus N`); IPC maps a peer's allocation all the same where the GPUs have peer access.
+ZeRO-1's step on two H200s spent 0.49 ms in NCCL's all-gather of GPT-2 d12's bf16 parameters after the update
+(docs/performance.md); the update can instead store every rank's copy of the chunk it updates as it writes its own,
+which costs 0.08 ms more than the update alone: the stores to the peer ride beside the update's own memory
+traffic. (A reduce-scatter that loads the peers' gradient chunks the same way was tried and measured no faster than
+NCCL's: with both GPUs loading from each other at once it took 0.6-0.7 ms against NCCL's 0.52-0.56.) Ranks are
+separate processes that each see one GPU (`llmc train --gpus N`); IPC maps a peer's allocation all the same where
+the GPUs have peer access.
 
 Ordering across processes is NCCL's: a one-value all-reduce on each rank's stream (`device_barrier`) is a point no
 rank's stream passes before every rank's stream reached it, so a kernel queued after it reads what the peers'
-kernels queued before it wrote, and a peer's later kernels cannot overwrite what it reads until the next barrier.
+kernels queued before it wrote.
 """
 
 from __future__ import annotations
@@ -42,24 +44,12 @@ class PeerCopies:
         self.ptrs, self.rank, self._opened = ptrs, rank, opened
         self._arrays: dict[tuple, object] = {}
 
-    def contains(self, buf) -> bool:
-        p = buf.data.ptr
-        return self.ptr <= p and p + buf.nbytes <= self.ptr + self.nbytes
-
-    def offset(self, buf) -> int:
-        """`buf`'s position in the mapped buffer, in elements."""
-        return (buf.data.ptr - self.ptr) // self.itemsize
-
     def _array(self, key: tuple, ptrs: list[int]):
         a = self._arrays.get(key)
         if a is None:  # kept: the kernels read it when they run, and a captured graph would hold its address
             a = self.cp.asarray(np.array(ptrs, dtype=np.uint64))
             self._arrays[key] = a
         return a
-
-    def all(self):
-        """Device array of every rank's pointer to element 0, in rank order."""
-        return self._array(("all",), self.ptrs)
 
     def others(self, offset: int):
         """Device array of the other ranks' pointers to element `offset`, in rank order."""
