@@ -289,6 +289,7 @@ def train(**o) -> None:
         _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault)
     finally:
         trainer.close()
+        comm.close()  # (the cuda plugin's unmaps the other ranks' memory it mapped)
 
 
 def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=None) -> None:

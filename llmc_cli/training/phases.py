@@ -2,12 +2,14 @@
 step to DIR/rank<r>.jsonl (`bench/step_phases.py` summarizes them).
 
 A step's device time (the backend's timer, events where it has them) is cut at the marks the trainer and the
-optimizer set: `stage` (the first batch made the inputs), `compute` (forward and backward of every micro-step),
-`reduce` (gradients averaged over the ranks), `guard` (norm, loss and the skip verdict), `adamw` (the updates),
-`gather` (the rest: ZeRO's all-gather of the parameters, then the read of the step's result). Beside each, the host
-clock at the same call, so a phase the device spent waiting for the host shows; `gap` is the host's time between
-two steps (logging, the stop check), which no step time counts. With a host-clock timer every mark waits for the
-device, so there the marks change what they measure."""
+optimizer set: `stage` (the first batch made the inputs; on the step that captures the graphs, the capture too),
+`compute` (forward and backward of every micro-step), `reduce` (gradients averaged over the ranks), `guard` (norm,
+loss and the skip verdict), `adamw` (the updates), `gather` (the rest: ZeRO's all-gather of the parameters or the
+barrier that replaces it, the read of the step's result, FP8's amax all-reduce). Beside each, the host clock at the
+same call, so a phase the device spent waiting for the host shows; `gap` is the host's time from the end of one
+step's line to the start of the next step (logging, the stop check), which no step time counts. With a host-clock
+timer every mark waits for the device, so there the marks change what they measure. Lines are appended: give each
+run a directory of its own."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ class StepPhases:
         self.timer, self.names, self.host = timer, [], [time.perf_counter()]
 
     def mark(self, name: str) -> None:
+        if self.timer is None:  # (an optimizer step outside a training step: a profiler's, say)
+            return
         self.timer.mark()
         self.names.append(name)
         self.host.append(time.perf_counter())
@@ -50,7 +54,8 @@ class StepPhases:
                "gap_ms": None if self.last_end is None else ms(self.last_end, self.host[0])}
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
-        self.last_end = now
+        self.last_end = time.perf_counter()
+        self.timer = None
 
     def close(self) -> None:
         self.file.close()

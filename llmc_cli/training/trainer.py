@@ -231,6 +231,8 @@ class Trainer:
             raise
         self.opt.sync_master_from_params()
         where = os.environ.get(PHASES_ENV)
+        if where and not callable(getattr(backend.timer(), "marks", None)):
+            raise TrainError(f"{PHASES_ENV}: the {backend.name} backend's timer sets no marks (Timer.mark/marks)")
         try:
             self.phases = StepPhases(where, self.comm.rank) if where else None
         except OSError as e:

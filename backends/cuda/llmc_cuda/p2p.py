@@ -4,8 +4,9 @@ so that kernels here write the other GPUs' memory over NVLink (or PCIe peer acce
 ZeRO-1's step on two H200s spent 0.49 ms in NCCL's all-gather of GPT-2 d12's bf16 parameters after the update
 (docs/performance.md); the update can instead store every rank's copy of the chunk it updates as it writes its own,
 which costs 0.08 ms more than the update alone: the stores to the peer ride beside the update's own memory
-traffic. (A reduce-scatter that loads the peers' gradient chunks the same way was tried and measured no faster than
-NCCL's: with both GPUs loading from each other at once it took 0.6-0.7 ms against NCCL's 0.52-0.56.) Ranks are
+traffic. (A reduce-scatter that loads the peers' gradient chunks the same way was tried and taken out again: for
+d12 it was no faster than NCCL's, 0.6-0.7 ms against 0.52-0.56 with both GPUs loading at once; for d48 it took 4.86
+ms against NCCL's 5.9, measured once, so it may pay for large buffers.) Ranks are
 separate processes that each see one GPU (`llmc train --gpus N`); IPC maps a peer's allocation all the same where
 the GPUs have peer access.
 
@@ -17,10 +18,12 @@ kernels queued before it wrote.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import socket
 
 import numpy as np
 
-_RECORD = 8 + 64 + 8  # per rank: ok flag, cudaIpcMemHandle_t, offset of the buffer in its allocation
+_RECORD = 8 + 64 + 8 + 8  # per rank: ok flag, cudaIpcMemHandle_t, offset in the allocation, the host's id
 
 
 def allocation_base(ptr: int) -> int:
@@ -38,8 +41,8 @@ class PeerCopies:
     """Every rank's copy of one buffer: `ptrs[r]` is where rank r's copy is mapped in this process (this rank's own
     pointer at its own index)."""
 
-    def __init__(self, cp, buf, ptrs: list[int], rank: int, opened: list[int]):
-        self.cp, self.ptr, self.nbytes = cp, buf.data.ptr, buf.nbytes
+    def __init__(self, cp, stream, buf, ptrs: list[int], rank: int, opened: list[int]):
+        self.cp, self.stream, self.ptr, self.nbytes = cp, stream, buf.data.ptr, buf.nbytes
         self.itemsize = buf.dtype.itemsize
         self.ptrs, self.rank, self._opened = ptrs, rank, opened
         self._arrays: dict[tuple, object] = {}
@@ -47,7 +50,9 @@ class PeerCopies:
     def _array(self, key: tuple, ptrs: list[int]):
         a = self._arrays.get(key)
         if a is None:  # kept: the kernels read it when they run, and a captured graph would hold its address
-            a = self.cp.asarray(np.array(ptrs, dtype=np.uint64))
+            with self.stream:  # (the backend's stream, which the kernels that read it run on)
+                a = self.cp.asarray(np.array(ptrs, dtype=np.uint64))
+            self.stream.synchronize()
             self._arrays[key] = a
         return a
 
@@ -69,19 +74,23 @@ def map_peers(comm, buf) -> PeerCopies | None:
     """Collective: every rank passes its copy of the same buffer; returns the copies mapped here, or None on every
     rank when any rank could not export or map one (no peer access between two of the GPUs, say)."""
     cp, W, r = comm.cp, comm.world_size, comm.rank
+    stream = comm.backend.stream
     rec = np.zeros(W * _RECORD, np.uint8)
     mine = rec[r * _RECORD:(r + 1) * _RECORD]
+    host = hashlib.sha256(socket.gethostname().encode()).digest()[:8]  # IPC maps memory of this host's GPUs only
+    mine[80:88] = np.frombuffer(host, np.uint8)
     try:
-        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr))
-        off = buf.data.ptr - allocation_base(buf.data.ptr)
+        base = allocation_base(buf.data.ptr)
+        handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))  # (a handle names a whole allocation)
         mine[0] = 1
         mine[8:8 + len(handle)] = np.frombuffer(handle, np.uint8)
-        mine[72:80] = np.frombuffer(int(off).to_bytes(8, "little"), np.uint8)
+        mine[72:80] = np.frombuffer(int(buf.data.ptr - base).to_bytes(8, "little"), np.uint8)
     except Exception:  # noqa: BLE001  (no IPC here: every rank falls back to NCCL)
         pass
-    dev = cp.asarray(rec)
+    with stream:  # the upload ordered before the all-gather, which runs on the backend's stream
+        dev = cp.asarray(rec)
     comm.all_gather(dev)
-    comm.backend.synchronize()
+    stream.synchronize()
     rec = cp.asnumpy(dev)
     ptrs, opened, ok = [], [], True
     for q in range(W):
@@ -89,7 +98,7 @@ def map_peers(comm, buf) -> PeerCopies | None:
         if q == r:
             ptrs.append(buf.data.ptr)
             continue
-        if not part[0]:
+        if not part[0] or bytes(part[80:88]) != host:
             ok = False
             break
         try:
@@ -99,7 +108,7 @@ def map_peers(comm, buf) -> PeerCopies | None:
             break
         opened.append(base)
         ptrs.append(base + int.from_bytes(bytes(part[72:80]), "little"))
-    copies = PeerCopies(cp, buf, ptrs, r, opened)
+    copies = PeerCopies(cp, stream, buf, ptrs, r, opened)
     if comm.all_reduce_value(0.0 if ok else 1.0, "max") > 0:
         copies.close()
         return None

@@ -899,3 +899,24 @@ def test_prefetched_training_matches_reading_in_the_step(tmp_path, model, dtype)
     assert np.array_equal(runs[True][1], runs[False][1]), "the final weights must be the same bits"
     assert runs[True][2] == runs[False][2]
     assert runs[True][3] and not runs[False][3], "with prefetch the CUDA input queue stages the batches"
+
+
+def test_event_timer_marks_cut_the_queued_work_in_order():
+    """EventTimer.mark records an event between start and stop without the host waiting: marks() are increasing,
+    within the total, and a mark after a long kernel sits after most of it (LLMC_STEP_PHASES relies on this)."""
+    b = cuda(BFLOAT16)
+    x = b.alloc(1 << 24, FLOAT32)
+    t = b.timer()
+    t.start()
+    t.mark()
+    for _ in range(20):
+        b.fill(x, 1.0)
+    t.mark()
+    b.fill(x, 2.0)
+    t.mark()
+    total = t.stop()
+    m = t.marks()
+    assert len(m) == 3 and 0.0 <= m[0] <= m[1] <= m[2] <= total
+    assert m[1] - m[0] > m[2] - m[1]  # twenty fills take longer than one
+    t.start()
+    assert t.marks() == []  # a new start forgets the last step's marks
