@@ -36,11 +36,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     o = ap.parse_args()
     out = {}
-    for d in o.dirs:
+    names = [Path(d).name for d in o.dirs]
+    for d, name in zip(o.dirs, names):
+        if names.count(name) > 1:  # two runs' directories of one name: told apart by their whole paths
+            name = str(Path(d))
         for f in sorted(Path(d).glob("rank*.jsonl")):
             s = summarize(f, o.skip)
             if s:
-                out[f"{Path(d).name}/{f.stem}"] = s
+                out[f"{name}/{f.stem}"] = s
     if o.json:
         print(json.dumps(out, indent=1))
         return

@@ -121,6 +121,8 @@ class ShardedAdamW:
         copies = peer_copies(params.buf) if peer_copies is not None and W > 1 else None
         if copies is not None:
             self._mirrors = [copies.others(a) if a < self.main else None for a in self._segment_at]
+            if shard is None and getattr(comm, "peer_reduce", False):  # its reduce-scatter loads the peers' chunks
+                peer_copies(grads.buf)
         self.peer_memory = self._mirrors is not None  # (said in the run's data-parallel line)
         if shard is None:
             self._main_grads = backend.view(grads.buf, 0, self.main)

@@ -31,7 +31,8 @@ run() {  # run NAME ARGS...: one llmc train, its median line appended to medians
 }
 losses() { grep -oE "step +[0-9]+/[0-9]+ \| loss [0-9.]+ \| norm [0-9.]+" "$1"; }
 # the N-GPU variants: overlap (--overlap), plain (--no-overlap, the default: ZeRO's collectives through the GPUs'
-# memory where they reach it), nccl (plain through NCCL: --backend-opt p2p=off), z0overlap / z0plain (--zero 0:
+# memory where they reach it), nccl (plain through NCCL: --backend-opt p2p=off), reduce (plain with the reduce-scatter
+# loading the peers' chunks too: --backend-opt p2p_reduce=on), z0overlap / z0plain (--zero 0:
 # every piece all-reduced)
 variant() {
   ENVS="LLMC_X=1"; V="--zero ${ZERO:-1}"
@@ -39,6 +40,7 @@ variant() {
     overlap) V="$V --overlap" ;;
     plain) V="$V --no-overlap" ;;
     nccl) V="$V --no-overlap --backend-opt p2p=off" ;;
+    reduce) V="$V --no-overlap --backend-opt p2p_reduce=on" ;;
     z0overlap) V="--zero 0 --overlap" ;;
     z0plain) V="--zero 0 --no-overlap" ;;
   esac
@@ -61,7 +63,7 @@ for model in ${MODELS:-d12 d48}; do
       variant "$v"; run "${model}_${N}gpu_${v}_$r" $A $V --gpus "$N"
     done
   done
-  for v in overlap nccl; do  # with 2 ranks every reduction adds the same pairs: the same losses to the last digit
+  for v in overlap nccl reduce; do  # with 2 ranks every reduction adds the same pairs: the same losses to the last digit
     [ -f "$LOGS/${model}_${N}gpu_plain_1.log" ] && [ -f "$LOGS/${model}_${N}gpu_${v}_1.log" ] || continue
     if cmp -s <(losses "$LOGS/${model}_${N}gpu_${v}_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log"); then
       echo "$model: $v and plain log the same losses" | tee -a "$OUT/medians.log"

@@ -25,7 +25,7 @@ CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 
 _FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
           ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
           ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"),
-          ("p2p", "LLMC_P2P"))
+          ("p2p", "LLMC_P2P"), ("p2p_reduce", "LLMC_P2P_REDUCE"))
 
 
 def check_options(options: dict[str, str] | None) -> None:
@@ -130,6 +130,9 @@ class CudaPlugin(BackendPlugin):
         "p2p": "on|off: data parallel on GPUs that reach each other's memory (NVLink or PCIe peer access): ZeRO's "
                "update writes every rank's copy of the parameters it updates, in place of NCCL's all-gather after "
                "it (default on; env LLMC_P2P)",
+        "p2p_reduce": "on|off: with p2p, ZeRO-1's reduce-scatter too: a kernel loads every rank's chunk from their "
+                      "memory (default off: NCCL's; measured faster for GPT-2 d48 on two H200s, no faster for d12; "
+                      "env LLMC_P2P_REDUCE)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }

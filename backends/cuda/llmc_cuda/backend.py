@@ -212,6 +212,7 @@ class CudaBackend(Backend):
         # 1.06x with; docs/performance.md)
         self.fp8_dgelu = option_flag(options, "fp8_dgelu", False, env="LLMC_FP8_DGELU")
         self.p2p = option_flag(options, "p2p", True, env="LLMC_P2P")  # read by the communicator (nccl.py, p2p.py)
+        self.p2p_reduce = option_flag(options, "p2p_reduce", False, env="LLMC_P2P_REDUCE")
         # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
         # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
@@ -1196,6 +1197,14 @@ class CudaBackend(Backend):
                       np.float64(1.0 - beta1), np.float64(1.0 - beta2),
                       mirrors if mirrors is not None else np.uint64(0),
                       np.int32(0 if mirrors is None else mirrors.size)))
+
+    def peer_mean(self, out, srcs, nsrc: int, off: int):
+        """out[i] = the mean over nsrc ranks' copies of element off + i (srcs: a device array of their pointers,
+        in rank order); p2p.py's reduce-scatter (--backend-opt p2p_reduce=on)."""
+        n = out.size
+        vec = int(self._vec(n, out) and off % (16 // out.dtype.itemsize) == 0)
+        self._launch(self._kk("peer_mean", out), self._grid(n, 16 // out.dtype.itemsize if vec else 1), _BLOCK,
+                     (out, srcs, np.int32(nsrc), np.int64(off), np.int64(n), np.int32(vec)))
 
     def scale(self, buf, factor):
         n = buf.size

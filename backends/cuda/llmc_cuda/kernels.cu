@@ -1147,6 +1147,44 @@ extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* 
     if (n_mirrors) __threadfence_system();
 }
 
+// data parallel over peer memory (p2p.py, --backend-opt p2p_reduce=on): out[i] = the mean over the ranks' copies
+// (srcs, one pointer a rank, in rank order) of element off + i, summed in rank order in float32 and divided once (for
+// two ranks the bits of NCCL's bf16 / float32 average); loads bypass the caches, since the peers wrote these buffers
+// since the last kernel
+__device__ __forceinline__ pack_t load_pack_cv(const act_t* p) {
+    union { uint4 u; pack_t x; } c;
+    c.u = __ldcv(reinterpret_cast<const uint4*>(p));
+    return c.x;
+}
+extern "C" __global__ void peer_mean(act_t* out, const unsigned long long* srcs, int nsrc, long long off, long long n,
+                                     int vec) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    float w = (float)nsrc;
+    if (vec) {
+        for (long long i = i0 * PACK; i < n; i += stride * PACK) {
+            float acc[PACK];
+            pack_t x = load_pack_cv((const act_t*)srcs[0] + off + i), o;
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) acc[j] = to_f(x.v[j]);
+            for (int k = 1; k < nsrc; k++) {
+                x = load_pack_cv((const act_t*)srcs[k] + off + i);
+                #pragma unroll
+                for (int j = 0; j < PACK; j++) acc[j] += to_f(x.v[j]);
+            }
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) o.v[j] = from_f(__fdiv_rn(acc[j], w));
+            store_pack(out + i, o);
+        }
+    } else {
+        for (long long i = i0; i < n; i += stride) {
+            float acc = to_f(__ldcv((const act_t*)srcs[0] + off + i));
+            for (int k = 1; k < nsrc; k++) acc += to_f(__ldcv((const act_t*)srcs[k] + off + i));
+            out[i] = from_f(__fdiv_rn(acc, w));
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // attention over a key/value cache (decoding). Caches (B,NKV,S,hd) are rings: position p lives in slot p % S.
 // New tokens' qkv rows are (B,Tn,(NH+2NKV)*hd) at positions pos..pos+Tn-1.

@@ -180,9 +180,16 @@ class NCCLCommunicator:
         self._call("ncclAllReduce", p, p, int(buf.size), self._dtype(buf), _NCCL_OPS[op], self.stream_ptr)
 
     # ---- data parallel over peer memory (p2p.py) --------------------------------------------------------------
+    @property
+    def peer_reduce(self) -> bool:
+        """Whether reduce_scatter should read the peers' chunks from their memory in buffers mapped for it
+        (`--backend-opt p2p_reduce=on`)."""
+        return bool(getattr(self.backend, "p2p", False) and getattr(self.backend, "p2p_reduce", False))
+
     def peer_copies(self, buf):
         """Collective: every rank's copy of `buf` mapped into this process (p2p.PeerCopies), or None where a rank
-        cannot reach another's memory or the backend's `p2p` option is off."""
+        cannot reach another's memory or the backend's `p2p` option is off. With `peer_reduce`, a reduce_scatter
+        (AVG) of `buf` or of a view inside it then reads the peers' chunks straight from their memory."""
         key = (buf.data.ptr, buf.nbytes)
         if key not in self._peers:
             copies = None
@@ -196,12 +203,26 @@ class NCCLCommunicator:
         """A point no rank's stream passes before every rank's stream reached it (a one-value all-reduce, queued;
         the host does not wait)."""
         if self._fence is None:
-            self._fence = self.cp.zeros(1, dtype=self.cp.float32)
+            with self._stream if self._stream is not None else contextlib.nullcontext():  # (the all-reduces' stream)
+                self._fence = self.cp.zeros(1, dtype=self.cp.float32)
         self.all_reduce(self._fence, MAX)
+
+    def _mapped(self, buf):
+        for copies in self._peers.values():
+            if copies is not None and copies.contains(buf):
+                return copies
+        return None
 
     def reduce_scatter(self, buf, op=AVG):
         check_reduce_op(op)
         c = chunk_elements(buf, self.world_size)
+        copies = self._mapped(buf) if op == AVG and self.peer_reduce and not self._side_active else None
+        if copies is not None:  # every rank's chunk `rank` read from their memory, between two barriers
+            off = copies.offset(buf) + self.rank * c
+            self.device_barrier()
+            self.backend.peer_mean(buf[self.rank * c:(self.rank + 1) * c], copies.all(), self.world_size, off)
+            self.device_barrier()
+            return
         p = buf.data.ptr
         self._call("ncclReduceScatter", p, p + self.rank * c * buf.itemsize, c, self._dtype(buf), _NCCL_OPS[op],
                    self.stream_ptr)

@@ -4,9 +4,9 @@ so that kernels here write the other GPUs' memory over NVLink (or PCIe peer acce
 ZeRO-1's step on two H200s spent 0.49 ms in NCCL's all-gather of GPT-2 d12's bf16 parameters after the update
 (docs/performance.md); the update can instead store every rank's copy of the chunk it updates as it writes its own,
 which costs 0.08 ms more than the update alone: the stores to the peer ride beside the update's own memory
-traffic. (A reduce-scatter that loads the peers' gradient chunks the same way was tried and taken out again: for
+traffic. (A reduce-scatter that loads the peers' gradient chunks the same way is kept as an option, off: for
 d12 it was no faster than NCCL's, 0.6-0.7 ms against 0.52-0.56 with both GPUs loading at once; for d48 it took 4.86
-ms against NCCL's 5.9, measured once, so it may pay for large buffers.) Ranks are
+ms against NCCL's 5.9, measured once, so it may pay for large buffers: `--backend-opt p2p_reduce=on`.) Ranks are
 separate processes that each see one GPU (`llmc train --gpus N`); IPC maps a peer's allocation all the same where
 the GPUs have peer access.
 
@@ -46,6 +46,18 @@ class PeerCopies:
         self.itemsize = buf.dtype.itemsize
         self.ptrs, self.rank, self._opened = ptrs, rank, opened
         self._arrays: dict[tuple, object] = {}
+
+    def contains(self, buf) -> bool:
+        p = buf.data.ptr
+        return self.ptr <= p and p + buf.nbytes <= self.ptr + self.nbytes
+
+    def offset(self, buf) -> int:
+        """`buf`'s position in the mapped buffer, in elements."""
+        return (buf.data.ptr - self.ptr) // self.itemsize
+
+    def all(self):
+        """Device array of every rank's pointer to element 0, in rank order."""
+        return self._array(("all",), self.ptrs)
 
     def _array(self, key: tuple, ptrs: list[int]):
         a = self._arrays.get(key)

@@ -1,7 +1,8 @@
 """Data parallel over peer memory (llmc_cuda/p2p.py). On one GPU: adamw_update's mirrors receive the bits it
-writes into the parameters (nothing on a skipped step). On two GPUs: `llmc train --gpus 2 --zero 1` with the
-all-gather written by the update and with NCCL's (`--backend-opt p2p=off`) log the same losses and save the same
-bytes, and the run says which path it took.
+writes into the parameters (nothing on a skipped step); peer_mean (`p2p_reduce=on`'s reduce-scatter) is the ranks'
+float32 sum in rank order divided once. On two GPUs: `llmc train --gpus 2 --zero 1` with the all-gather written by
+the update, with the reduce-scatter loading the peers' chunks too, and with NCCL's (`--backend-opt p2p=off`) log the
+same losses and save the same bytes, and the run says which path it took.
 
 Everything skips, with the plugin's own reason, where the CUDA backend cannot run; the two-GPU test where fewer
 than two GPUs are visible."""
@@ -47,6 +48,30 @@ def pointers(be, bufs, at=0):
 
 
 @pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("off,n", [(0, 4096), (64, 1000), (3, 517)])  # packs; more packs; unaligned: scalar
+def test_peer_mean_is_the_ranks_sum_in_order_divided_once(dtype, ranks, off, n):
+    """--backend-opt p2p_reduce=on's kernel: every copy's element off + i summed in rank order in float32 and divided
+    once, rounded to the buffer's dtype, into a poisoned output (the 128-bit and the scalar path)."""
+    be = cuda(dtype)
+    rng = np.random.default_rng(ranks * 1000 + off)
+    total = off + n + 5
+    host = [rounded(rng.standard_normal(total).astype(np.float32) * 10.0 ** rng.integers(-3, 3), dtype)
+            for _ in range(ranks)]
+    copies = [be.alloc(total, dtype) for _ in range(ranks)]
+    for c, h in zip(copies, host):
+        be.upload(c, h)
+    out = be.view(be.alloc(n + 1, dtype), 1, n) if off % 8 else be.alloc(n, dtype)
+    be.upload(out, np.full(n, np.nan, np.float32))
+    be.peer_mean(out, pointers(be, copies), ranks, off)
+    acc = host[0][off:off + n].copy()
+    for h in host[1:]:
+        acc = acc + h[off:off + n]  # float32, in rank order
+    want = rounded(acc / np.float32(ranks), dtype)
+    np.testing.assert_array_equal(be.download(out), want)
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
 def test_adamw_mirrors_receive_the_bits_of_the_update(dtype):
     be = cuda(dtype)
     rng = np.random.default_rng(5)
@@ -87,9 +112,15 @@ def _gpus() -> int:
     return cp.cuda.runtime.getDeviceCount()
 
 
-def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path):
-    """GPT-2 d2 (C=64) on two GPUs, ZeRO-1, bf16: peer memory and NCCL give the same losses, norms and saved
-    model bytes (for two ranks the average is one float32 sum divided by two either way)."""
+SETUPS = {"zero1": ["--zero", "1"], "zero2": ["--zero", "2"], "overlap": ["--zero", "1", "--overlap"],
+          "accumulation": ["--zero", "1", "--total-batch-size", "1024"]}  # (1024 = 2 micro-steps of 2 x 4 x 64)
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path, setup):
+    """GPT-2 d2 (C=64) on two GPUs, bf16, ZeRO-1 (also with --overlap and with gradient accumulation) and ZeRO-2:
+    peer memory (ZeRO-1: with and without p2p_reduce) and NCCL give the same losses, norms and saved model bytes
+    (for two ranks the average is one float32 sum divided by two either way)."""
     if _gpus() < 2:
         pytest.skip("needs two GPUs (one visible here)")
     import cupy as cp
@@ -98,11 +129,15 @@ def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path):
     write_shard(tmp_path / "p2p_train_000.bin", np.random.default_rng(0).integers(0, 50257, 8 * 4 * 64 * 2 + 1))
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     out, lines = {}, {}
-    for mode in ("on", "off"):
+    modes = {"on": ["p2p=on"], "off": ["p2p=off"]}
+    if setup in ("zero1", "accumulation"):  # (the reduce-scatter p2p_reduce replaces: ZeRO-1's after the backward)
+        modes["reduce"] = ["p2p=on", "p2p_reduce=on"]
+    for mode, opts in modes.items():
         run = tmp_path / f"run_{mode}"
         r = subprocess.run([sys.executable, "-m", "llmc_cli", "train", "--backend", "cuda", "--dtype", "bf16",
-                            "--model", "d2", "--n-embd", "64", "-b", "4", "-t", "64", "--steps", "6", "--zero", "1",
-                            "--gpus", "2", "--val-every", "0", "--sample-every", "0", "--backend-opt", f"p2p={mode}",
+                            "--model", "d2", "--n-embd", "64", "-b", "4", "-t", "64", "--steps", "6", *SETUPS[setup],
+                            "--gpus", "2", "--val-every", "0", "--sample-every", "0",
+                            *[x for o in opts for x in ("--backend-opt", o)],
                             "--data", str(tmp_path / "p2p_train_*.bin"), "--out", str(run)],
                            capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -114,5 +149,8 @@ def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path):
         out[mode + "_bytes"] = model[-1].read_bytes()
     assert "written by the update into the other ranks' memory" in out["on"], out["on"][-2000:]
     assert "written by the update" not in out["off"]
-    assert lines["on"] == lines["off"]
-    assert out["on_bytes"] == out["off_bytes"]
+    for mode in modes:
+        assert lines[mode] == lines["off"], mode
+        assert out[mode + "_bytes"] == out["off_bytes"], mode
+        if mode != "off":
+            assert "written by the update into the other ranks' memory" in out[mode], mode
