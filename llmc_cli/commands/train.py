@@ -288,8 +288,14 @@ def train(**o) -> None:
     try:
         _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault)
     finally:
-        trainer.close()
-        comm.close()  # (the cuda plugin's unmaps the other ranks' memory it mapped)
+        try:
+            trainer.close()
+        finally:
+            try:  # nothing queued may still touch the other ranks' memory that comm.close() unmaps
+                backend.synchronize()
+            except Exception:  # noqa: BLE001  (the error that stopped the run is the one to report)
+                pass
+            comm.close()
 
 
 def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=None) -> None:
@@ -319,6 +325,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
                          else "reduced layer by layer during the backward pass" if trainer.reducer is not None
                          else "reduced after the backward pass")
                       + ("; the all-gather written by the update into the other ranks' memory (peer access)"
+                         + (", the reduce-scatter read from it" if getattr(trainer.opt, "peer_reduce", False) else "")
                          if getattr(trainer.opt, "peer_memory", False) else ""))
 
     import time

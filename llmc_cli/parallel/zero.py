@@ -117,13 +117,14 @@ class ShardedAdamW:
         # that reach each other's memory), the update of this rank's chunk writes every copy of it, and no
         # all-gather follows (the tail, which every rank updates alike, is not mirrored)
         self._mirrors = None
+        self.peer_reduce = False
         peer_copies = getattr(comm, "peer_copies", None)
         copies = peer_copies(params.buf) if peer_copies is not None and W > 1 else None
         if copies is not None:
             self._mirrors = [copies.others(a) if a < self.main else None for a in self._segment_at]
             if shard is None and getattr(comm, "peer_reduce", False):  # its reduce-scatter loads the peers' chunks
-                peer_copies(grads.buf)
-        self.peer_memory = self._mirrors is not None  # (said in the run's data-parallel line)
+                self.peer_reduce = peer_copies(grads.buf) is not None
+        self.peer_memory = self._mirrors is not None  # (both said in the run's data-parallel line)
         if shard is None:
             self._main_grads = backend.view(grads.buf, 0, self.main)
             self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
