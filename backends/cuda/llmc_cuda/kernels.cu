@@ -507,6 +507,25 @@ __device__ __forceinline__ void norm_bwd_apply(pack_t& d, const pack_t& x, const
     }
 }
 
+// A lane's share of a row's two sums over the packs it holds (t, t + stride, ...): s1 += dn (not for rmsnorm) and
+// s2 += dn * xhat, dn = dout * weight, in pack order (the row's sums add the lanes' after)
+template <int P, bool RMS>
+__device__ __forceinline__ void norm_bwd_sums(const pack_t (&xp)[P], const pack_t (&gp)[P], const pack_t (&w)[P],
+                                              float m, float r, int t, int stride, int npk, float& s1, float& s2) {
+    #pragma unroll
+    for (int k = 0; k < P; k++) {
+        if (t + stride * k < npk) {
+            #pragma unroll
+            for (int j = 0; j < PACK; j++) {
+                float xh = (to_f(xp[k].v[j]) - m) * r;
+                float dn = to_f(gp[k].v[j]) * to_f(w[k].v[j]);
+                if (!RMS) s1 += dn;
+                s2 += dn * xh;
+            }
+        }
+    }
+}
+
 // The block's dweight / dbias: its `groups` row groups add their lanes' columns (lane t holds packs t, t + stride,
 // ...) in group order into shared memory [2][C], and the block writes partial[b][2][C] (fixed order).
 template <int P>
@@ -567,18 +586,7 @@ __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* parti
             if (pk < npk) { xp[k] = load_pack(inp + base + pk * PACK); gp[k] = load_pack(dout + base + pk * PACK); }
         }
         float s1 = 0.0f, s2 = 0.0f;
-        #pragma unroll
-        for (int k = 0; k < P; k++) {
-            if (lane + 32 * k < npk) {
-                #pragma unroll
-                for (int j = 0; j < PACK; j++) {
-                    float xh = (to_f(xp[k].v[j]) - m) * r;
-                    float dn = to_f(gp[k].v[j]) * to_f(w[k].v[j]);
-                    if (!RMS) s1 += dn;
-                    s2 += dn * xh;
-                }
-            }
-        }
+        norm_bwd_sums<P, RMS>(xp, gp, w, m, r, lane, 32, npk, s1, s2);
         s1 = warp_sum(s1) / C; s2 = warp_sum(s2) / C;
         #pragma unroll
         for (int k = 0; k < P; k++) {
@@ -662,18 +670,7 @@ __device__ __forceinline__ void norm_backward_grp_impl(act_t* dinp, float* parti
                     dp[k] = load_pack(dinp + base + pk * PACK);
                 }
             }
-            #pragma unroll
-            for (int k = 0; k < P; k++) {
-                if (t + 32 * G * k < npk) {
-                    #pragma unroll
-                    for (int j = 0; j < PACK; j++) {
-                        float xh = (to_f(xp[k].v[j]) - m) * r;
-                        float dn = to_f(gp[k].v[j]) * to_f(w[k].v[j]);
-                        if (!RMS) s1 += dn;
-                        s2 += dn * xh;
-                    }
-                }
-            }
+            norm_bwd_sums<P, RMS>(xp, gp, w, m, r, t, 32 * G, npk, s1, s2);
         }
         s1 = warp_sum(s1); s2 = warp_sum(s2);
         if (lane == 0) { red[it & 1][warp][0] = s1; red[it & 1][warp][1] = s2; }
