@@ -8,7 +8,6 @@ it (values checked) and times both.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import statistics
 import subprocess
@@ -18,15 +17,6 @@ import time
 from pathlib import Path
 
 N = 124_475_904 // 2
-
-
-def base_of(ptr: int) -> int:
-    cuda = ctypes.CDLL("libcuda.so.1")
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    if rc != 0:
-        raise RuntimeError(f"cuMemGetAddressRange failed ({rc})")
-    return base.value
 
 
 SRC = r"""
@@ -44,12 +34,13 @@ extern "C" __global__ void store(unsigned short* __restrict__ peer, long long n)
 
 def rank(r: int, d: Path) -> None:
     import cupy as cp
+    from llmc_cuda.p2p import allocation_base
     if r == 1:
         pad = cp.zeros(1000, dtype=cp.uint16)  # so the buffer is not at its allocation's start
         buf = cp.full(N, 3, dtype=cp.uint16)
         cp.cuda.Device().synchronize()
         ptr = buf.data.ptr
-        base = base_of(ptr)
+        base = allocation_base(ptr)
         h = cp.cuda.runtime.ipcGetMemHandle(ptr)
         (d / "h.tmp").write_bytes(bytes(h) + (ptr - base).to_bytes(8, "little"))
         os.rename(d / "h.tmp", d / "h")

@@ -13,37 +13,21 @@ import os
 
 import numpy as np
 import pytest
+from cuda_support import cuda_backend, cuda_plugin_info
 
-from llmc_cli import registry
 from llmc_cli.kernels import BFLOAT16, FLOAT32, TF32
 from llmc_cli.testing.helpers import rel_err as rel
 
 pytestmark = pytest.mark.cuda
 
 
-def _cuda_plugin():
-    for p in registry.discover():
-        if p.name == "cuda":
-            return p
-    return None
-
-
-_INFO = _cuda_plugin()
-_BACKENDS: dict = {}
+_INFO = cuda_plugin_info()
 
 
 def cuda(dtype, tf32: bool = False):
     """The backend for `dtype`; float32 multiplies in IEEE fp32 here (checked against the CPU at fp32's bounds)
     unless `tf32` asks for the default TF32 matmuls."""
-    if _INFO is None:
-        pytest.skip("llmc-cuda is not installed (pip install -e backends/cuda)")
-    if _INFO.plugin is None or not _INFO.usable:
-        pytest.skip(f"cuda backend not usable here: {_INFO.reason}")
-    key = (dtype, tf32)
-    if key not in _BACKENDS:
-        opts = {"tf32": "off"} if dtype == FLOAT32 and not tf32 else None
-        _BACKENDS[key] = _INFO.plugin.create(dtype=dtype, options=opts)
-    return _BACKENDS[key]
+    return cuda_backend(dtype, {"tf32": "off"} if dtype == FLOAT32 and not tf32 else None)
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_support import cuda_backend
 
-from llmc_cli import registry
 from llmc_cli.bench.overlap import run_overlap
 from llmc_cli.kernels import BFLOAT16, CAP_COPY_OVERLAP, FLOAT32, OVERLAP_CHUNKED, OVERLAP_SYNC
 
 pytestmark = pytest.mark.cuda
-_BACKENDS: dict = {}
 
 
 def cuda(dtype=BFLOAT16):
-    info = next((p for p in registry.discover() if p.name == "cuda"), None)
-    if info is None:
-        pytest.skip("llmc-cuda is not installed (pip install -e backends/cuda)")
-    if info.plugin is None or not info.usable:
-        pytest.skip(f"cuda backend not usable here: {info.reason}")
-    if dtype not in _BACKENDS:
-        _BACKENDS[dtype] = info.plugin.create(dtype=dtype)
-    return _BACKENDS[dtype]
+    return cuda_backend(dtype)
 
 
 def _case(be, N, C, pinned, seed=7):

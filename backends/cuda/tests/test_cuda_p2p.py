@@ -16,30 +16,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda_support import cuda_backend
 
-from llmc_cli import registry
-from llmc_cli.formats.safetensors import bf16_bits_to_float32, float32_to_bf16_bits
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.kernels import BFLOAT16, FLOAT32
+from llmc_cli.testing.helpers import bf16_round
 
 pytestmark = pytest.mark.cuda
-_BACKENDS: dict = {}
 
 
 def cuda(dtype=BFLOAT16):
-    info = next((p for p in registry.discover() if p.name == "cuda"), None)
-    if info is None:
-        pytest.skip("llmc-cuda is not installed (pip install -e backends/cuda)")
-    if info.plugin is None or not info.usable:
-        pytest.skip(f"cuda backend not usable here: {info.reason}")
-    if dtype not in _BACKENDS:
-        _BACKENDS[dtype] = info.plugin.create(dtype=dtype)
-    return _BACKENDS[dtype]
+    return cuda_backend(dtype)
 
 
 def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
     x = np.asarray(x, np.float32)
-    return bf16_bits_to_float32(float32_to_bf16_bits(x)) if dtype == BFLOAT16 else x
+    return bf16_round(x) if dtype == BFLOAT16 else x
 
 
 def pointers(be, bufs, at=0):
