@@ -124,7 +124,6 @@ class ShardedAdamW:
             self._mirrors = [copies.others(a) if a < self.main else None for a in self._segment_at]
             if shard is None and getattr(comm, "peer_reduce", False):  # its reduce-scatter loads the peers' chunks
                 self.peer_reduce = peer_copies(grads.buf) is not None
-        self.peer_memory = self._mirrors is not None  # (both said in the run's data-parallel line)
         if shard is None:
             self._main_grads = backend.view(grads.buf, 0, self.main)
             self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
@@ -132,6 +131,12 @@ class ShardedAdamW:
         else:
             self._tail_grads = backend.view(shard, self.chunk, self.tail) if self.tail else None
             self._own_grads = backend.view(shard, 0, self.chunk)
+
+    @property
+    def peer_memory(self) -> bool:
+        """Whether the updates write every rank's copy of the parameters (said in the run's data-parallel line,
+        with peer_reduce)."""
+        return self._mirrors is not None
 
     def _gradient_shard(self, local: int):
         return None
@@ -172,6 +177,7 @@ class ShardedAdamW:
     def step(self, lr: float, grad_norm: float, seed: int) -> None:
         self.step_count += 1
         self._updates(lr, self.step_count, clip_scale(grad_norm, self.cfg.grad_clip), seed, None)
+        self._share_params()
 
     def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float) -> tuple[float, float, bool]:
         """The step with no host read before its end, as AdamW.guarded_step: the squared norm summed and the loss
@@ -186,6 +192,9 @@ class ShardedAdamW:
         if self.mark:
             self.mark("guard")
         self._updates(lr, self.step_count + 1, 1.0, seed, self.guard)
+        if self.mark:
+            self.mark("adamw")
+        self._share_params()
         loss, norm, _, apply = (float(v) for v in b.download(self.guard))
         if apply:
             self.step_count += 1
@@ -199,9 +208,11 @@ class ShardedAdamW:
                 p, g, m, v, master, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                 weight_decay=c.weight_decay if decay else 0.0, step=step, grad_scale=scale,
                 seed=(seed * 1000003 + step * 64 + i) & 0x7FFFFFFF, guard=guard, **mirror)
-        if self.mark and guard is not None:
-            self.mark("adamw")
-        if self._mirrors is not None:  # every copy written by its owner: wait for all of them before reading any
+
+    def _share_params(self) -> None:
+        """Every rank's parameters made whole after the updates: all-gathered, or (mirrored updates) every copy
+        written by its owner already, so the ranks only wait for each other before reading any."""
+        if self._mirrors is not None:
             self.comm.device_barrier()
         else:
             self.comm.all_gather(self._main_params)
