@@ -160,28 +160,43 @@ def resolve_log(path: str | Path) -> Path:
         for name in ("log.jsonl", "train.jsonl"):
             if (p / name).is_file():
                 return p / name
-        found = sorted(p.glob("*.jsonl"))
+        found = sorted(f for f in p.glob("*.jsonl") if f.is_file())  # (a FIFO would block the read)
         if len(found) == 1:
             return found[0]
         raise PlotError(f"{p}: no log.jsonl in this run directory (write one with `llmc train --log`)")
+    if p.exists() and not p.is_file():
+        raise PlotError(f"{p}: not a regular file (a log `llmc train --log` writes)")
     if not p.is_file():
         raise PlotError(f"{p}: no such log file or run directory")
     return p
 
 
+def number(v) -> float | None:
+    """A log field as a finite float, else None: a damaged or hand-edited log may hold strings, lists, bools,
+    NaN or integers past float's range where a number belongs, and a plot skips them as it skips a missing one."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def read_log(path: str | Path) -> list[dict]:
+    """The step records of a log: dicts whose `step` is a finite number."""
     p = resolve_log(path)
     recs = []
-    with open(p) as f:
+    with open(p, "rb") as f:
         for i, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
             try:
                 r = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # (bytes that are not UTF-8 are a ValueError; "[[[..." recurses)
                 raise PlotError(f"{p}:{i}: not a JSON line (expected the log `llmc train --log` writes)") from None
-            if isinstance(r, dict) and "step" in r:
+            if isinstance(r, dict) and number(r.get("step")) is not None:
                 recs.append(r)
     if not recs:
         raise PlotError(f"{p}: no step records")
@@ -190,10 +205,10 @@ def read_log(path: str | Path) -> list[dict]:
 
 def tokens_per_step(recs: list[dict]) -> float | None:
     for r in recs:
-        if "tokens_per_step" in r:
-            return float(r["tokens_per_step"])
-        if "tok_per_s" in r and "ms" in r:
-            return round(r["tok_per_s"] * r["ms"] / 1e3)
+        if (tps := number(r.get("tokens_per_step"))) is not None:
+            return tps
+        if (rate := number(r.get("tok_per_s"))) is not None and (ms := number(r.get("ms"))) is not None:
+            return round(rate * ms / 1e3)
     return None
 
 
@@ -212,12 +227,14 @@ def ema(values: list[float], factor: float) -> list[float]:
 def series(recs: list[dict], key: str, x: str, tps: float | None) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for r in recs:
-        v = r.get(key)
-        if v is None or not isinstance(v, (int, float)) or not math.isfinite(v):
+        v, step = number(r.get(key)), number(r["step"])
+        if v is None or step is None:
             continue
-        step = r["step"]
-        xs.append(r["tokens"] if x == "tokens" and "tokens" in r else step * tps if x == "tokens" else step)
-        ys.append(float(v))
+        at = step if x != "tokens" else number(r.get("tokens")) if "tokens" in r else number(step * tps)
+        if at is None:
+            continue
+        xs.append(at)
+        ys.append(v)
     return xs, ys
 
 
@@ -227,6 +244,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def check_png_target(path: str | Path, option: str = "--out") -> None:
     """A picture may replace only a PNG: anything else already at `path` is the user's and stays."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():  # (the rename would replace the link itself)
+        raise PlotError(f"{option} {path}: a symbolic link to nothing (or to itself); give a new path; nothing was "
+                        "changed")
     if not path.exists():
         return
     if not path.is_file():

@@ -754,7 +754,17 @@ def cache_root() -> "Path":
     if env:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "llmc"
+    if xdg and os.path.isabs(xdg):  # (a relative one is to be ignored, says the XDG spec)
+        return Path(xdg) / "llmc"
+    home = os.environ.get("HOME")
+    if home is None:
+        try:
+            home = str(Path.home())  # (from the password database)
+        except RuntimeError:  # no HOME and no entry for this uid (a container's arbitrary user)
+            home = ""
+    if not home:  # (an empty HOME, which Python reads as /): no cache, as reads find nothing and writes fail
+        return Path(os.devnull) / "llmc"
+    return Path(home) / ".cache" / "llmc"
 
 
 def cache_dir(backend: str) -> "Path":
@@ -762,30 +772,86 @@ def cache_dir(backend: str) -> "Path":
     return cache_root() / backend
 
 
+CACHE_FILE_MAX = 64 << 20  # a cache file larger than this is not one llmc wrote: it is passed over, not read
+
+
 def read_cache_json(path: "Path") -> dict:
-    """A JSON object from a cache file; {} when there is none yet or it is damaged (it is only a cache)."""
+    """A JSON object from a cache file; {} when there is none yet or it is damaged (it is only a cache). Only a
+    regular file is read: a FIFO where the cache belongs would block the read for ever, a device never ends."""
     import json
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    import os
+    import stat
+    try:  # (non-blocking: opening a FIFO for reading would wait for a writer)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError):  # (ValueError: a NUL in a variable's path)
         return {}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > CACHE_FILE_MAX:
+            return {}
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):  # (a damaged file: bytes that are not UTF-8, "[[[[..." nested)
+        return {}
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return data if isinstance(data, dict) else {}
+
+
+def _replaceable_cache(path: "Path") -> bool:
+    """May a cache write replace the regular file at `path`? Inside llmc's cache folder, yes (anything there is a
+    cache, damaged or not); elsewhere (a variable naming the file) only an empty file or one that starts as a JSON
+    object (a cache, whole or damaged): a variable that names a user's file by mistake must not cost the user it."""
+    import os
+    from pathlib import Path
+    try:
+        Path(os.path.realpath(path)).relative_to(os.path.realpath(cache_root()))
+        return True
+    except ValueError:
+        pass
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+    except OSError:
+        return False
+    return not head or head.startswith(b"{")
 
 
 def write_cache_file(path: "Path", data: str | bytes) -> None:
     """Write a cache file atomically (a temporary name, then rename: a reader never sees half of it); a failure
-    (a read-only home, a full disk) is ignored, as a missing cache only costs time."""
+    (a read-only home, a full disk, a directory or a FIFO where the file belongs) is ignored and leaves no
+    temporary, as a missing cache only costs time. Only a regular file (or nothing) is replaced, and outside llmc's
+    cache folder only one that holds a cache (see _replaceable_cache)."""
     import os
+    import secrets
+    import stat
+    from pathlib import Path
+    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        if isinstance(data, str):
-            tmp.write_text(data)
-        else:
-            tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode) or not _replaceable_cache(path):  # not a cache: left as it is
+                return
+        except FileNotFoundError:
+            pass
+        dest = Path(os.path.realpath(path))  # through a symbolic link: the link stays, the file it names is replaced
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # a name of this writer's own (two processes, or two threads, write the same cache), beside the file so
+        # the rename is atomic
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with open(tmp, "xb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, dest)
+        tmp = None
+    except (OSError, ValueError):
         pass
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 class BackendPlugin(abc.ABC):

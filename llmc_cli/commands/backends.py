@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 from rich.markup import escape
 from rich.table import Table
 
-from llmc_cli.commands.console import console
+from llmc_cli.commands.console import console, json_text
 
 
 @click.command()
@@ -34,7 +32,7 @@ def backends(as_json: bool, show_options: bool, prepare: bool) -> None:
         _prepare(found, as_json)
         return
     if as_json:
-        click.echo(json.dumps([{"name": p.name, "usable": p.usable, "reason": p.reason,
+        click.echo(json_text([{"name": p.name, "usable": p.usable, "reason": p.reason,
                                 "distribution": p.distribution,
                                 "devices": p.plugin.devices() if (p.plugin and p.usable) else [],
                                 "options": dict(getattr(p.plugin, "options", {}) or {})}
@@ -74,7 +72,7 @@ def _prepare(found, as_json: bool) -> None:
         failed |= not ok
         out.append({"name": p.name, "prepared": ok, "line": line, "seconds": round(time.monotonic() - t0, 2)})
     if as_json:
-        click.echo(json.dumps(out, indent=1))
+        click.echo(json_text(out, indent=1))
     else:
         for r in out:
             took = f" ({r['seconds']:.1f} s)" if "seconds" in r else ""

@@ -254,12 +254,12 @@ def kernels(**o) -> None:
                               progress=progress)
         except BenchError as e:
             fail(str(e))
+    if o["plot"]:  # before the report: a plot that cannot be written fails the command with no JSON printed
+        _write_plot(plot_kernels, res, o["plot"])
     if _report_header(console, res, backends, skipped, o["as_json"]):
         if ref is None:
             console.print("[yellow]no reference backend (CAP_REFERENCE, the cpu one) usable: errors are not checked[/]")
         print_wide(console, variants_table(res) if o["variants"] else kernels_table(res))
-    if o["plot"]:
-        _write_plot(plot_kernels, res, o["plot"])
     if res["mismatches"]:
         bad = ", ".join(f"{m['kernel']} on {m['backend']}"
                         + (f" (variant {m['variant']})" if m.get("variant") else "")
@@ -314,6 +314,8 @@ def train(**o) -> None:
                             progress=progress)
         except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
             fail(str(e))
+    if o["plot"]:  # (before the report, as in `bench kernels`)
+        _write_plot(plot_train, res, o["plot"])
     if _report_header(console, res, backends, skipped, o["as_json"]):
         from rich.markup import escape
         console.print(f"[dim]data: {escape(str(res['config']['data']))}; "
@@ -321,8 +323,6 @@ def train(**o) -> None:
         print_wide(console, train_table(res))
         for n in res["notes"]:
             console.print(f"[yellow]{escape(n)}[/]")
-    if o["plot"]:
-        _write_plot(plot_train, res, o["plot"])
 
 
 @bench.command()
@@ -422,12 +422,12 @@ def overlap(**o) -> None:
                               repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"], progress=progress)
         except BenchError as e:
             fail(str(e))
+    if o["plot"]:  # (before the report, as in `bench kernels`)
+        _write_plot(plot_overlap, res, o["plot"])
     if _report_header(console, res, backends, skipped + more, o["as_json"]):
         print_wide(console, overlap_table(res))
         for line in overlap_lines(res):
             console.print(line, markup=False)
-    if o["plot"]:
-        _write_plot(plot_overlap, res, o["plot"])
     if res["mismatches"]:
         bad = ", ".join(f"{m['backend']} B={m['B']} {m['mode']} x{m['streams']} block {m['block']} {m['host_memory']} "
                         f"({m['max_rel_err']:.1e})" for m in res["mismatches"][:5])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 from rich.console import Console
@@ -15,12 +16,35 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8", "auto": None}  # 
 _RANK: dict = {}  # set when this process is one rank of many: {"rank", "world", "comm"} (data parallel)
 
 
+# what would break a line or drive a terminal: C0/C1 controls, DEL, Unicode's line and paragraph separators, and
+# the lone surrogates that stand for a file name's bytes that are not UTF-8 (surrogateescape)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(m: re.Match) -> str:
+    c = m.group()
+    if c in _NAMED:
+        return _NAMED[c]
+    o = ord(c)
+    if 0xDC80 <= o <= 0xDCFF:  # a byte that is not UTF-8, as surrogateescape keeps it: shown as that byte
+        return f"\\x{o - 0xDC00:02x}"
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"
+
+
+def printable(text: str) -> str:
+    """`text` as one line that prints on any terminal: a file name may hold a newline, an escape sequence or bytes
+    that are not UTF-8, which an error line shows as Python does in a repr (`\\n`, `\\x1b`, `\\xff`)."""
+    return _UNPRINTABLE.sub(_escaped, text)
+
+
 def fail(msg: str, code: int = 2) -> None:
     """One clear line on stderr and a non-zero exit; nothing on disk is touched after this."""
     who = f" (rank {_RANK['rank']} of {_RANK['world']})" if _RANK else ""
     from rich.markup import (
         escape,  # messages hold paths and pip specs like 'pkg[extra]': not markup
     )
+    msg = printable(msg)  # one line whatever the names in it hold
     err_console.print(f"[bold red]error{who}:[/] {escape(msg)}", soft_wrap=True)
     if _RANK.get("comm") is not None:  # the other ranks wait in a collective: take the whole job down
         sys.stderr.flush()
@@ -65,12 +89,35 @@ def make_backend(name: str, device: str | None, dtype: str, options: dict[str, s
              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
 
+def json_text(obj, indent: int | None = None) -> str:
+    """`obj` as strict JSON for stdout: json.dumps writes a NaN or an infinity as a bare NaN / Infinity, which no
+    JSON reader but Python's takes, so those become null (a model whose loss overflowed has no loss)."""
+    import json
+    import math
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)
+
+
 def one_line(e: BaseException) -> str:
     """An exception as the one line `fail` prints; an OSError names its file and the system's reason."""
     if isinstance(e, OSError) and e.strerror:
-        where = f"{e.filename}: " if e.filename else ""
+        where = f"{printable(str(e.filename))}: " if e.filename else ""
         return f"{where}{e.strerror}"
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = str(e)
+    if not text:
+        return type(e).__name__
+    if type(e).__module__.startswith("llmc") and isinstance(e, ValueError):
+        # llmc's own bad-input errors are written as one line: a newline in one is in a name it quotes
+        return printable(text)
+    return text.splitlines()[0]  # a driver's or a library's text: its first line says what went wrong
 
 
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from llmc_cli.commands.console import BACKEND_OPT_HELP, DTYPES, backend_options, console, fail, make_backend
+from llmc_cli.commands.console import (
+    BACKEND_OPT_HELP,
+    DTYPES,
+    backend_options,
+    console,
+    fail,
+    json_text,
+    make_backend,
+)
 from llmc_cli.commands.options import COUNT, POSITIVE
 from llmc_cli.commands.sample import load_for_inference
 
@@ -106,7 +112,7 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
     except (DataError, ValueError) as e:
         fail(str(e))
     if as_json:
-        click.echo(json.dumps(result))
+        click.echo(json_text(result))
         return
     if "loss" in result:
         console.print(f"loss {result['loss']:.6f} over {used} batches of B={batch_size} T={seq_len} "

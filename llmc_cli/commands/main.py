@@ -9,10 +9,24 @@ from llmc_cli.commands.console import fail, one_line
 from llmc_cli.commands.options import usage_error_line
 
 
+def _tolerant_streams() -> None:
+    """A terminal whose encoding cannot show a character (PYTHONIOENCODING=ascii, a Latin-1 locale) shows it as an
+    escape: a path or a sampled word with an é must not end a run with UnicodeEncodeError. (Streams already set to
+    carry undecodable bytes, surrogateescape under the C locale, stay as they are.)"""
+    import sys
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict":
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (AttributeError, ValueError, OSError):  # (not a TextIOWrapper: a test's, a pipe's wrapper)
+                pass
+
+
 class _Main(click.Group):
     """Last line of defence: a missing optional package or exhausted memory is one line, not a traceback."""
 
     def invoke(self, ctx):
+        _tolerant_streams()
         try:
             return super().invoke(ctx)
         except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2

@@ -8,6 +8,9 @@ from llmc_cli.commands.console import BACKEND_OPT_HELP, DTYPES, backend_options,
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real, ZeroOrReal
 
 
+PROMPT_MAX_BYTES = 64 * 2**20
+
+
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
     """The model of any --checkpoint (GPT-2 or Llama, llmc file, run directory or Hugging Face directory),
     planned for inference at (B, T)."""
@@ -62,7 +65,12 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         fail("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
         try:
-            prompt = open(prompt_file, encoding="utf-8").read()
+            with open(prompt_file, "rb") as f:
+                raw = f.read(PROMPT_MAX_BYTES + 1)  # (/dev/zero or a stray huge file would fill memory)
+            if len(raw) > PROMPT_MAX_BYTES:
+                fail(f"--prompt-file: {prompt_file}: longer than {PROMPT_MAX_BYTES // 2**20} MiB, expected a text "
+                     "prompt (the model sees only its last block of tokens)")
+            prompt = raw.decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--prompt-file: {prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
     prompt = prompt or ""

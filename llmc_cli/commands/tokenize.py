@@ -9,7 +9,6 @@ next one starts, so an interrupted run picks up after the last finished shard.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from pathlib import Path
@@ -25,15 +24,17 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from llmc_cli.commands.options import POSITIVE, Real
+from llmc_cli.commands.options import Int, Real
 from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
 from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.files import DataError
+from llmc_cli.formats.shards import MAX_TOKENS
 from llmc_cli.tokenizing.downloads import URLS, download, hf_check, hf_stream
 from llmc_cli.tokenizing.pipeline import Summary, run_pipeline
-from llmc_cli.tokenizing.readers import _field, expand_inputs
+from llmc_cli.tokenizing.readers import _field, expand_inputs, iter_hellaswag, regular_file
 from llmc_cli.tokenizing.sources import (
     Source,
+    extract_tinystories,
     files_source,
     shakespeare_files,
     tinyshakespeare_source,
@@ -53,6 +54,12 @@ class _Display(Progress):
 
     def discard(self) -> None:
         self.live.transient = True
+
+    def stop(self) -> None:
+        if self.live.transient and not self.disable:  # rich ends with an empty line off a terminal: the error
+            self.live.stop()                          # line alone must be what stderr holds
+            return
+        super().stop()
 
 
 def _progress(console: Console | None, bytes_only: bool = False) -> _Display:
@@ -91,10 +98,15 @@ class _Tokens(click.ParamType):
             self.fail(f"{value!r} is not a token count (e.g. 100M, 32768)", param, ctx)
         if not (math.isfinite(v) and v >= 1 and v == int(v)):
             self.fail(f"must be a positive whole number of tokens (got {value!r})", param, ctx)
+        if v > MAX_TOKENS:  # (else found only when the shard is written, after buffering all its tokens)
+            self.fail(f"must be at most {MAX_TOKENS:,} tokens, what one shard's header can count (got {value!r})",
+                      param, ctx)
         return int(v)
 
 
 TOKENS = _Tokens()
+# a process each, holding a tokenizer: past a few per CPU they only cost memory (2**31 of them never started)
+WORKERS = Int(1, max(8, 4 * (os.cpu_count() or 1)))
 
 
 def _friendly(fn):
@@ -124,7 +136,7 @@ def _common(fn):
                      help="Output directory  [default: datasets/<name>/ under the current directory]"),
         click.option("--shard-size", type=TOKENS, default="100M", show_default=True,
                      help="Tokens per shard (plain number or with K/M/B suffix)."),
-        click.option("--workers", type=POSITIVE, default=os.cpu_count() or 1,
+        click.option("--workers", type=WORKERS, default=os.cpu_count() or 1,
                      show_default="number of CPUs", help="Tokenizer worker processes."),
         click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default="gpt2",
                      show_default=True, help="Vocabulary (recorded in the shard format: gpt2 -> uint16 "
@@ -218,10 +230,13 @@ def shakespeare(**o):
 def text(inputs, name, text_field, **o):
     """Your own files: .txt (one document per file), .jsonl (one per line), .json (a list),
     .parquet (one per row), optionally .gz, or directories of them (searched recursively)."""
-    files = expand_inputs(inputs)
+    if name is not None and (not name or name in (".", "..") or any(c in name for c in "/\\\0")):
+        # (it prefixes the file names: "../x" or "a/b" would write outside --out-dir)
+        raise DataError(f"--name {name!r}: expected a plain name for the dataset's files, without '/'")
     if not name:
         first = Path(inputs[0])
         name = (first.resolve().name if first.is_dir() else first.name.split(".")[0]) or "text"
+    files = expand_inputs(inputs, exclude=(o.get("out_dir") or Path("datasets") / name) / f"{name}_manifest.json")
     _run(files_source(name, files, text_field), o)
 
 
@@ -236,7 +251,8 @@ def tinyshakespeare(local, **o):
     """Tiny Shakespeare (1 MB, llm.c's first dataset): every blank-line-separated speech is a document,
     the first 32,768 tokens are val, as in llm.c's dev/data/tinyshakespeare.py."""
     out = o.get("out_dir") or Path("datasets") / "tinyshakespeare"
-    path = local or download(URLS["tinyshakespeare"], out / "tiny_shakespeare.txt", _progress_factory())
+    path = regular_file(local, "--local") if local else download(URLS["tinyshakespeare"], out / "tiny_shakespeare.txt",
+                                                                   _progress_factory())
     _run(tinyshakespeare_source(path), o)
 
 
@@ -251,19 +267,10 @@ def tinystories(local, **o):
     out = o.get("out_dir") or Path("datasets") / "tinystories"
     if local is None:
         local = download(URLS["tinystories"], out / "TinyStories_all_data.tar.gz", _progress_factory())
-    if local.is_file():
-        import tarfile
-
-        dest = out / "TinyStories_all_data"
-        if not dest.is_dir() or not any(dest.glob("*.json")):
-            try:
-                with tarfile.open(local) as tf:
-                    kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-                    tf.extractall(dest, **kw)
-            except tarfile.TarError as e:
-                raise DataError(f"{local}: not a readable tar archive ({e})") from None
-        local = dest
-    files = sorted(local.rglob("*.json"))
+    if not local.is_dir():
+        local = extract_tinystories(regular_file(local, "--local"), out / "TinyStories_all_data")
+    manifest = (out / "tinystories_manifest.json").resolve()  # (an input of its own rerun, were it in --local)
+    files = sorted(f for f in local.rglob("*.json") if f.is_file() and f.resolve() != manifest)
     if not files:
         raise DataError(f"no TinyStories .json files in {local}")
     _run(tinystories_source(files), o)
@@ -289,7 +296,8 @@ def fineweb(fw_version, edu, local, text_field, **o):
     repo = "HuggingFaceFW/fineweb-edu" if edu else "HuggingFaceFW/fineweb"
     config = f"sample-{fw_version}T"
     if local is not None:
-        src = files_source(name, expand_inputs([local]), text_field)
+        out = o.get("out_dir") or Path("datasets") / f"{name}{fw_version}"
+        src = files_source(name, expand_inputs([local], exclude=out / f"{name}_manifest.json"), text_field)
     else:
         load_dataset = hf_check(repo)  # offline or without `datasets`: one line now, before anything is written
 
@@ -344,21 +352,11 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
     prefix = [] if tok.name == "gpt2" else tok.doc_prefix
     out = out_dir or Path("datasets") / "hellaswag"
     src = local or download(URLS["hellaswag"].format(split=split), out / f"hellaswag_{split}.jsonl", _progress_factory())
-    examples = []
-    with open(src, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line)
-                examples.append({
-                    "label": int(ex["label"]),
-                    "ctx_tokens": prefix + tok.encode_ordinary(ex["ctx"]),
-                    "ending_tokens": [tok.encode_ordinary(" " + e) for e in ex["endings"]],
-                })
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise DataError(f"{src}:{n}: not a HellaSwag example with ctx, endings and label "
-                                f"({type(e).__name__}: {e})") from None
+    examples = [{"label": label, "ctx_tokens": prefix + tok.encode_ordinary(ctx),
+                 "ending_tokens": [tok.encode_ordinary(" " + e) for e in endings]}
+                for label, ctx, endings in iter_hellaswag(src)]
+    if not examples:  # (named here: the eval file's own check would name the file not yet written)
+        raise DataError(f"{src}: holds no HellaSwag examples")
     # llm.c's name for GPT-2's file; another tokenizer's beside it, never in its place
     name = f"hellaswag_{split}.bin" if tok.name == "gpt2" else f"hellaswag_{split}_{tok.name}.bin"
     path = write_evalfile(out / name, examples, tokenizer=tok.name)

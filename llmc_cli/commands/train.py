@@ -26,6 +26,38 @@ from llmc_cli.optim import AdamWConfig
 from llmc_cli.training.trainer import TrainArgs
 
 _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the library, stated once
+CONFIG_MAX_BYTES = 1 << 20  # a --config file larger than this is not a file of options
+
+
+def _read_config_bytes(value: str, ctx: click.Context, param: click.Parameter) -> bytes:
+    """--config's bytes: a regular file, or a pipe (`--config <(...)`) read until its writer closes it, within a
+    deadline; a device (/dev/zero never ends) or more than CONFIG_MAX_BYTES is not a file of options."""
+    import os
+    import select
+    import stat
+    import time
+    fd = os.open(value, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO with no writer would block a plain open)
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+            raise click.BadParameter(f"{value}: not a regular file (a TOML file of options)", ctx, param)
+        chunks, size, deadline = [], 0, time.monotonic() + 30
+        while size <= CONFIG_MAX_BYTES:
+            try:
+                chunk = os.read(fd, 1 << 16)  # (a FIFO that no one writes to reads as empty at once)
+            except BlockingIOError:  # a pipe's writer is there but has written nothing yet: wait for it, a while
+                if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise click.BadParameter(f"{value}: nothing more came through the pipe for 30 s", ctx,
+                                             param) from None
+                continue
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+        raise click.BadParameter(f"{value}: more than {CONFIG_MAX_BYTES:,} bytes is not a file of options", ctx,
+                                 param)
+    finally:
+        os.close(fd)
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -38,12 +70,12 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
     except ImportError:  # Python 3.10
         import tomli as tomllib
     try:
-        with open(value, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(_read_config_bytes(value, ctx, param).decode("utf-8"))
     except OSError as e:
         raise click.BadParameter(f"{value}: {e.strerror or e}", ctx, param) from None
-    except tomllib.TOMLDecodeError as e:
-        raise click.BadParameter(f"{value}: not valid TOML ({e})", ctx, param) from None
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError, bytes that are not UTF-8, "a = [[[[..." nested
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+        raise click.BadParameter(f"{value}: not valid TOML ({why})", ctx, param) from None
     names = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
     defaults = {}
     for key, v in data.items():
@@ -61,15 +93,21 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
         elif opt.is_flag:  # TOML's true / false, nothing else (click would read 5 or 1.5 with a traceback)
             if not isinstance(v, bool):
                 raise click.BadParameter(f"{value}: {key} must be true or false (got {v!r})", ctx, param)
-        elif isinstance(v, bool) or not isinstance(v, (str, int, float)):  # a date, a time, or true for a number
+        else:
             kind = {"integer": "an integer", "float": "a number"}.get(opt.type.name, "a string")
-            raise click.BadParameter(f"{value}: {key} must be {kind} (got {v!r})", ctx, param)
+            # a date, a time, true for a number, or a number for a path (click would pass log = 5 on as 5)
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)) or (isinstance(opt.type, click.Path)
+                                                                              and not isinstance(v, str)):
+                raise click.BadParameter(f"{value}: {key} must be {kind} (got {v!r})", ctx, param)
         if not opt.is_flag and not opt.multiple:  # checked here, so the error names the file as well as the key
             try:
                 opt.type.convert(v, opt, ctx)
             except click.BadParameter as e:
                 raise click.BadParameter(f"{value}: {key} {e.message}" if e.message.startswith("must")
                                          else f"{value}: {key}: {e.message}", ctx, param) from None
+            except (TypeError, ValueError, OverflowError):  # a number where a path belongs (log = 5), inf for -t
+                kind = {"integer": "an integer", "float": "a number"}.get(opt.type.name, "a string")
+                raise click.BadParameter(f"{value}: {key} must be {kind} (got {v!r})", ctx, param) from None
         defaults[name] = v
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
@@ -519,11 +557,23 @@ def dry_run(o: dict) -> None:
     from llmc_cli.models.families import memory_plan
     from llmc_cli.training.trainer import TrainArgs, model_config
     _check_backend_opt_names(o["backend"], o["backend_opt"])
-    try:
-        cfg = model_config(TrainArgs(data=o["data"] or "", model=o["model"], n_layer=o["n_layer"], n_head=o["n_head"],
-                                     n_embd=o["n_embd"], n_kv_head=o["n_kv_head"], block_size=o["block_size"]))
-    except ValueError as e:
-        fail(str(e))
+    source = o["out"] if o["resume"] and o["out"] else o["init"]
+    if source:  # the model is the checkpoint's, not --model's preset: its config alone, no weights read
+        from llmc_cli.formats.sources import load_config_any
+        from llmc_cli.training.trainer import SHAPE_OPTIONS, check_init_shape
+        try:
+            cfg = load_config_any(source)
+            if not o["resume"]:
+                check_init_shape(source, cfg, {k: o.get(k) for k in SHAPE_OPTIONS})
+        except ValueError as e:  # (CheckpointError too)
+            fail(str(e) if str(e).startswith("--init") else f"--{'resume' if o['resume'] else 'init'}: {e}")
+    else:
+        try:
+            cfg = model_config(TrainArgs(data=o["data"] or "", model=o["model"], n_layer=o["n_layer"],
+                                         n_head=o["n_head"], n_embd=o["n_embd"], n_kv_head=o["n_kv_head"],
+                                         block_size=o["block_size"]))
+        except ValueError as e:
+            fail(str(e))
     from llmc_cli.registry import default_dtype
     dtype = DTYPES[o["dtype"]] or default_dtype(o["backend"])
     B, T = o["batch_size"], o["seq_len"]
@@ -538,7 +588,7 @@ def dry_run(o: dict) -> None:
     n = family_of(cfg).num_parameters(cfg)
     how = "" if o["recompute"] == "none" else f", --recompute {o['recompute']}"
     per = f", per rank of {ranks} (--zero {int(o['zero'])})" if ranks > 1 else ""
-    table = Table(title=f"{o['model']}: {n:,} parameters, B={B} T={T}, {dtype}{how}{per}")
+    table = Table(title=f"{source or o['model']}: {n:,} parameters, B={B} T={T}, {dtype}{how}{per}")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     for k, v in plan.items():
@@ -661,7 +711,13 @@ def _write_config(path: Path, ctx: click.Context) -> None:
             text = "[" + ", ".join(json.dumps(str(x)) for x in v) + "]"
         else:
             text = json.dumps(str(v))
-        lines.append(f"{p.name.replace('_', '-')} = {text}\n")
+        name = p.name.replace('_', '-')
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in (str(v) if not isinstance(v, (list, tuple)) else "".join(v))):
+            # a path with bytes that are not UTF-8: a TOML string cannot hold it, and `--config` would refuse the
+            # whole file over one "\udcff"
+            lines.append(f"# {name}: a name that is not UTF-8, which TOML cannot hold; give --{name} itself\n")
+            continue
+        lines.append(f"{name} = {text}\n")
     try:
         atomic_write_bytes(path, "".join(lines).encode())
     except OSError as e:

@@ -9,13 +9,30 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from llmc_cli.formats.files import DataError
+
+
+class DataHomeError(DataError):
+    """No place to look for llmc's data: no LLMC_DATA_HOME and no home directory."""
+
 
 def data_home() -> Path:
     env = os.environ.get("LLMC_DATA_HOME")
     if env:
         return Path(env)
     xdg = os.environ.get("XDG_DATA_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "llmc"
+    if xdg and os.path.isabs(xdg):  # (a relative one is to be ignored, says the XDG spec)
+        return Path(xdg) / "llmc"
+    home = os.environ.get("HOME")
+    if home is None:
+        try:
+            home = str(Path.home())  # (from the password database)
+        except RuntimeError:  # no HOME and no entry for this uid (a container's arbitrary user)
+            home = ""
+    if not home:  # (an empty HOME, which Python would read as /)
+        raise DataHomeError("HOME is not set (or empty) and this user has no home directory, so llmc cannot tell "
+                            "where its data packages are: set LLMC_DATA_HOME (or HOME)")
+    return Path(home) / ".local" / "share" / "llmc"
 
 
 def packages_dir() -> Path:

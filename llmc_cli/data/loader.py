@@ -53,6 +53,10 @@ class DataLoader:
                 raise DataError(
                     f"{info.path}: {info.num_tokens:,} tokens is too few for one batch of "
                     f"world_size*B*T+1 = {self.world_size}*{self.B}*{self.T}+1 = {need:,} tokens")
+        other = next((i for i in self.infos if i.tokenizer != self.infos[0].tokenizer), None)
+        if other is not None:  # one id would stand for two words: a model cannot learn from both at once
+            raise DataError(f"{other.path} is tokenized with {other.tokenizer} but {self.infos[0].path} with "
+                            f"{self.infos[0].tokenizer}; give shards of one tokenizer")
         self.tokenizers = sorted({i.tokenizer for i in self.infos})
         self.num_tokens = sum(i.num_tokens for i in self.infos)
         self._window = self.world_size * self.B * self.T
@@ -210,6 +214,18 @@ class ValLoader(DataLoader):
     @property
     def num_batches(self) -> int:
         return self.batches_per_epoch
+
+    def check_vocab_of_batches(self, n: int | None = None) -> None:
+        """Check, now, every shard the first ``n`` batches (None or 0: all) read for ids >= vocab_size: a run that
+        validates would otherwise meet a bad later val shard only at its first validation, mid-run."""
+        total = self.num_batches if not n or n <= 0 else min(int(n), self.num_batches)
+        covered = 0
+        for i in range(self.num_shards):
+            if covered >= total:
+                break
+            if self.vocab_size is not None and i not in self._checked:
+                self._check_shard(i, read_shard(self.files[i]))
+            covered += self.shard_samples(i)
 
     def batches(self, n: int | None = None) -> Iterator:
         """Yield the first ``n`` batches (all of them if None or larger) from the start."""

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from llmc_cli.data.home import install_hint, packages_dir
-from llmc_cli.formats.files import DataError
+from llmc_cli.formats.files import DataError, special_file
 
 __all__ = [
     "Tokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
@@ -194,6 +194,8 @@ def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -
     """A tiktoken ranks file ('base64-token rank' per line), read here and checked line by line: never
     through tiktoken's loader, whose cache is shared and keyed by the file's path rather than its content."""
     p = Path(path)
+    if kind := special_file(p):  # (read whole: a FIFO would wait forever, /dev/zero fill the memory)
+        raise TokenizerError(f"{p}: is {kind}, not a {what} ranks file")
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
@@ -409,6 +411,8 @@ def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
 def read_tokenizer_bin(path: str | os.PathLike) -> TokenTable:
     """Read llm.c's tokenizer file (versions 1 and 2) into a decode-only :class:`TokenTable`."""
     path = Path(path)
+    if kind := special_file(path):
+        raise TokenizerError(f"{path}: is {kind}, not an llm.c tokenizer file")
     try:
         data = path.read_bytes()
     except FileNotFoundError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,10 @@ def _file_family(path: str | Path) -> Family:
     except CheckpointError:
         meta = None
     name = meta.get("family") if isinstance(meta, dict) else None
-    return FAMILIES.get(name, LLAMA3) if isinstance(name, str) else LLAMA3
+    fam = FAMILIES.get(name) if isinstance(name, str) else None
+    # a family whose files are not safetensors (GPT-2's .bin) would read this one as a bad .bin; Llama's reader
+    # names the family the metadata claims instead
+    return fam if fam is not None and Path(fam.model_file.name).suffix == ".safetensors" else LLAMA3
 
 
 def read_model_file(path: str | Path) -> tuple[ModelConfig, np.ndarray]:
@@ -198,6 +202,10 @@ _LOADER_FIELDS = {"version": _count, "epoch": _count, "shard": _count, "sample":
 _LOADER_REQUIRED = ("version", "epoch", "shard", "sample")  # the position itself; the rest is compared if there
 
 
+LATEST_MAX_BYTES = 4096
+STATE_MAX_BYTES = 64 * 2**20
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A run directory (its `latest`), a step directory or a model file -> the model file to load."""
     path = Path(path)
@@ -205,16 +213,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     if (path / "latest").is_file():
         try:
-            name = (path / "latest").read_text().strip()
+            with open(path / "latest", "rb") as f:
+                raw = f.read(LATEST_MAX_BYTES + 1)  # a step's name: never the whole of a big file put there
+            name = raw.decode().strip() if len(raw) <= LATEST_MAX_BYTES else None
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}/latest: unreadable ({e})") from None
-        step = path / name
-        if "/" in name or "\\" in name or not name.startswith("step_") or _model_in(step) is None:
+        step = path / (name or "")
+        if name is None or "/" in name or "\\" in name or not name.startswith("step_") or _model_in(step) is None:
             complete = _complete_steps(path)  # a crash between moving a step aside and `latest`: newest complete
             if complete:
                 return _model_in(complete[-1])
-            raise CheckpointError(f"{path}/latest points to {name!r}, which is not a step directory with a "
-                                  f"model.bin or model.safetensors")
+            what = f"is a file of over {LATEST_MAX_BYTES} bytes" if name is None else f"points to {name!r}"
+            raise CheckpointError(f"{path}/latest {what}, which is not a step directory with a model.bin or "
+                                  "model.safetensors")
         return _model_in(step)
     if path.is_dir() and (model := _model_in(path)) is not None:
         return model
@@ -255,7 +266,11 @@ def read_run_state(state_path: str | Path) -> dict:
     """state.json of a step directory, checked for its version and the fields a resume needs."""
     state_path = Path(state_path)
     try:
-        state = json.loads(state_path.read_bytes())
+        with open(state_path, "rb") as f:
+            raw = f.read(STATE_MAX_BYTES + 1)  # kilobytes (options, RNG, data position): never a stray big file whole
+        if len(raw) > STATE_MAX_BYTES:
+            raise CheckpointError(f"{state_path}: over {STATE_MAX_BYTES // 2**20} MiB, not an llmc run state")
+        state = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{state_path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict):
@@ -284,6 +299,10 @@ def read_optimizer_state(opt_path: str | Path, n: int) -> dict[str, np.ndarray]:
     """optimizer.npz: float32 arrays 'm' and 'v' (and 'master' for bf16 runs), each of `n` values."""
     opt_path = Path(opt_path)
     try:
+        with zipfile.ZipFile(opt_path) as zf:  # sizes from the archive's directory, before anything is inflated
+            big = next((i for i in zf.infolist() if i.file_size > 4 * n + 2**16), None)
+        if big is not None:  # (a small archive can inflate to any size: never more than n float32 values an array)
+            raise ValueError(f"'{big.filename}' inflates to {big.file_size:,} bytes, more than {n:,} float32 values")
         with np.load(opt_path, allow_pickle=False) as z:
             if not hasattr(z, "files"):
                 raise ValueError("not an .npz archive")

@@ -24,6 +24,8 @@ def _is_llmc_output(path: Path) -> bool:
     if path.is_dir():
         names = [p.name for p in path.iterdir()]
         return "config.json" in names and all(_HF_FILES.fullmatch(n) and (path / n).is_file() for n in names)
+    if not path.is_file():  # a FIFO, a device, a link to nothing: never an output (and reading a FIFO would block)
+        return False
     try:
         ckpt.read_model_file_config(path)
     except (ckpt.CheckpointError, OSError):
@@ -38,6 +40,10 @@ def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
     src, dst = Path(src), Path(dst)
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
         raise ckpt.CheckpointError(f"{dst} is the source itself; write the conversion somewhere else")
+    # (creating the folders would fail on a file among them with "File exists", naming neither)
+    above = next((p for p in dst.parents if p.exists() or p.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        raise ckpt.CheckpointError(f"{dst}: {above} is not a directory; nothing was changed")
     if (step := step_folder_of(dst)) is not None:
         raise ckpt.CheckpointError(f"{dst} is inside the checkpoint {step}: llmc writes there only when training")
     if is_run_dir(dst) or (dst.parent.is_dir() and is_run_dir(dst.parent) and dst.name in ("latest", ".lock")):

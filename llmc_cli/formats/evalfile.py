@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from llmc_cli.formats.files import DataError, atomic_write_bytes, check_replaceable
+from llmc_cli.formats.files import DataError, atomic_write_bytes, check_replaceable, special_file
 from llmc_cli.formats.shards import HEADER_BYTES, HEADER_INTS
 
 EVAL_MAGIC = 20240522
@@ -148,6 +148,8 @@ def _header(path: str, data: bytes, size: int) -> tuple[EvalFileInfo, _Format]:
 
 
 def _read_bytes(path: str, count: int = -1) -> tuple[bytes, int]:
+    if kind := special_file(path):  # (opening a FIFO waits for a writer forever)
+        raise DataError(f"{path}: is {kind}, not an eval file")
     try:
         with open(path, "rb") as f:
             return f.read(count), os.fstat(f.fileno()).st_size

@@ -56,7 +56,10 @@ def replace_dir(tmp: str | os.PathLike, dst: str | os.PathLike) -> None:
         old = dst.parent / f".{dst.name}.old-{os.getpid()}"
         os.replace(dst, old)
         os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():  # (a link to the old directory: rmtree refuses links, and the link stayed behind)
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dst)
 
@@ -74,6 +77,21 @@ def check_replaceable(path: str | os.PathLike, magics: Sequence[int], what: str)
     if head.size < 1 or int(head[0]) not in magics:
         raise DataError(f"{path}: exists and is not an llm.c {what}, so llmc will not replace it; move it or "
                         "choose another path")
+
+
+def special_file(path: str | os.PathLike) -> str | None:
+    """What `path` is ("a FIFO", "a socket", "a device") when it exists but is neither a regular file nor a
+    directory, else None. Reading one waits for a writer forever (a FIFO, /dev/stdin) or never ends (/dev/zero), so
+    readers refuse it by this name before they open it."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -24,10 +24,10 @@ def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     path = Path(path)
     if (path / INDEX).is_file() and not (path / WEIGHTS).is_file():
         try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+            weight_map = _read_json(path / INDEX)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise TypeError("weight_map is not an object of file names")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"{path / INDEX}: unreadable index ({type(e).__name__}: {e})") from None
         tensors: dict[str, np.ndarray] = {}
         for fname in sorted(set(weight_map.values())):
@@ -72,12 +72,25 @@ def write_hf_weights(out: Path, tensors: dict[str, np.ndarray], bf16: bool = Fal
     atomic_write_bytes(out / INDEX, [json.dumps(index, indent=2).encode()])
 
 
+JSON_MAX_BYTES = 64 * 2**20  # config.json and the shards' index are kilobytes; never read a whole stray big file
+
+
+def _read_json(path: Path):
+    with open(path, "rb") as f:
+        raw = f.read(JSON_MAX_BYTES + 1)
+    if len(raw) > JSON_MAX_BYTES:
+        raise ValueError(f"larger than {JSON_MAX_BYTES // 2**20} MiB, not a Hugging Face JSON file")
+    return json.loads(raw)
+
+
 def read_config_json(path: str | Path) -> dict:
     path = Path(path)
     try:
-        c = json.loads((path / "config.json").read_text())
+        c = _read_json(path / "config.json")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}/config.json: unreadable ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}/config.json: unreadable (JSON nested too deeply)") from None
     if not isinstance(c, dict):
         raise CheckpointError(f"{path}/config.json: expected a JSON object, got {type(c).__name__}")
     return c

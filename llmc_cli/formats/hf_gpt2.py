@@ -115,7 +115,6 @@ def import_hf(path: str | Path) -> tuple[GPT2Config, np.ndarray]:
     cfg = read_hf_config(path)
     tensors = {name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name: a
                for name, a in read_hf_tensors(path).items()}
-    p = {n: np.zeros(s, np.float32) for n, s in parameter_shapes(cfg)}
 
     def get(name: str, shape: tuple) -> np.ndarray:
         a = tensors.get(name)
@@ -125,16 +124,19 @@ def import_hf(path: str | Path) -> tuple[GPT2Config, np.ndarray]:
             raise CheckpointError(f"{path}: tensor {name} has shape {a.shape}, config says {shape}")
         return a
 
+    # every tensor is found and its shape checked before the parameters are allocated: a config.json describing
+    # a model far larger than its weights is refused here, not allocated
     C, V = cfg.n_embd, cfg.vocab_size
-    p["wte"][:V] = get("transformer.wte.weight", (V, C))
-    p["wpe"][...] = get("transformer.wpe.weight", (cfg.block_size, C))
+    wte, wpe = get("transformer.wte.weight", (V, C)), get("transformer.wpe.weight", (cfg.block_size, C))
     shapes = dict(parameter_shapes(cfg))
-    for l in range(cfg.n_layer):
-        for ours, theirs, tr in _layer_map(l):
-            s = shapes[ours][1:]
-            p[ours][l] = get(theirs, s[::-1]).T if tr else get(theirs, s)
-    p["lnfw"][...] = get("transformer.ln_f.weight", (C,))
-    p["lnfb"][...] = get("transformer.ln_f.bias", (C,))
+    layers = [[(ours, get(theirs, shapes[ours][1:][::-1]).T if tr else get(theirs, shapes[ours][1:]))
+               for ours, theirs, tr in _layer_map(l)] for l in range(cfg.n_layer)]
+    lnfw, lnfb = get("transformer.ln_f.weight", (C,)), get("transformer.ln_f.bias", (C,))
+    p = {n: np.zeros(s, np.float32) for n, s in parameter_shapes(cfg)}
+    p["wte"][:V], p["wpe"][...], p["lnfw"][...], p["lnfb"][...] = wte, wpe, lnfw, lnfb
+    for l, layer in enumerate(layers):
+        for ours, a in layer:
+            p[ours][l] = a
     flat = np.concatenate([p[n].reshape(-1) for n, _ in parameter_shapes(cfg)])
     assert flat.size == num_parameters(cfg)
     return cfg, flat

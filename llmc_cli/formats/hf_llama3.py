@@ -180,21 +180,27 @@ def import_hf(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
                                        f"expected {shape}")
         return t[name]
 
+    # every tensor is found and its shape checked before the parameters are allocated: a config.json describing
+    # a model far larger than its weights is refused here, not allocated
+    wte = get("model.embed_tokens.weight", (V, C))
+    layer_shapes = (("input_layernorm.weight", (C,)), ("self_attn.q_proj.weight", (NH * hd, C)),
+                    ("self_attn.k_proj.weight", (NKV * hd, C)), ("self_attn.v_proj.weight", (NKV * hd, C)),
+                    ("self_attn.o_proj.weight", (C, NH * hd)), ("post_attention_layernorm.weight", (C,)),
+                    ("mlp.gate_proj.weight", (H, C)), ("mlp.up_proj.weight", (H, C)), ("mlp.down_proj.weight", (C, H)))
+    layers = [[get(f"model.layers.{l}.{name}", shape) for name, shape in layer_shapes] for l in range(cfg.n_layer)]
+    norm = get("model.norm.weight", (C,))
+    head = None if cfg.tie_embeddings else get("lm_head.weight", (V, C))
     params = np.empty(num_parameters(cfg), dtype=np.float32)
     p = split_flat(params, parameter_shapes(cfg))
-    p["wte"][...] = get("model.embed_tokens.weight", (V, C))
-    for l in range(cfg.n_layer):
-        pre = f"model.layers.{l}."
-        p["attn_norm"][l] = get(pre + "input_layernorm.weight", (C,))
-        p["wqkv"][l] = np.concatenate([_unpermute(get(pre + "self_attn.q_proj.weight", (NH * hd, C)), NH),
-                                       _unpermute(get(pre + "self_attn.k_proj.weight", (NKV * hd, C)), NKV),
-                                       get(pre + "self_attn.v_proj.weight", (NKV * hd, C))])
-        p["wo"][l] = get(pre + "self_attn.o_proj.weight", (C, NH * hd))
-        p["ffn_norm"][l] = get(pre + "post_attention_layernorm.weight", (C,))
-        p["w13"][l] = np.concatenate([get(pre + "mlp.gate_proj.weight", (H, C)),
-                                      get(pre + "mlp.up_proj.weight", (H, C))])
-        p["w2"][l] = get(pre + "mlp.down_proj.weight", (C, H))
-    p["norm"][...] = get("model.norm.weight", (C,))
-    if not cfg.tie_embeddings:
-        p["lm_head"][...] = get("lm_head.weight", (V, C))
+    p["wte"][...] = wte
+    for l, (attn_norm, q, k, v, o, ffn_norm, gate, up, down) in enumerate(layers):
+        p["attn_norm"][l] = attn_norm
+        p["wqkv"][l] = np.concatenate([_unpermute(q, NH), _unpermute(k, NKV), v])
+        p["wo"][l] = o
+        p["ffn_norm"][l] = ffn_norm
+        p["w13"][l] = np.concatenate([gate, up])
+        p["w2"][l] = down
+    p["norm"][...] = norm
+    if head is not None:
+        p["lm_head"][...] = head
     return cfg, params

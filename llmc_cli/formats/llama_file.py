@@ -23,6 +23,7 @@ from llmc_cli.models.llama3 import Llama3Config
 
 # ---- llmc's Llama model file (model.safetensors in a run directory) ------------------------------------------
 LLMC_FORMAT = "llmc"
+TOKENIZERS = ("gpt2", "llama3")  # what a model file may record (the names load_tokenizer knows)
 
 
 def write_llama_model(path: str | Path, cfg: Llama3Config, params: np.ndarray, bf16: bool = False,
@@ -52,13 +53,32 @@ def read_llama_header(path: str | Path) -> tuple[Llama3Config, dict]:
             raise ValueError(f"unknown fields {sorted(set(fields) - known) if isinstance(fields, dict) else fields}")
         cfg = Llama3Config(**fields)
         cfg.validate()
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: bad Llama config in the metadata ({type(e).__name__}: {e})") from None
+    if meta.get("tokenizer", "gpt2") not in TOKENIZERS:  # (taken for GPT-2's, it would score ids of another)
+        raise CheckpointError(f"{path}: tokenizer {meta.get('tokenizer')!r:.80} in the metadata (expected "
+                              f"{' or '.join(map(repr, TOKENIZERS))})")
     return cfg, meta
 
 
 def read_llama_model(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
     cfg, _ = read_llama_header(path)
+    # the tensors' names and shapes, from the header, match the config before anything is read or allocated: a
+    # config in the metadata far larger than the file (a damaged one) is refused, not allocated
+    header, _ = read_safetensors_header(path)
+    shapes = llama3_spec.parameter_shapes(cfg)
+    for name, shape in shapes:
+        info = header.get(name)
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path}: tensor {name} is missing" if info is None else
+                                  f"{path}: tensor {name} has no dtype/shape/data_offsets entry")
+        if info.get("shape") != list(shape):
+            raise CheckpointError(f"{path}: tensor {name} has shape {info.get('shape')!r:.80}, the config says "
+                                  f"{tuple(shape)}")
+    extra = sorted(set(header) - {"__metadata__"} - {name for name, _ in shapes})
+    if extra:  # llmc writes exactly the config's tensors; another (an untied lm_head, say) would be ignored silently
+        raise CheckpointError(f"{path}: tensor {extra[0]} is not one of a Llama of this config"
+                              f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}")
     tensors = read_safetensors(path)
     flat = np.empty(llama3_spec.num_parameters(cfg), np.float32)
     for name, view in split_flat(flat, llama3_spec.parameter_shapes(cfg)).items():

@@ -63,16 +63,64 @@ def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
             if n > 100 * 2**20:
                 raise CheckpointError(f"{path}: header length {n} is implausible (not a safetensors file)")
             raw = f.read(n)
+            if len(raw) < n:
+                raise CheckpointError(f"{path}: header length {n} is past the end of the file ({8 + len(raw)} "
+                                      "bytes; truncated, or not a safetensors file)")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a directory, expected a safetensors file") from None
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
         assert isinstance(header, dict)
-    except (ValueError, AssertionError):
+    except _DuplicateKey as e:  # json keeps the last of two equal names: one tensor would silently be another
+        raise CheckpointError(f"{path}: the header names {e.args[0]!r} twice (a damaged safetensors file)") from None
+    except (ValueError, AssertionError, RecursionError):  # (RecursionError: JSON nested past Python's stack)
         raise CheckpointError(f"{path}: the header is not JSON (not a safetensors file)") from None
     return header, 8 + n
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _tensor_entries(path: Path, header: dict, start: int, size: int) -> dict[str, tuple[np.dtype, int, int, tuple]]:
+    """name -> (dtype, begin, end, shape) of every tensor in the header, each checked against the file's size, and
+    no two sharing bytes (the format forbids it; a damaged header would otherwise read one tensor as another)."""
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{path}: tensor {name} has no dtype/shape/data_offsets entry")
+        dt = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+        if dt is None:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype')} "
+                                  f"(supported: {', '.join(ST_DTYPES)})")
+        offs, shape = info.get("data_offsets"), info.get("shape")
+        if not (isinstance(offs, list) and len(offs) == 2 and isinstance(shape, list)
+                and all(type(v) is int and v >= 0 for v in offs + shape) and offs[0] <= offs[1]):
+            raise CheckpointError(f"{path}: tensor {name} has a bad shape {shape!r} or data_offsets "
+                                  f"{offs!r} (non-negative integers expected)")
+        b, e = offs
+        if start + e > size or e - b != int(np.prod(shape, dtype=object)) * dt.itemsize:
+            raise CheckpointError(f"{path}: tensor {name} data out of bounds or of the wrong size")
+        entries[name] = (dt, b, e, tuple(shape))
+    spans = sorted((b, e, name) for name, (_, b, e, _) in entries.items() if e > b)
+    for (_, e0, first), (b1, _, second) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {first} and {second} overlap in the data (a damaged "
+                                  "safetensors file)")
+    return entries
 
 
 def read_safetensors(path: str | Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
@@ -81,26 +129,12 @@ def read_safetensors(path: str | Path, names: set[str] | None = None) -> dict[st
     header, start = read_safetensors_header(path)
     size = path.stat().st_size
     out = {}
+    entries = _tensor_entries(path, header, start, size)
     with open(path, "rb") as f:
-        for name, info in header.items():
-            if name == "__metadata__" or (names is not None and name not in names):
+        for name, (dt, b, e, shape) in entries.items():
+            if names is not None and name not in names:
                 continue
-            if not isinstance(info, dict):
-                raise CheckpointError(f"{path}: tensor {name} has no dtype/shape/data_offsets entry")
-            dt = ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
-            if dt is None:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {info.get('dtype')} "
-                                      f"(supported: {', '.join(ST_DTYPES)})")
-            offs, shape = info.get("data_offsets"), info.get("shape")
-            if not (isinstance(offs, list) and len(offs) == 2 and isinstance(shape, list)
-                    and all(type(v) is int and v >= 0 for v in offs + shape) and offs[0] <= offs[1]):
-                raise CheckpointError(f"{path}: tensor {name} has a bad shape {shape!r} or data_offsets "
-                                      f"{offs!r} (non-negative integers expected)")
-            b, e = offs
-            shape = tuple(shape)
-            if start + e > size or e - b != int(np.prod(shape, dtype=object)) * dt.itemsize:
-                raise CheckpointError(f"{path}: tensor {name} data out of bounds or of the wrong size")
             f.seek(start + b)
             a = np.frombuffer(f.read(e - b), dtype=dt).reshape(shape)
-            out[name] = bf16_bits_to_float32(a) if info["dtype"] == "BF16" else a.astype(np.float32)
+            out[name] = bf16_bits_to_float32(a) if header[name]["dtype"] == "BF16" else a.astype(np.float32)
     return out

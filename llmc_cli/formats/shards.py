@@ -13,13 +13,14 @@ from __future__ import annotations
 import glob as _glob
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from llmc_cli.formats.files import DataError, atomic_write_bytes, check_replaceable
+from llmc_cli.formats.files import DataError, atomic_write_bytes, check_replaceable, special_file
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -103,13 +104,20 @@ def read_shard_header(path: str | os.PathLike) -> ShardInfo:
     """Read and validate a shard's header against its size; raises :class:`DataError`."""
     path = str(path)
     try:
-        size = os.path.getsize(path)
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError
+        if not stat.S_ISREG(st.st_mode):  # opening a FIFO waits for a writer forever; a device never ends
+            raise DataError(f"data shard {path} is {special_file(path)}, expected a .bin file")
+        size = st.st_size
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
     except FileNotFoundError:
         raise DataError(f"data shard {path} not found") from None
     except IsADirectoryError:
         raise DataError(f"data shard {path} is a directory, expected a .bin file") from None
+    except OSError as e:  # no permission, an I/O error: the shard's name, not a traceback
+        raise DataError(f"data shard {path}: cannot read it ({e.strerror or e})") from None
     if len(raw) < 12:
         raise DataError(f"{path}: truncated shard, {size} bytes is shorter than the {HEADER_BYTES}-byte header")
     header = np.frombuffer(raw, dtype="<i4", count=len(raw) // 4)
@@ -180,7 +188,7 @@ def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike], spl
                                     f"directory holds {names}); give a glob such as '{p}/*.bin' to use them all")
                 hits = mine
             files += hits
-        elif os.path.isfile(p):
+        elif os.path.exists(p):  # (a FIFO or device too: read_shard_header says what it is)
             files.append(p)
         elif _GLOB_CHARS & set(p):
             hits = sorted(h for h in _glob.glob(p) if os.path.isfile(h))

@@ -3,6 +3,7 @@ a Hugging Face GPT-2 or Llama directory; and the tokenizer each was trained with
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -110,9 +111,20 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
         raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
     ranks = None if tokenizer_file is None else tokenizer_model_bytes(tokenizer_file)  # (before any write)
     step = out / ckpt.step_dir_name(0)
-    step.mkdir(parents=True, exist_ok=True)
-    if ranks is not None:
-        ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [ranks])
-    ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
-    ckpt.atomic_write_bytes(out / "latest", [step.name.encode() + b"\n"])
+    new = not out.exists()
+    try:
+        step.mkdir(parents=True, exist_ok=True)
+        if ranks is not None:
+            ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [ranks])
+        ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
+        ckpt.atomic_write_bytes(out / "latest", [step.name.encode() + b"\n"])
+    except BaseException:
+        # a failed export (a full disk) leaves no half run behind: it would be refused as "not empty" on the retry
+        if new:
+            shutil.rmtree(out, ignore_errors=True)
+        else:  # the empty directory given stays, empty
+            shutil.rmtree(step, ignore_errors=True)
+            for name in (ckpt.TOKENIZER_FILE, "latest"):
+                (out / name).unlink(missing_ok=True)
+        raise
     return out

@@ -86,8 +86,11 @@ class EventWriter:
     def write_record(self, rec: dict) -> None:
         values = {TAGS[k]: float(v) for k, v in rec.items() if k in TAGS and isinstance(v, (int, float))}
         if values and "step" in rec:
-            self._f.write(_record(_event(time.time(), int(rec["step"]), scalars=values)))
-            self._f.flush()
+            try:
+                self._f.write(_record(_event(time.time(), int(rec["step"]), scalars=values)))
+                self._f.flush()
+            except OSError as e:  # (a write's error names no file)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def close(self) -> None:
         self._f.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from llmc_cli.formats.sources import load_model_any, tokenizer_name_for
 from llmc_cli.kernels import Backend
 from llmc_cli.models.base import Model
@@ -14,7 +16,10 @@ from llmc_cli.models.families import family_of
 def load_model(checkpoint: str | Path, backend: Backend, B: int = 1, T: int | None = None) -> Model:
     """The model at `checkpoint` on `backend`, planned for inference at (B, T) (T None = the model's block size,
     at most 1024), its `tokenizer` the one the checkpoint records. CheckpointError names an unreadable source;
-    ValueError a T longer than the block size."""
+    ValueError a B or T below 1, or a T longer than the block size."""
+    for name, v in (("B", B), ("T", T)):  # (0 planned an empty model, which then failed far from here)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"load_model: {name} must be an integer >= 1 (got {v!r})")
     cfg, params, _ = load_model_any(checkpoint)
     T = min(cfg.block_size, 1024) if T is None else T
     if T > cfg.block_size:

@@ -9,6 +9,24 @@ import numpy as np
 from llmc_cli.models.base import Model
 
 
+MIN_TEMPERATURE = 1e-6  # below it (but above 0) the logits' quotient overflows to inf and every draw is token 0
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """A ValueError of one line for settings that would sample garbage without a sign: a NaN temperature drew
+    token 0 every time, a negative one was greedy, a top_p of NaN or <= 0 and a negative top_k were ignored."""
+    import math
+    from numbers import Integral, Real
+    if not (isinstance(temperature, Real) and math.isfinite(temperature)
+            and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} "
+                         f"(got {temperature!r})")
+    if isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = all; got {top_k!r})")
+    if not (isinstance(top_p, Real) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1 = off; got {top_p!r})")
+
+
 def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0) -> int:
     """One token id from logits (V,): greedy at temperature 0, else softmax(logits / temperature) restricted
@@ -70,6 +88,7 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
         raise ValueError("the prompt must hold at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens is {max_new_tokens}, expected 0 or more")
+    check_sampling(temperature, top_k, top_p)
     from llmc_cli.inference.decode import check_token_ids, decoder_for, has_kv_cache
     check_token_ids(prompt, model.cfg.vocab_size)
     if kv_cache is None:

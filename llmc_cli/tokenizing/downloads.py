@@ -58,9 +58,14 @@ def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
             total = int(r.headers.get("Content-Length") or 0) or None
             with progress(True) as prog:
                 task = prog.add_task(f"download {dest.name}", total=total)
+                got = 0
                 while chunk := r.read(1 << 20):
                     f.write(chunk)
+                    got += len(chunk)
                     prog.advance(task, len(chunk))
+            if total is not None and got != total:  # (http.client ends a cut-off body quietly, as if whole)
+                raise DataError(f"download of {url} ended after {got:,} of {total:,} bytes; run the command again, "
+                                "or download it elsewhere and pass it with --local PATH")
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         raise DataError(f"download of {url} failed ({getattr(e, 'reason', e)}); download it elsewhere "
                         "and pass it with --local PATH") from None
@@ -70,12 +75,21 @@ def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
 def hf_check(repo: str):
     """Fail fast, before anything is written, when a Hugging Face dataset cannot be streamed: `datasets`
     missing, or the hub unreachable. Returns ``datasets.load_dataset``."""
+    import urllib.parse
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"  # (an empty variable is an unset one)
+    try:  # (urllib reads a port past 65535 or a broken [IPv6] host with a ValueError)
+        u = urllib.parse.urlparse(endpoint)
+        ok = bool(u.hostname) and u.scheme in ("http", "https") and (u.port is None or u.port > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise DataError(f"HF_ENDPOINT={endpoint!r}: expected the hub's URL, such as https://huggingface.co")
     try:
         from datasets import load_dataset
     except ImportError:
         raise DataError(f"streaming {repo} needs Hugging Face datasets: pip install 'llmc[hf]' "
                         "(or download its parquet files and pass --local PATH)") from None
-    _probe(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    _probe(endpoint)
     return load_dataset
 
 

@@ -135,6 +135,34 @@ def _existing_shards(out_dir: Path, name: str) -> list[Path]:
     return sorted(p for p in out_dir.glob(f"{name}_*.bin") if pat.match(p.name)) if out_dir.is_dir() else []
 
 
+def _check_manifest(path: Path, m: dict) -> None:
+    """The fields a resume reads, typed: a manifest damaged or edited by hand is one line naming the field, not a
+    traceback or a resume from a position that is none (a negative offset dropped tokens without a word)."""
+    def bad(what: str):
+        raise DataError(f"{path}: {what}; pass --force to redo the shards")
+
+    shards = m.get("shards", [])
+    if not isinstance(shards, list):
+        bad(f"'shards' is {type(shards).__name__}, expected a list")
+    for i, sh in enumerate(shards):
+        if not isinstance(sh, dict):
+            bad(f"shards[{i}] is {type(sh).__name__}, expected an object")
+        f = sh.get("file")
+        if not isinstance(f, str) or not f or f != Path(f).name:  # (a path would point outside the directory)
+            bad(f"shards[{i}].file is {f!r}, expected a file name")
+        if sh.get("split") not in ("val", "train"):
+            bad(f"shards[{i}].split is {sh.get('split')!r}, expected 'val' or 'train'")
+        for k in ("tokens", "next_doc", "next_offset"):
+            v = sh.get(k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                bad(f"shards[{i}].{k} is {v!r}, expected a whole number >= 0")
+    vs = m.get("val_size")
+    if vs is not None and (isinstance(vs, bool) or not isinstance(vs, int) or vs < 1):
+        bad(f"val_size is {vs!r}, expected a whole number >= 1 or null")
+    if not isinstance(m.get("complete", False), bool):
+        bad(f"complete is {m.get('complete')!r}, expected true or false")
+
+
 def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int = 1,
                  val_tokens: int | None = None, val_fraction: float = 0.1, force: bool = False,
                  progress: ProgressFactory = silent) -> Summary:
@@ -162,13 +190,17 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
     if manifest_path.is_file() and not force:
         try:
             manifest = json.loads(manifest_path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):  # (not JSON, not UTF-8: refused below as not a manifest)
+            manifest = None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
             manifest = None
         if manifest and manifest.get("fingerprint") != fp:
             old = manifest.get("fingerprint") or {}
             diff = sorted(k for k in set(fp) | set(old) if fp.get(k) != old.get(k))
             raise DataError(f"{out_dir} holds {src.name} shards made from other inputs or settings "
                             f"({', '.join(diff)} differ); pass --force to redo them or choose another --out-dir")
+        if manifest:
+            _check_manifest(manifest_path, manifest)
         for sh in (manifest or {}).get("shards", []):
             p = out_dir / sh["file"]
             try:
@@ -193,9 +225,10 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
             raise DataError(f"{p}: not an llm.c token shard, so llmc will not replace it (even with --force); move "
                             "it or choose another --out-dir") from None
     if manifest_path.exists() and manifest is None:
-        try:
-            ours = isinstance(json.loads(manifest_path.read_bytes()).get("fingerprint"), dict)
-        except (OSError, ValueError, AttributeError):
+        try:  # (a FIFO under its name is not read: that would wait for a writer forever)
+            ours = manifest_path.is_file() and isinstance(json.loads(manifest_path.read_bytes()).get("fingerprint"),
+                                                          dict)
+        except (OSError, ValueError, AttributeError, RecursionError):
             ours = False
         if not ours:
             raise DataError(f"{manifest_path}: not an llmc tokenize manifest, so llmc will not replace it (even "

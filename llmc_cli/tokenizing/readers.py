@@ -3,12 +3,14 @@ per record."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from llmc_cli.formats.files import DataError
+from llmc_cli.formats.files import DataError, special_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -20,11 +22,48 @@ SUPPORTED = TEXT_SUFFIXES + JSONL_SUFFIXES + (".json", ".parquet")
 
 
 def _open_text(path: Path):
+    # utf-8-sig: a byte-order mark some editors put first is no text (it would become tokens of its own, and it
+    # makes json refuse the first line)
     if path.suffix == ".gz":
-        import gzip
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, "r", encoding="utf-8-sig")
 
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def not_utf8(path: Path, e: UnicodeDecodeError) -> DataError:
+    """The one line for a file that does not decode as UTF-8, naming UTF-16/32 when its byte-order mark says so."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        head = b""
+    enc = next((name for bom, name in _BOMS if head.startswith(bom)), None)
+    if enc and path.suffix != ".gz":
+        return DataError(f"{path}: {enc} text (it starts with a {enc} byte-order mark); convert it to UTF-8")
+    return DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+
+
+def regular_file(path: str | os.PathLike, what: str = "input") -> Path:
+    """`path` itself when it is a regular file (or a link to one). A FIFO, a device or a socket is refused: reading
+    one waits for a writer forever (a FIFO, /dev/stdin) or never ends (/dev/zero)."""
+    path = Path(path)
+    if kind := special_file(path):
+        raise DataError(f"{what} {path} is {kind}, not a regular file; give a file")
+    return path
+
+
+def checked_text(v: str, where: str) -> str:
+    """A document string that is valid Unicode: JSON's \\uD800-style escapes decode to lone surrogates, which
+    no tokenizer can encode as UTF-8."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: the text holds a lone surrogate {v[e.start]!r} at character {e.start} (not "
+                        "valid Unicode; a broken \\u escape?)") from None
+    return v
 
 
 def _kind(path: Path) -> str:
@@ -38,12 +77,16 @@ def _kind(path: Path) -> str:
     return ""
 
 
-def expand_inputs(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Files and directories (searched recursively, sorted) -> the supported input files."""
+def expand_inputs(paths: Iterable[str | os.PathLike], exclude: str | os.PathLike | None = None) -> list[Path]:
+    """Files and directories (searched recursively, sorted) -> the supported input files. `exclude` (the run's
+    manifest) is never found in a directory: written into an input directory, it would become an input of the
+    rerun, which then no longer matches the manifest it resumes from."""
     out: list[Path] = []
+    skip = Path(exclude).resolve() if exclude is not None else None
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f) and not f.name.startswith("."))
+            found = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f) and not f.name.startswith(".")
+                           and not (skip is not None and f.name == skip.name and f.resolve() == skip))
             if not found:
                 raise DataError(f"no input files ({', '.join(SUPPORTED)}) in directory {p}")
             out += found
@@ -52,20 +95,23 @@ def expand_inputs(paths: Iterable[str | os.PathLike]) -> list[Path]:
                 raise DataError(f"{p}: unsupported input type; expected one of {', '.join(SUPPORTED)} "
                                 "(optionally .gz) or a directory of them")
             out.append(p)
+        elif p.exists():
+            regular_file(p)
         else:
             raise DataError(f"input {p} not found")
     if not out:
         raise DataError("no input files given")
-    return out
+    seen: set[Path] = set()  # a file named twice (`corpus/ corpus/a.txt`, a link to it) is one input, not two copies
+    return [f for f in out if not ((r := f.resolve()) in seen or seen.add(r))]
 
 
 def _field(obj, text_field: str, where: str) -> str:
     if isinstance(obj, str):
-        return obj
+        return checked_text(obj, where)
     if isinstance(obj, dict):
         v = obj.get(text_field)
         if isinstance(v, str):
-            return v
+            return checked_text(v, where)
         if text_field in obj:
             raise DataError(f"{where}: field {text_field!r} is {type(v).__name__}, expected a string; "
                             "use --text-field for another field")
@@ -91,7 +137,14 @@ def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
                         try:
                             obj = json.loads(line)
                         except json.JSONDecodeError as e:
-                            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                            hint = ("; a JSON array (one document list) belongs in a .json file"
+                                    if n == 1 and line.lstrip().startswith("[") else "")
+                            raise DataError(f"{path}:{n}: not valid JSON ({e.msg}){hint}") from None
+                        except RecursionError:
+                            raise DataError(f"{path}:{n}: JSON nested too deeply to read") from None
+                        if isinstance(obj, list):
+                            raise DataError(f"{path}:{n}: a JSON array, not one document per line; a list of "
+                                            "documents belongs in a .json file")
                         yield _field(obj, text_field, f"{path}:{n}")
         elif kind == "json":
             with _open_text(path) as f:
@@ -99,6 +152,8 @@ def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
                     data = json.load(f)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+                except RecursionError:
+                    raise DataError(f"{path}: JSON nested too deeply to read") from None
             if not isinstance(data, list):
                 raise DataError(f"{path}: expected a JSON list of documents, got {type(data).__name__}")
             for i, obj in enumerate(data):
@@ -115,14 +170,75 @@ def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
             if text_field not in pf.schema_arrow.names:
                 raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                                 "use --text-field")
-            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            _check_text_column(path, text_field, pf.schema_arrow.field(text_field).type)
+            batches = pf.iter_batches(columns=[text_field], batch_size=1024)
+            while True:
+                try:  # a damaged page is found only when read: name this file, not the output directory
+                    batch = next(batches, None)
+                except (OSError, ValueError) as e:
+                    if isinstance(e, UnicodeDecodeError):
+                        raise
+                    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise DataError(f"{path}: corrupt parquet data ({msg})") from None
+                if batch is None:
+                    break
                 for v in batch.column(0).to_pylist():
                     if v is not None:
                         yield v
         else:
             raise DataError(f"{path}: unsupported input type")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise not_utf8(path, e) from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # (click would print EOFError as "Aborted!")
+        raise DataError(f"{path}: truncated or corrupt gzip file ({e or type(e).__name__})") from None
+
+
+def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
+    """(label, context, the 4 endings) of each example of a HellaSwag .jsonl (rowanz/hellaswag), typed strictly:
+    a label of 1.7 or true, or endings given as one string, would otherwise become an example nobody wrote."""
+    path = regular_file(path, "--local")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{n}"
+                try:
+                    ex = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise DataError(f"{where}: JSON nested too deeply to read") from None
+                if not isinstance(ex, dict) or not {"ctx", "endings", "label"} <= set(ex):
+                    raise DataError(f"{where}: not a HellaSwag example with ctx, endings and label")
+                label, ctx, endings = ex["label"], ex["ctx"], ex["endings"]
+                # (Hugging Face's copy writes the label as a string: "2" is taken, 1.7 and true are not)
+                if isinstance(label, str) and label.strip().isascii() and label.strip().isdigit():
+                    label = int(label)
+                if isinstance(label, bool) or not isinstance(label, int):
+                    raise DataError(f"{where}: not a HellaSwag example: label {label!r} is not an integer")
+                if not isinstance(ctx, str):
+                    raise DataError(f"{where}: not a HellaSwag example: ctx is {type(ctx).__name__}, expected a string")
+                if not isinstance(endings, list) or not all(isinstance(e, str) for e in endings):
+                    raise DataError(f"{where}: not a HellaSwag example: endings must be a list of strings")
+                if len(endings) != 4:
+                    raise DataError(f"{where}: not a HellaSwag example: {len(endings)} endings, expected 4")
+                if not 0 <= label < 4:
+                    raise DataError(f"{where}: not a HellaSwag example: label {label}, expected 0..3 (the ending that "
+                                    "is right)")
+                yield label, checked_text(ctx, where), [checked_text(e, where) for e in endings]
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+
+
+def _check_text_column(path: Path, name: str, t) -> None:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)
+            or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))):
+        raise DataError(f"{path}: column {name!r} holds {t}, expected strings; use --text-field for another column")
 
 
 def _files_ident(files: list[Path]) -> list:

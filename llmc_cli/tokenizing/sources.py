@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 from llmc_cli.data.home import install_hint, packages_dir
 from llmc_cli.formats.files import DataError
-from llmc_cli.tokenizing.readers import _files_ident, _kind, iter_file_docs
+from llmc_cli.tokenizing.readers import _files_ident, _kind, iter_file_docs, not_utf8
 
 # ----------------------------------------------------------------------------------------------
 # sources
@@ -67,7 +67,10 @@ def tinyshakespeare_source(path: Path) -> Source:
     """llm.c's tinyshakespeare: every blank-line-separated block is a document."""
 
     def docs():
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no text)
+        except UnicodeDecodeError as e:
+            raise not_utf8(path, e) from None
         parts = text.split("\n\n")
         for i, p in enumerate(parts):
             d = p + "\n\n" if i < len(parts) - 1 else p
@@ -75,6 +78,44 @@ def tinyshakespeare_source(path: Path) -> Source:
                 yield None, d
 
     return Source("tinyshakespeare", docs, {"files": _files_ident([path])}, path.stat().st_size)
+
+
+def extract_tinystories(archive: Path, dest: Path) -> Path:
+    """`dest` holding the json files of TinyStories_all_data.tar.gz. The archive is extracted beside `dest` under a
+    temporary name that becomes `dest` only once whole: a truncated archive or an interrupted run would otherwise
+    leave some of the files, which the next run would take for the corpus without a word."""
+    import gzip
+    import os
+    import shutil
+    import tarfile
+    import zlib
+
+    if dest.is_dir() and any(dest.glob("*.json")):
+        return dest
+    if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+        raise DataError(f"{dest}: exists and holds no TinyStories .json files; move it so that {archive.name} can be "
+                        "extracted there")
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]  # (removed again on failure)
+    try:
+        with tarfile.open(archive) as tf:
+            kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tf.extractall(tmp, **kw)
+        if dest.is_dir():
+            dest.rmdir()  # (empty, checked above)
+        os.replace(tmp, dest)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        if isinstance(e, (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)):
+            raise DataError(f"{archive}: not a complete, readable tar archive ({e or type(e).__name__}); "
+                            "download it again") from None
+        raise
+    return dest
 
 
 def tinystories_source(json_files: list[Path]) -> Source:

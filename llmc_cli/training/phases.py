@@ -13,6 +13,7 @@ run a directory of its own."""
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from pathlib import Path
@@ -22,9 +23,16 @@ ENV = "LLMC_STEP_PHASES"
 
 class StepPhases:
     def __init__(self, directory: str | Path, rank: int):
+        from llmc_cli.formats.runlog import is_llmc_log
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self.file = open(d / f"rank{rank}.jsonl", "a")  # one per rank: the ranks never share a file
+        self.path = d / f"rank{rank}.jsonl"  # one per rank: the ranks never share a file
+        # appended to only if it is a file of step lines (or empty): anything else there is the user's and stays,
+        # and a FIFO or a device would block or swallow the lines
+        if self.path.exists() and not (self.path.is_file() and is_llmc_log(self.path)):
+            raise FileExistsError(errno.EEXIST, "exists and is not a file of step lines (one JSON object with a "
+                                  "'step' per line)", str(self.path))
+        self.file = open(self.path, "a")
         self.timer = None
         self.names: list[str] = []
         self.host: list[float] = []
@@ -52,8 +60,11 @@ class StepPhases:
                "device_ms": {n: ms(dev[i], dev[i + 1]) for i, n in enumerate(names)},
                "host_ms": {n: ms(host[i], host[i + 1]) for i, n in enumerate(names)},
                "gap_ms": None if self.last_end is None else ms(self.last_end, self.host[0])}
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+        except OSError as e:  # (a write's error names no file: a full disk would say only "No space left")
+            raise OSError(e.errno, f"{e.strerror} (writing {ENV}'s step phases)", str(self.path)) from None
         self.last_end = time.perf_counter()
         self.timer = None
 

@@ -33,6 +33,16 @@ from llmc_cli.training.phases import ENV as PHASES_ENV
 from llmc_cli.training.phases import StepPhases
 
 
+def _append_record(log, path: str, rec: dict) -> None:
+    """One record onto the --log file, flushed; a write's OSError names no file (a full disk would say only "No
+    space left on device"), so it is raised again naming the log."""
+    try:
+        log.write(record_line(rec))
+        log.flush()
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} (writing the --log records)", str(path)) from None
+
+
 class TrainError(ValueError):
     """A problem with the run's options or files; the message names the option or file."""
 
@@ -111,6 +121,20 @@ def model_config(a: TrainArgs):
     cfg = family.preset(a.model, **over)
     cfg.validate()
     return cfg
+
+
+SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "vocab_size")
+
+
+def check_init_shape(init: str, cfg, given: dict) -> None:
+    """--init takes the model's shape from its file: a shape option saying otherwise would be ignored silently (a
+    run of another model than the one asked for), so it is a ValueError naming both."""
+    for key in SHAPE_OPTIONS:
+        want, have, opt = given.get(key), getattr(cfg, key, None), "--" + key.replace("_", "-")
+        if want is not None and want != have:
+            raise ValueError(f"--init: {init} is a model of {key} {have}, but {opt} is {want} (the shape comes from "
+                             "--init: leave the option out)" if have is not None else
+                             f"--init: {opt} does not apply to {init}, a {family_of(cfg).label} model")
 
 
 def check_args(a: TrainArgs) -> None:
@@ -200,8 +224,11 @@ class Trainer:
             from llmc_cli.formats.sources import load_model_any
             try:  # llm.c .bin, run directory, llmc Llama file or Hugging Face GPT-2 / Llama directory
                 cfg, params, _ = load_model_any(a.init)
+                check_init_shape(a.init, cfg, {k: getattr(a, k) for k in SHAPE_OPTIONS})
             except ckpt.CheckpointError as e:
                 raise TrainError(f"--init: {e}") from None
+            except ValueError as e:
+                raise TrainError(str(e)) from None
         else:
             cfg = model_config(a)
             params = family_for(a.model).init_parameters(cfg, a.seed)
@@ -237,7 +264,8 @@ class Trainer:
             self.phases = StepPhases(where, self.comm.rank) if where else None
         except OSError as e:
             raise TrainError(f"{PHASES_ENV}={where}: cannot write the step phases there "
-                             f"({e.strerror or type(e).__name__}); give a directory llmc may create or append to") \
+                             f"({f'{e.filename}: ' if e.filename and str(e.filename) != where else ''}"
+                             f"{e.strerror or type(e).__name__}); give a directory llmc may create or append to") \
                 from None
         if self.phases is not None:
             self.opt.mark = self.phases.mark
@@ -297,6 +325,8 @@ class Trainer:
         try:
             if self.val_loader is not None:
                 check_shards_tokenizer(self.val_loader, self.model.tokenizer, "the run")
+                if a.val_every > 0:  # (a bad id in a later val shard: one line now, not at a validation mid-run)
+                    self.val_loader.check_vocab_of_batches(a.val_batches)
         except DataError as e:
             raise TrainError(f"{'--val-data' if a.val_data else '--data'}: {e}") from None
         if a.hellaswag:
@@ -548,7 +578,12 @@ class Trainer:
             if a.log and lead:  # (checked in __init__) on resume, drop what the dead run logged past its checkpoint
                 log = open_log(a.log, self.start_step if a.resume else None)
             if a.tensorboard and lead:  # a new event file per run (or resumed run), as TensorBoard expects
-                tb = EventWriter(a.tensorboard)
+                try:
+                    tb = EventWriter(a.tensorboard)
+                except OSError as e:  # (a file where the folder belongs: mkdir says only "File exists")
+                    raise TrainError(f"--tensorboard {a.tensorboard}: cannot write event files there "
+                                     f"({e.strerror or type(e).__name__}); give a directory llmc may create or "
+                                     "write in") from None
             for step in range(self.start_step, a.steps + 1):
                 done = step
                 last = step == a.steps
@@ -572,7 +607,7 @@ class Trainer:
                 if rec is not None:
                     records.append(rec)
                     if log:
-                        log.write(record_line(rec))
+                        _append_record(log, a.log, rec)
                     if tb:
                         tb.write_record(rec)
                 if last:
@@ -582,8 +617,7 @@ class Trainer:
                 before, done = None, step + 1
                 records.append(rec)
                 if log:
-                    log.write(record_line(rec))
-                    log.flush()
+                    _append_record(log, a.log, rec)
                 if tb:
                     tb.write_record(rec)
                 if on_step:

@@ -202,7 +202,7 @@ class CublasLt:
     def _decided(self, p: Plan) -> None:
         """Take an earlier run's decision for this plan, if one of today's candidates has that exact config."""
         want = self.decisions.get(repr(p.key)) if self.tune else None
-        if want is None:
+        if not isinstance(want, list):  # none yet, or a damaged cache's entry (a number, a string): raced again
             return
         for i in range(p.count):
             if list(p.config(i)) == list(want):

@@ -206,12 +206,13 @@ def get_config(be, tune: bool | None = None, mode: str | None = None) -> dict:
     hit = load_cache().get(key)
     if hit and mode != "force":
         try:
-            cfg = {lay: dict(hit["config"][lay]) for lay in LAYOUTS}
-            for c in cfg.values():
-                config_key(c)
+            # only one of today's candidates is taken from the cache, as the candidate itself: a damaged or
+            # edited entry ("RM": "4", "RM": 4096) must not reach the compiler's options
+            ours = {config_key(c): c for c in TILED + DIRECT}
+            cfg = {lay: dict(ours[config_key(hit["config"][lay])]) for lay in LAYOUTS}
             if all(fits(be.device, c) for c in cfg.values()):
                 return dict(cfg, source="autotuned, cached")
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):  # (any JSON where a config belongs)
             pass
     best, results = autotune(be)
     cache = load_cache()  # another process may have written meanwhile
