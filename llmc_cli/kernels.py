@@ -753,7 +753,16 @@ def cache_root() -> "Path":
     env = os.environ.get("LLMC_CACHE_DIR")
     if env:
         return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    # without a home, no cache: under os.devnull reads find nothing and writes fail (a missing cache costs time)
+    return user_dir("XDG_CACHE_HOME", ".cache") or Path(os.devnull) / "llmc"
+
+
+def user_dir(xdg_var: str, under_home: str) -> "Path | None":
+    """llmc's folder in one of the user's base directories: $<xdg_var>/llmc, else ~/<under_home>/llmc; None where
+    the user has no home (HOME unset and no password entry, or HOME empty, which Python would read as /)."""
+    import os
+    from pathlib import Path
+    xdg = os.environ.get(xdg_var)
     if xdg and os.path.isabs(xdg):  # (a relative one is to be ignored, says the XDG spec)
         return Path(xdg) / "llmc"
     home = os.environ.get("HOME")
@@ -762,9 +771,7 @@ def cache_root() -> "Path":
             home = str(Path.home())  # (from the password database)
         except RuntimeError:  # no HOME and no entry for this uid (a container's arbitrary user)
             home = ""
-    if not home:  # (an empty HOME, which Python reads as /): no cache, as reads find nothing and writes fail
-        return Path(os.devnull) / "llmc"
-    return Path(home) / ".cache" / "llmc"
+    return Path(home) / under_home / "llmc" if home else None
 
 
 def cache_dir(backend: str) -> "Path":

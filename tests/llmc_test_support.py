@@ -4,6 +4,10 @@ tolerance helpers (llmc_cli.testing.helpers), and the command line on a tiny GPT
 from __future__ import annotations
 
 import json
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -178,3 +182,25 @@ def overlap_backend(fault: str | None = None, seconds: float | None = None):
             self.calls += 1
             return seconds if seconds is not None else time.perf_counter() - t0
     return HostOverlap()
+
+@contextmanager
+def fifo(path: Path):
+    """A FIFO at `path`. A reader that opens it (what llmc must not do) is let go with an empty read by a writer that
+    keeps opening and closing the other end, so the test fails on its assertions instead of hanging."""
+    os.mkfifo(path)
+    stop = threading.Event()
+
+    def release():
+        while not stop.wait(0.2):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader waiting: nothing to release
+                pass
+
+    t = threading.Thread(target=release, daemon=True)
+    t.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        t.join()

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from llmc_cli.formats.files import DataError
+from llmc_cli.kernels import user_dir
 
 
 class DataHomeError(DataError):
@@ -20,19 +21,11 @@ def data_home() -> Path:
     env = os.environ.get("LLMC_DATA_HOME")
     if env:
         return Path(env)
-    xdg = os.environ.get("XDG_DATA_HOME")
-    if xdg and os.path.isabs(xdg):  # (a relative one is to be ignored, says the XDG spec)
-        return Path(xdg) / "llmc"
-    home = os.environ.get("HOME")
-    if home is None:
-        try:
-            home = str(Path.home())  # (from the password database)
-        except RuntimeError:  # no HOME and no entry for this uid (a container's arbitrary user)
-            home = ""
-    if not home:  # (an empty HOME, which Python would read as /)
+    found = user_dir("XDG_DATA_HOME", ".local/share")
+    if found is None:
         raise DataHomeError("HOME is not set (or empty) and this user has no home directory, so llmc cannot tell "
                             "where its data packages are: set LLMC_DATA_HOME (or HOME)")
-    return Path(home) / ".local" / "share" / "llmc"
+    return found
 
 
 def packages_dir() -> Path:

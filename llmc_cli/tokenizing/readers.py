@@ -120,6 +120,16 @@ def _field(obj, text_field: str, where: str) -> str:
     raise DataError(f"{where}: expected an object with a {text_field!r} field or a string, got {type(obj).__name__}")
 
 
+def _json_line(line: str, where: str, hint: str = ""):
+    """One line's JSON value; a line that is not JSON, or nested past Python's stack, is a DataError naming `where`."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg}){hint}") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read") from None
+
+
 def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one input file: a .txt file is one document (none when it is empty or blank); .jsonl
     one per line; .json a list (of strings or objects); .parquet one per row of the ``text_field`` column."""
@@ -134,14 +144,9 @@ def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
             with _open_text(path) as f:
                 for n, line in enumerate(f, 1):
                     if line.strip():
-                        try:
-                            obj = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            hint = ("; a JSON array (one document list) belongs in a .json file"
-                                    if n == 1 and line.lstrip().startswith("[") else "")
-                            raise DataError(f"{path}:{n}: not valid JSON ({e.msg}){hint}") from None
-                        except RecursionError:
-                            raise DataError(f"{path}:{n}: JSON nested too deeply to read") from None
+                        hint = ("; a JSON array (one document list) belongs in a .json file"
+                                if n == 1 and line.lstrip().startswith("[") else "")
+                        obj = _json_line(line, f"{path}:{n}", hint)
                         if isinstance(obj, list):
                             raise DataError(f"{path}:{n}: a JSON array, not one document per line; a list of "
                                             "documents belongs in a .json file")
@@ -203,12 +208,7 @@ def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
                 if not line.strip():
                     continue
                 where = f"{path}:{n}"
-                try:
-                    ex = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-                except RecursionError:
-                    raise DataError(f"{where}: JSON nested too deeply to read") from None
+                ex = _json_line(line, where)
                 if not isinstance(ex, dict) or not {"ctx", "endings", "label"} <= set(ex):
                     raise DataError(f"{where}: not a HellaSwag example with ctx, endings and label")
                 label, ctx, endings = ex["label"], ex["ctx"], ex["endings"]

@@ -4,41 +4,15 @@ later val shard with ids past the model's vocabulary met only at a validation mi
 file."""
 from __future__ import annotations
 
-import os
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+from llmc_test_support import TINY, fifo, phrase_tokens, run
 
 from llmc_cli.data.loader import DataLoader, ValLoader
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import read_shard_header, write_shard
-from llmc_test_support import TINY, phrase_tokens, run
-
-
-@contextmanager
-def fifo(path: Path):
-    """A FIFO at `path`. A reader that opens it (what llmc must not do) is let go with an empty read by a writer that
-    keeps opening and closing the other end, so the test fails on its assertions instead of hanging."""
-    os.mkfifo(path)
-    stop = threading.Event()
-
-    def release():
-        while not stop.wait(0.2):
-            try:
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:  # no reader waiting: nothing to release
-                pass
-
-    t = threading.Thread(target=release, daemon=True)
-    t.start()
-    try:
-        yield path
-    finally:
-        stop.set()
-        t.join()
 
 
 def one_line_error(r) -> str:

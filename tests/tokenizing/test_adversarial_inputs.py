@@ -8,18 +8,16 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
-import threading
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from llmc_test_support import fifo
 
 from llmc_cli.commands.tokenize import tokenize
 from llmc_cli.formats.files import DataError
@@ -44,27 +42,6 @@ def tokens(out: Path) -> list[int]:
     return [int(t) for p in sorted(out.glob("*.bin")) for t in np.fromfile(p, dtype="<u2")[512:]]
 
 
-@contextmanager
-def fifo(path: Path):
-    """A FIFO at `path`. A reader that opens it (what llmc must not do) is let go with an empty read by a writer that
-    keeps opening and closing the other end, so the test fails on its assertions instead of hanging."""
-    os.mkfifo(path)
-    stop = threading.Event()
-
-    def release():
-        while not stop.wait(0.2):
-            try:
-                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:  # no reader waiting: nothing to release
-                pass
-
-    t = threading.Thread(target=release, daemon=True)
-    t.start()
-    try:
-        yield path
-    finally:
-        stop.set()
-        t.join()
 
 
 def _parquet(path: Path, column) -> None:
