@@ -187,8 +187,12 @@ def read_log(path: str | Path) -> list[dict]:
     """The step records of a log: dicts whose `step` is a finite number."""
     p = resolve_log(path)
     recs = []
+    from llmc_cli.formats.runlog import LINE_MAX_BYTES, log_lines
     with open(p, "rb") as f:
-        for i, line in enumerate(f, 1):
+        for i, line in enumerate(log_lines(f), 1):  # (never a line of gigabytes held whole: a sparse file)
+            if len(line) > LINE_MAX_BYTES:
+                raise PlotError(f"{p}:{i}: a line of more than {LINE_MAX_BYTES // 2**20} MiB, not a record of the "
+                                "log `llmc train --log` writes")
             line = line.strip()
             if not line:
                 continue

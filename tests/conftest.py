@@ -22,3 +22,14 @@ def shards(tmp_path_factory):
     write_shard(d / "tiny_val_000000.bin", tokens[:2000])
     write_shard(d / "tiny_train_000001.bin", tokens)
     return d
+
+
+@pytest.fixture(scope="module")
+def gpt2_model(tmp_path_factory):
+    """A tiny GPT-2 (1 layer, C=16, T=32, GPT-2's vocabulary) as an llm.c model file."""
+    from llmc_cli.formats.llmc_bin import write_model
+    from llmc_cli.models.gpt2 import GPT2Config, init_parameters
+    cfg = GPT2Config(block_size=32, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)
+    path = tmp_path_factory.mktemp("model") / "m.bin"
+    write_model(path, cfg, init_parameters(cfg, 0))
+    return path

@@ -77,12 +77,12 @@ def _check_plot(path: str | None) -> None:
 
 
 def _write_plot(draw, res: dict, path: str) -> None:
-    from llmc_cli.commands.console import err_console, fail
+    from llmc_cli.commands.console import err_console, fail, printable
     try:
         draw(res, path)
     except BenchError as e:
         fail(str(e))
-    err_console.print(f"plot: {path}", markup=False)
+    err_console.print(printable(f"plot: {path}"), markup=False, soft_wrap=True)
 
 
 def _model_options(f=None, *, batch: int = 4, seq: int = 64, seq_help: str = "Sequence length (tokens)."):

@@ -38,6 +38,15 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(_escaped, text)
 
 
+STDOUT_CLOSED: list = []  # what a command asked to happen when standard output's reader goes (when_stdout_closes)
+
+
+def when_stdout_closes(callback) -> None:
+    """From now on, a closed standard output (`llmc train | head`) calls `callback` once and what is printed after it
+    goes nowhere, in place of ending the command (a training run stops after its step, with a checkpoint)."""
+    STDOUT_CLOSED.append(callback)
+
+
 def fail(msg: str, code: int = 2) -> None:
     """One clear line on stderr and a non-zero exit; nothing on disk is touched after this."""
     who = f" (rank {_RANK['rank']} of {_RANK['world']})" if _RANK else ""

@@ -38,5 +38,6 @@ def convert(src: str, dst: str, dtype: str, to: str = "auto", force: bool = Fals
         cfg, kind, what = convert_model(src, dst, bf16=dtype == "bf16", to=to, force=force)
     except CheckpointError as e:
         fail(str(e))
-    console.print(f"{src} ({kind}, L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size}) -> "
-                  f"{dst}: {what}, {dtype}", markup=False)
+    from llmc_cli.commands.console import printable  # (names that hold a newline or an escape: one line)
+    console.print(printable(f"{src} ({kind}, L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size}) -> "
+                            f"{dst}: {what}, {dtype}"), markup=False)

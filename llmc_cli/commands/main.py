@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import click
 
 from llmc_cli import __version__
@@ -22,13 +24,102 @@ def _tolerant_streams() -> None:
                 pass
 
 
+STDOUT_NAME = "standard output"  # how an error writing it names it (`error: standard output: No space left on device`)
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool that a closed pipe ended
+
+
+class StdoutClosed(BaseException):
+    """Standard output's reader has gone (`llmc ... | head -1`): the command ends quietly, as a Unix tool that SIGPIPE
+    ends does. A BaseException, so that no command's `except OSError` reports it as a failure of its own; cleanups
+    (`finally`, temporary files) still run. A broken pipe in a file llmc writes stays an OSError naming that file."""
+
+
+class _StdoutFd(io.RawIOBase):
+    """Standard output's file descriptor, written as FileIO writes it, whose errors say they are standard output's:
+    EPIPE is StdoutClosed, any other an OSError naming STDOUT_NAME. After one, the rest goes nowhere, so that the exit
+    (its flush of what is left) does not fail a second time."""
+
+    name = "<stdout>"
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd, self._failed = fd, False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        import os
+        return os.isatty(self._fd)
+
+    def write(self, b) -> int | None:
+        import errno
+        import os
+        if self._failed:
+            return memoryview(b).nbytes
+        try:
+            return os.write(self._fd, b)
+        except BlockingIOError:  # (a non-blocking descriptor that is full: as FileIO answers)
+            return None
+        except OSError as e:
+            self._failed = True
+            if e.errno == errno.EPIPE:
+                from llmc_cli.commands.console import STDOUT_CLOSED
+                if STDOUT_CLOSED:  # the command would rather finish its work than end here
+                    for callback in STDOUT_CLOSED:
+                        callback()
+                    return memoryview(b).nbytes
+                raise StdoutClosed() from None
+            raise OSError(e.errno, e.strerror, STDOUT_NAME) from None
+
+
+def _guard_stdout() -> None:
+    """Standard output (the process's own, not a test's capture) rewrapped over _StdoutFd, same encoding and
+    buffering; its last flush at exit may then fail only quietly (the command already reported its own end)."""
+    import atexit
+    import sys
+    out = sys.stdout
+    if out is not sys.__stdout__ or not isinstance(out, io.TextIOWrapper):
+        return
+    try:
+        fd = out.fileno()
+        out.flush()
+    except (OSError, ValueError):
+        return
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_StdoutFd(fd)), encoding=out.encoding, errors=out.errors,
+                                  newline="\n", line_buffering=out.line_buffering, write_through=out.write_through)
+    atexit.register(_flush_quietly)
+
+
+def _flush_quietly() -> None:
+    import sys
+    try:
+        sys.stdout.flush()
+    except (StdoutClosed, OSError, ValueError):
+        pass
+
+
 class _Main(click.Group):
     """Last line of defence: a missing optional package or exhausted memory is one line, not a traceback."""
 
     def invoke(self, ctx):
+        import sys
         _tolerant_streams()
+        _guard_stdout()
         try:
-            return super().invoke(ctx)
+            try:
+                rv = super().invoke(ctx)
+            except (SystemExit, click.exceptions.Exit) as e:
+                if (e.code if isinstance(e, SystemExit) else e.exit_code) in (0, None):
+                    sys.stdout.flush()  # (a success whose output cannot be written is no success)
+                raise
+            sys.stdout.flush()  # output held back (a pipe, a file) meets its write error here, not at exit
+            return rv
+        except StdoutClosed:
+            sys.exit(BROKEN_PIPE_EXIT)
         except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2
             fail(usage_error_line(e), code=e.exit_code)
         except ModuleNotFoundError as e:

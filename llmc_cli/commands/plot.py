@@ -28,9 +28,9 @@ def plot(runs, out, x, smooth) -> None:
     Example:
       llmc plot checkpoints/run1 checkpoints/run2/log.jsonl --smooth 0.9 --x tokens --out curves.png
     """
-    from llmc_cli.commands.console import console, fail
+    from llmc_cli.commands.console import console, fail, printable
     try:
         path = plot_runs(list(runs), out if out is not None else default_png(list(runs)), x, smooth)
     except PlotError as e:
         fail(str(e))
-    console.print(f"wrote {path}", markup=False)
+    console.print(printable(f"wrote {path}"), markup=False)

@@ -78,9 +78,14 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     try:
         cfg = load_config_any(checkpoint)
         tok_name, tok_file = tokenizer_for(checkpoint)
-        tok = load_tokenizer(tok_name, tok_file)
-    except (ckpt.CheckpointError, DataError) as e:  # DataError: an unreadable or unknown tokenizer
+    except (ckpt.CheckpointError, DataError) as e:
         fail(f"--checkpoint: {e}")
+    try:
+        tok = load_tokenizer(tok_name, tok_file)
+    except DataError as e:  # the checkpoint's own tokenizer file is the checkpoint's problem; GPT-2's ranks are
+        # installed with llmc (a missing package, no home directory: DataHomeError), nothing --checkpoint can fix
+        from llmc_cli.data.home import DataHomeError
+        fail(f"--checkpoint: {e}" if tok_file is not None and not isinstance(e, DataHomeError) else str(e))
     if tok.vocab_size > cfg.vocab_size:  # ids the model has no row for: another model's tokenizer (a smaller one
         # may serve a padded vocabulary: generation stays within the tokenizer's ids)
         fail(f"--checkpoint: {tok_file or tok.name}: a tokenizer of {tok.vocab_size:,} tokens, more than the model's "

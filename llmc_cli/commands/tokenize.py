@@ -52,6 +52,14 @@ def _console() -> Console:
 class _Display(Progress):
     """A rich progress display the workflow can drop when it fails (tokenizing.progress.Progress)."""
 
+    def add_task(self, description: str, *a, **kw):
+        # the description holds the dataset's name (a directory's, or --name): '[red]' there is text, not markup,
+        # and a newline or an escape sequence in it is shown escaped, not sent to the terminal
+        from rich.markup import escape
+
+        from llmc_cli.commands.console import printable
+        return super().add_task(escape(printable(description)), *a, **kw)
+
     def discard(self) -> None:
         self.live.transient = True
 
@@ -179,10 +187,11 @@ def _run(src: Source, o: dict, default_dir: str | None = None) -> Summary:
     summary = run_pipeline(src, tok, out, o["shard_size"], workers=o["workers"],
                            val_tokens=o.get("val_tokens"), val_fraction=o.get("val_fraction") or 0.1,
                            force=o["force"], progress=_progress_factory(console))
+    from llmc_cli.commands.console import printable  # (the line names the dataset and its directory: one line)
     if summary.resumed == len(summary.shards):
-        click.echo(f"already complete (use --force to redo): {summary.line()}")
+        click.echo(printable(f"already complete (use --force to redo): {summary.line()}"))
     else:
-        click.echo(summary.line())
+        click.echo(printable(summary.line()))
     return summary
 
 
@@ -361,7 +370,8 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
     name = f"hellaswag_{split}.bin" if tok.name == "gpt2" else f"hellaswag_{split}_{tok.name}.bin"
     path = write_evalfile(out / name, examples, tokenizer=tok.name)
     ntok = sum(len(e["ctx_tokens"]) + sum(map(len, e["ending_tokens"])) for e in examples)
-    click.echo(f"hellaswag: {len(examples):,} examples ({ntok:,} {tok.name} tokens) -> {path}")
+    from llmc_cli.commands.console import printable  # (a name with a newline or an escape: one line)
+    click.echo(printable(f"hellaswag: {len(examples):,} examples ({ntok:,} {tok.name} tokens) -> {path}"))
 
 
 @tokenize.command("tokenizer-bin", epilog="\b\nExample:\n  llmc tokenize tokenizer-bin gpt2_tokenizer.bin")
@@ -376,4 +386,5 @@ def tokenizer_bin(out, tokenizer_name, tokenizer_path):
 
     tok = load_tokenizer(tokenizer_name, tokenizer_path)
     write_tokenizer_bin(tok, out)
-    click.echo(f"{tok.name}: {tok.vocab_size:,} tokens, eot {tok.eot} -> {out}")
+    from llmc_cli.commands.console import printable  # (a name with a newline or an escape: one line)
+    click.echo(printable(f"{tok.name}: {tok.vocab_size:,} tokens, eot {tok.eot} -> {out}"))

@@ -19,6 +19,8 @@ from llmc_cli.commands.console import (
     fail,
     make_backend,
     one_line,
+    printable,
+    when_stdout_closes,
 )
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 from llmc_cli.models.base import RECOMPUTE
@@ -394,6 +396,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
     try:
         with StopSignals() as stop, (bar if bar is not None else _nothing()):
             trainer.stop_requested = lambda: stop.requested
+            closed: list[bool] = []  # hours of training outweigh the lines that tell of them: stop as on a signal
+            when_stdout_closes(lambda: (closed.append(True), stop.request("a closed standard output")))
             trainer.run(on_step=_fault_hook(comm, show, fault))
     except TrainAborted as e:
         where = (f"; {args.out} keeps its last complete checkpoint, resume with: {how}" if args.out
@@ -413,8 +417,11 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
     if trainer.stopped:
         st = trainer.stopped
         if args.out:
-            _say(f"stopped by {st['signal']} after step {st['step']}; checkpoint {st['checkpoint']} "
-                 f"written. Resume with:\n  {how}")
+            said = f"stopped by {st['signal']} after step {st['step']}; checkpoint {st['checkpoint']} written. Resume with:"
+            if closed:  # (the resume command must reach the user somewhere)
+                sys.stderr.write(f"{printable(said)}\n  {printable(how)}\n")
+            else:
+                _say(f"{said}\n  {how}")
             sys.exit(75)
         console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
                       f"--out DIR, so this run cannot be resumed")
@@ -468,8 +475,12 @@ def _fault_hook(comm, show, fault: tuple[int, int] | None = None):
 
 
 def _say(text: str) -> None:
-    """A line of the run as it is: paths, device names and sampled text may hold '[...]', which is not markup."""
-    console.print(text, markup=False)
+    """A line of the run as it is: paths, device names and sampled text may hold '[...]', which is not markup, and
+    an escape sequence or a carriage return, which is shown escaped (nothing sent to the terminal). Newlines and
+    tabs stay: a sample is text of several lines."""
+    from llmc_cli.commands.console import printable
+    console.print("\n".join("\t".join(map(printable, line.split("\t"))) for line in text.split("\n")),
+                  markup=False)
 
 
 def _check_combination(o: dict) -> None:
@@ -542,6 +553,9 @@ def _check_config_target(path: Path) -> None:
     """OUT/config.toml is replaced at the start of every run: only when llmc wrote it (its first line)."""
     if not path.exists() and not path.is_symlink():
         return
+    if not path.is_file() or path.is_symlink():  # (before opening: a FIFO there would wait for a writer forever)
+        fail(f"--out: {path} exists and was not written by llmc; llmc replaces only its own config.toml, so move it "
+             "or give another --out; nothing was changed")
     try:
         with open(path, "rb") as f:
             head = f.read(len(CONFIG_HEADER.encode()))

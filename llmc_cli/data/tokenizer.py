@@ -190,14 +190,29 @@ def gpt2_ranks_path() -> Path:
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
+TOKENIZER_FILE_MAX_BYTES = 64 * 2**20  # Llama 3's tokenizer.model is 2.2 MB, its tokenizer.json 9 MB, GPT-2's 1.6 MB
+
+
+def _read_capped(p: Path, what: str) -> bytes:
+    """The whole of a tokenizer file, which is megabytes: a FIFO (waits forever), a device (/dev/zero never ends) or a
+    file over TOKENIZER_FILE_MAX_BYTES (a stray or sparse huge file) is a TokenizerError naming it, before any of it is
+    held in memory. OSError where it cannot be read."""
+    if kind := special_file(p):
+        raise TokenizerError(f"{p}: is {kind}, not {what}")
+    with open(p, "rb") as f:
+        raw = f.read(TOKENIZER_FILE_MAX_BYTES + 1)
+    if len(raw) > TOKENIZER_FILE_MAX_BYTES:
+        raise TokenizerError(f"{p}: larger than {TOKENIZER_FILE_MAX_BYTES // 2**20} MiB, not {what} (those are a "
+                             f"few MB)")
+    return raw
+
+
 def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -> dict[bytes, int]:
     """A tiktoken ranks file ('base64-token rank' per line), read here and checked line by line: never
     through tiktoken's loader, whose cache is shared and keyed by the file's path rather than its content."""
     p = Path(path)
-    if kind := special_file(p):  # (read whole: a FIFO would wait forever, /dev/zero fill the memory)
-        raise TokenizerError(f"{p}: is {kind}, not a {what} ranks file")
     try:
-        raw = p.read_bytes()
+        raw = _read_capped(p, f"a {what} ranks file")
     except FileNotFoundError:
         raise TokenizerError(f"{what} ranks file {p} not found") from None
     except OSError as e:
@@ -327,7 +342,7 @@ def ranks_file_bytes(path: str | os.PathLike) -> bytes:
     out in that format (never its JSON under the other name). OSError where the file cannot be read."""
     p = Path(path)
     if p.suffix != ".json":
-        return p.read_bytes()
+        return _read_capped(p, "a Llama 3 ranks file")
     ranks = llama3_ranks(p)
     return "".join(f"{base64.b64encode(t).decode()} {r}\n"
                    for t, r in sorted(ranks.items(), key=lambda kv: kv[1])).encode()
@@ -411,12 +426,12 @@ def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
 def read_tokenizer_bin(path: str | os.PathLike) -> TokenTable:
     """Read llm.c's tokenizer file (versions 1 and 2) into a decode-only :class:`TokenTable`."""
     path = Path(path)
-    if kind := special_file(path):
-        raise TokenizerError(f"{path}: is {kind}, not an llm.c tokenizer file")
     try:
-        data = path.read_bytes()
+        data = _read_capped(path, "an llm.c tokenizer file")
     except FileNotFoundError:
         raise TokenizerError(f"tokenizer file {path} not found") from None
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read the tokenizer file ({e.strerror or e})") from None
     if len(data) < HEADER_INTS * 4:
         raise TokenizerError(f"{path}: truncated tokenizer file ({len(data)} bytes, header alone is 1024)")
     header = np.frombuffer(data, dtype="<i4", count=HEADER_INTS)

@@ -166,25 +166,46 @@ def read_evalfile_header(path: str | os.PathLike) -> EvalFileInfo:
     return _header(path, data, size)[0]
 
 
+def _tokens(path: str) -> tuple[EvalFileInfo, _Format, np.ndarray, int]:
+    """The header, the token stream after it and that stream's size in bytes. The stream is mapped, never read whole,
+    and only as far as the header allows (its examples x its longest example: each example is held to that longest
+    length when read), so a stray huge file under an eval file's name (or a sparse one) costs no memory and reads
+    back as trailing bytes, one line naming the file."""
+    if kind := special_file(path):  # (opening a FIFO waits for a writer forever)
+        raise DataError(f"{path}: is {kind}, not an eval file")
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            info, fmt = _header(path, f.read(HEADER_BYTES), size)
+            body, width = size - HEADER_BYTES, fmt.dtype.itemsize
+            if body % width:
+                raise DataError(f"{path}: {body} bytes after the header is not a whole number of "
+                                f"{width * 8}-bit tokens (truncated or corrupt)")
+            count = min(body, info.num_examples * info.longest) // width
+            if not count:
+                return info, fmt, np.zeros(0, fmt.dtype), body
+            return info, fmt, np.memmap(f, dtype=fmt.dtype, mode="r", offset=HEADER_BYTES, shape=(count,)), body
+    except FileNotFoundError:
+        raise DataError(f"eval file {path} not found") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise DataError(f"{path}: cannot read the eval file ({e.strerror or e})") from None
+
+
 def read_evalfile(path: str | os.PathLike) -> list[dict]:
     """Read an eval file (either version) back into the dicts :func:`write_evalfile` takes (plus ``index``);
     which tokenizer made it is :func:`read_evalfile_header`'s ``tokenizer``."""
     path = str(path)
-    data, size = _read_bytes(path)
-    info, fmt = _header(path, data, size)
+    info, fmt, s, body = _tokens(path)
     width = fmt.dtype.itemsize
-    if (len(data) - HEADER_BYTES) % width:
-        raise DataError(f"{path}: {len(data) - HEADER_BYTES} bytes after the header is not a whole number of "
-                        f"{width * 8}-bit tokens (truncated or corrupt)")
-    s = np.frombuffer(data, dtype=fmt.dtype, offset=HEADER_BYTES)
     out, pos = [], 0
     for i in range(info.num_examples):
         if pos + 5 > len(s) or s[pos] != fmt.delimiter:
             raise DataError(f"{path}: example {i} does not start with the {fmt.delimiter} delimiter "
                             f"(corrupt or truncated)")
         nbytes, index, label, ncomp = (int(v) for v in s[pos + 1: pos + 5])
-        if nbytes % width:
-            raise DataError(f"{path}: example {i} length field {nbytes} is not a whole number of tokens (corrupt)")
+        if nbytes % width or nbytes > info.longest:
+            raise DataError(f"{path}: example {i} length field {nbytes} is not a whole number of tokens of at most "
+                            f"the header's longest example, {info.longest} bytes (corrupt)")
         end = pos + nbytes // width
         if end > len(s):
             raise DataError(f"{path}: truncated in example {i}")
@@ -201,6 +222,9 @@ def read_evalfile(path: str | os.PathLike) -> list[dict]:
         _check_example(path, i, label, parts[0], parts[1:])
         out.append({"index": index, "label": label, "ctx_tokens": parts[0], "ending_tokens": parts[1:]})
         pos = end
-    if pos != len(s):
-        raise DataError(f"{path}: {width * (len(s) - pos)} trailing bytes after {info.num_examples} examples")
+    if width * pos != body:  # (bytes past what the header allows are not even mapped)
+        over = body > info.num_examples * info.longest
+        raise DataError(f"{path}: {body - width * pos:,} trailing bytes after {info.num_examples} examples"
+                        + (f" (more than its header allows, {info.num_examples} of at most {info.longest} bytes: "
+                           "corrupt, or not an eval file)" if over else ""))
     return out

@@ -27,13 +27,33 @@ def _is_record(line: bytes) -> bool:
     return isinstance(rec, dict) and type(rec.get("step")) is int
 
 
+LINE_MAX_BYTES = 1 << 20  # a record is a few hundred bytes: a longer line is no record (a sparse or stray big file)
+
+
+def log_lines(f: IO[bytes]):
+    """The lines of a log opened in binary, each read at most LINE_MAX_BYTES + 1 bytes at a time: a file that is
+    one line of gigabytes (a sparse file, a stray dump) is never held whole. A longer line comes out cut at that
+    length, without its newline, which no reader takes for a record."""
+    while line := f.readline(LINE_MAX_BYTES + 1):
+        yield line
+        if len(line) > LINE_MAX_BYTES and not line.endswith(b"\n"):
+            return  # (what follows the cut is no record either: the caller has its verdict)
+
+
 def is_llmc_log(path: str | Path) -> bool:
-    """An empty file, or one whose lines are all llmc records (a torn last line from a kill is allowed)."""
+    """An empty file, or one whose lines are all llmc records (a torn last line from a kill is allowed). Read
+    line by line: a big file that is not a log is refused at its first long line, not read whole."""
+    seen_complete = False
     with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    complete, last = lines[:-1], lines[-1]
-    return all(_is_record(line) for line in complete if line.strip()) and (
-        not last.strip() or _is_record(last) or bool(complete))
+        for line in log_lines(f):
+            if len(line) > LINE_MAX_BYTES:
+                return False
+            if not line.endswith(b"\n"):  # the last line, torn by a kill mid-write
+                return not line.strip() or _is_record(line) or seen_complete
+            if line.strip() and not _is_record(line):
+                return False
+            seen_complete = True
+    return True
 
 
 def check_log(path: str | Path) -> None:
@@ -73,16 +93,18 @@ def record_line(rec: dict) -> str:
 def trim_log(path: str | Path, step: int) -> None:
     """Keep only what a run resumed at `step` will not write again: training records up to `step`, validation
     records before it; drops torn lines (a kill mid-write). Rewritten atomically."""
+    import os
     path = Path(path)
     if not path.is_file():
         return
+    path = Path(os.path.realpath(path))  # a --log given as a symbolic link: the log it names is trimmed, the link kept
     keep = []
     with open(path, "rb") as f:
-        for line in f:
+        for line in log_lines(f):
             try:
                 rec = json.loads(line)
                 s = int(rec["step"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):  # (a torn or "[[[..." line is dropped)
                 continue
             if ("loss" in rec and s <= step) or ("loss" not in rec and s < step):
                 keep.append(line if line.endswith(b"\n") else line + b"\n")

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
+from llmc_cli.formats.files import special_file
 from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.hf import (
     LLMC_TOKENIZER_KEY,
@@ -84,7 +85,7 @@ def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
         where = [model_file.parent, model_file.parent.parent]  # the step directory, then its run directory
     for d in where:  # Meta's tokenizer.model first, else Hugging Face's tokenizer.json (the same ranks)
         for name in (ckpt.TOKENIZER_FILE, "tokenizer.json"):
-            if (d / name).is_file():
+            if (d / name).is_file() or special_file(d / name):  # (a device or FIFO there: its reader names it)
                 return "llama3", d / name
     raise ckpt.CheckpointError(f"{path}: a Llama 3 model needs its tokenizer, {ckpt.TOKENIZER_FILE} (Meta's "
                                f"tiktoken-format ranks) or tokenizer.json (Hugging Face's), expected in "

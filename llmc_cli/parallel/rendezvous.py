@@ -10,7 +10,7 @@ import socket
 import time
 from pathlib import Path
 
-from llmc_cli.formats.files import atomic_write_bytes
+from llmc_cli.formats.files import atomic_write_bytes, special_file
 from llmc_cli.kernels import CommError, RankInfo
 
 ID_BYTES = 128  # the usual size of a communicator's unique id
@@ -75,8 +75,12 @@ def share_file(uid: bytes | None, rank: int, path: str, timeout: float, nbytes: 
         return uid
     t0 = time.monotonic()
     while True:
+        if kind := special_file(p):  # (opening a FIFO would wait for a writer forever, past the timeout)
+            raise CommError(f"--init-file {path}: {kind}, not a file rank 0 writes the communicator's id to; give a "
+                            "path that does not exist yet")
         try:
-            data = p.read_bytes()
+            with open(p, "rb") as f:
+                data = f.read(nbytes + 1)  # the id's few bytes: never the whole of a big file left there
             if len(data) == nbytes:
                 return data
         except FileNotFoundError:

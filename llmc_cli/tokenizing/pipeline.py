@@ -163,6 +163,19 @@ def _check_manifest(path: Path, m: dict) -> None:
         bad(f"complete is {m.get('complete')!r}, expected true or false")
 
 
+MANIFEST_MAX_BYTES = 64 << 20  # ~150 bytes a shard: 400,000 shards; a bigger file is no manifest llmc wrote
+
+
+def _manifest_bytes(path: Path) -> bytes:
+    """A manifest's bytes, read only up to MANIFEST_MAX_BYTES: a stray big (or sparse) file under its name is
+    refused as not a manifest, never read whole. ValueError when it is longer."""
+    with open(path, "rb") as f:
+        raw = f.read(MANIFEST_MAX_BYTES + 1)
+    if len(raw) > MANIFEST_MAX_BYTES:
+        raise ValueError(f"{path}: larger than {MANIFEST_MAX_BYTES >> 20} MiB")
+    return raw
+
+
 def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int = 1,
                  val_tokens: int | None = None, val_fraction: float = 0.1, force: bool = False,
                  progress: ProgressFactory = silent) -> Summary:
@@ -189,7 +202,7 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
     manifest = None
     if manifest_path.is_file() and not force:
         try:
-            manifest = json.loads(manifest_path.read_text())
+            manifest = json.loads(_manifest_bytes(manifest_path))
         except (OSError, ValueError, RecursionError):  # (not JSON, not UTF-8: refused below as not a manifest)
             manifest = None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
@@ -226,8 +239,8 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
                             "it or choose another --out-dir") from None
     if manifest_path.exists() and manifest is None:
         try:  # (a FIFO under its name is not read: that would wait for a writer forever)
-            ours = manifest_path.is_file() and isinstance(json.loads(manifest_path.read_bytes()).get("fingerprint"),
-                                                          dict)
+            ours = manifest_path.is_file() and isinstance(
+                json.loads(_manifest_bytes(manifest_path)).get("fingerprint"), dict)
         except (OSError, ValueError, AttributeError, RecursionError):
             ours = False
         if not ours:
@@ -305,9 +318,16 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
                         val_size = shard_size
                     else:
                         return
-                if buffered >= val_size or final:
-                    flush(min(val_size, buffered), "val")
+                if buffered > val_size:  # (val once a train token follows it: never a val shard and no train)
+                    flush(val_size, "val")
                     continue
+                if final:  # the whole input fits the val split: refused before any shard is written
+                    if val_tokens and not src.explicit_split:
+                        raise DataError(f"{src.name}: the input holds {buffered:,} tokens, all of them inside the "
+                                        f"val split's {val_size:,} (--val-tokens), so no train shard would be left; "
+                                        f"no shard written; pass a --val-tokens below {buffered:,}")
+                    raise DataError(f"{src.name}: the input holds {buffered:,} token(s), too few for a val and a "
+                                    "train shard; no shard written")
                 return
             if buffered >= shard_size:
                 flush(shard_size, "train")
@@ -350,6 +370,11 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
             drain(final=True)
             if not state["shards"]:  # (before any manifest: a rerun must not find an "already complete" empty run)
                 raise DataError(f"{src.name}: the input holds no documents, no shards written")
+            if not any(s["split"] == "train" for s in state["shards"]):  # (a corpus's own split with no train part)
+                n, first = len(state["shards"]), state["shards"][0]["file"]
+                raise DataError(f"{src.name}: the input's train part holds no documents, so no train shard was "
+                                f"written (only {n} val shard(s), {first}{', ...' if n > 1 else ''}, in {out_dir}, "
+                                "its manifest marked unfinished); add train documents and run again with --force")
         except BaseException:  # the error line alone then says what happened (and how to resume)
             prog.discard()
             raise

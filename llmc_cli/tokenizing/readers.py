@@ -105,7 +105,9 @@ def expand_inputs(paths: Iterable[str | os.PathLike], exclude: str | os.PathLike
     return [f for f in out if not ((r := f.resolve()) in seen or seen.add(r))]
 
 
-def _field(obj, text_field: str, where: str) -> str:
+def _field(obj, text_field: str, where: str, remedy: str | None = None) -> str:
+    """A document's text: `obj` itself, or its `text_field`. `remedy` ends the line of a document without it (default:
+    the --text-field option of the commands that have one; a command without it passes its own)."""
     if isinstance(obj, str):
         return checked_text(obj, where)
     if isinstance(obj, dict):
@@ -114,9 +116,9 @@ def _field(obj, text_field: str, where: str) -> str:
             return checked_text(v, where)
         if text_field in obj:
             raise DataError(f"{where}: field {text_field!r} is {type(v).__name__}, expected a string; "
-                            "use --text-field for another field")
+                            f"{remedy or 'use --text-field for another field'}")
         raise DataError(f"{where}: no string field {text_field!r} (fields: {', '.join(map(str, obj))}); "
-                        "use --text-field")
+                        f"{remedy or 'use --text-field'}")
     raise DataError(f"{where}: expected an object with a {text_field!r} field or a string, got {type(obj).__name__}")
 
 
@@ -130,9 +132,10 @@ def _json_line(line: str, where: str, hint: str = ""):
         raise DataError(f"{where}: JSON nested too deeply to read") from None
 
 
-def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
+def iter_file_docs(path: Path, text_field: str = "text", remedy: str | None = None) -> Iterator[str]:
     """The documents of one input file: a .txt file is one document (none when it is empty or blank); .jsonl
-    one per line; .json a list (of strings or objects); .parquet one per row of the ``text_field`` column."""
+    one per line; .json a list (of strings or objects); .parquet one per row of the ``text_field`` column.
+    `remedy`: what a line about a missing or mistyped field advises (default: --text-field)."""
     kind = _kind(path)
     try:
         if kind == "text":
@@ -150,7 +153,7 @@ def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
                         if isinstance(obj, list):
                             raise DataError(f"{path}:{n}: a JSON array, not one document per line; a list of "
                                             "documents belongs in a .json file")
-                        yield _field(obj, text_field, f"{path}:{n}")
+                        yield _field(obj, text_field, f"{path}:{n}", remedy)
         elif kind == "json":
             with _open_text(path) as f:
                 try:
@@ -162,7 +165,7 @@ def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
             if not isinstance(data, list):
                 raise DataError(f"{path}: expected a JSON list of documents, got {type(data).__name__}")
             for i, obj in enumerate(data):
-                yield _field(obj, text_field, f"{path}[{i}]")
+                yield _field(obj, text_field, f"{path}[{i}]", remedy)
         elif kind == "parquet":
             try:
                 import pyarrow.parquet as pq
@@ -174,8 +177,8 @@ def iter_file_docs(path: Path, text_field: str = "text") -> Iterator[str]:
                 raise DataError(f"{path}: not a readable parquet file ({e})") from None
             if text_field not in pf.schema_arrow.names:
                 raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                                "use --text-field")
-            _check_text_column(path, text_field, pf.schema_arrow.field(text_field).type)
+                                f"{remedy or 'use --text-field'}")
+            _check_text_column(path, text_field, pf.schema_arrow.field(text_field).type, remedy)
             batches = pf.iter_batches(columns=[text_field], batch_size=1024)
             while True:
                 try:  # a damaged page is found only when read: name this file, not the output directory
@@ -231,14 +234,15 @@ def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
         raise not_utf8(path, e) from None
 
 
-def _check_text_column(path: Path, name: str, t) -> None:
+def _check_text_column(path: Path, name: str, t, remedy: str | None = None) -> None:
     import pyarrow as pa
 
     if pa.types.is_dictionary(t):
         t = t.value_type
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)
             or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))):
-        raise DataError(f"{path}: column {name!r} holds {t}, expected strings; use --text-field for another column")
+        raise DataError(f"{path}: column {name!r} holds {t}, expected strings; "
+                        f"{remedy or 'use --text-field for another column'}")
 
 
 def _files_ident(files: list[Path]) -> list:

@@ -118,6 +118,10 @@ def extract_tinystories(archive: Path, dest: Path) -> Path:
     return dest
 
 
+# (`llmc tokenize tinystories` has no --text-field: a file without stories is not one of its files)
+TINYSTORIES_REMEDY = "expected TinyStories' data*.json files (a JSON list of objects with a 'story' string)"
+
+
 def tinystories_source(json_files: list[Path]) -> Source:
     """llm.c's TinyStories: first json file = val, the rest train; each file's stories shuffled with
     ``random.Random(1337 + index within its split)`` and stripped, as llm.c's tinystories.py does."""
@@ -127,7 +131,7 @@ def tinystories_source(json_files: list[Path]) -> Source:
     def docs():
         for split, files in (("val", json_files[:1]), ("train", json_files[1:])):
             for i, f in enumerate(files):
-                stories = [d for d in iter_file_docs(f, "story")]
+                stories = [d for d in iter_file_docs(f, "story", TINYSTORIES_REMEDY)]
                 random.Random(1337 + i).shuffle(stories)
                 for s in stories:
                     yield split, s.strip()

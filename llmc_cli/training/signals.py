@@ -36,6 +36,13 @@ class StopSignals:
         except OSError:
             pass
 
+    def request(self, why: str) -> None:
+        """A stop asked for by something other than a signal (standard output's reader gone): honoured as the first
+        signal is, after the current step."""
+        if self.requested is None:
+            self.requested = why
+            self._note(f"{why}: finishing the current step, then writing a checkpoint")
+
     def _handler(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested is None:

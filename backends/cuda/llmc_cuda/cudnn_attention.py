@@ -24,7 +24,7 @@ from pathlib import Path
 
 import cudnn
 
-from llmc_cli.kernels import write_cache_file
+from llmc_cli.kernels import CACHE_FILE_MAX, write_cache_file
 
 Q, K, V, O, STATS, DO, DQ, DK, DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
@@ -103,7 +103,10 @@ class CudnnAttention:
     def _load(self, key):
         """The plan an earlier run serialized for `key`, or None."""
         path = self._plan_file(key)
-        if path is None or not path.is_file():
+        try:  # (a plan is kilobytes: a bigger file there is no plan, and is never read whole)
+            if path is None or not path.is_file() or path.stat().st_size > CACHE_FILE_MAX:
+                return None
+        except OSError:
             return None
         try:
             g = cudnn.pygraph(handle=self.handle)
