@@ -238,7 +238,8 @@ def train(**o) -> None:
       2    bad options or files, or an error that stopped the run (one line; with --out the last
            completed step is checkpointed first)
       3    --max-bad-steps non-finite or skipped steps in a row
-      75   stopped by SIGINT, SIGTERM or SIGHUP after writing a checkpoint: continue with --resume
+      75   stopped by SIGINT, SIGTERM, SIGHUP or a closed standard output after writing a checkpoint: continue
+           with --resume
       130  stopped by a signal with nothing saved (no --out, or a second signal during the checkpoint)
     """
     from llmc_cli.data.tokenizer import load_tokenizer
