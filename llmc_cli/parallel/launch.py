@@ -19,9 +19,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
+
+
+STOPPED = 75  # a rank's exit status after a graceful stop with a checkpoint (llmc train's exit statuses)
+# what the launcher passes on to its ranks, which run in their own session so that a terminal's Ctrl-C reaches them
+# once, through here (SIGHUP: the terminal or ssh session went away; a rank stops on it as on SIGTERM)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def stderr_say(msg: str) -> None:
@@ -72,7 +79,7 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
                 except ProcessLookupError:
                     pass
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         for r, (cmd, env) in enumerate(zip(cmds, envs)):
             if r == 0:
@@ -94,6 +101,15 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
                 return 0
             time.sleep(0.1)
         r, rc = failed
+        if rc == STOPPED:  # a graceful stop: the ranks checkpointed together; let the others end on their own
+            deadline = time.monotonic() + grace
+            for p in procs:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+            if all(p.poll() is not None for p in procs):
+                return STOPPED
         say(f"{describe(r)} {_status(rc)}; stopping the other {len(procs) - 1} rank(s)")
         if r != 0:
             tail = _tail(logdir / f"rank{r}.log")
@@ -165,6 +181,28 @@ def note_failure(rank: int, world: int, msg: str) -> None:
             pass
 
 
+def _relay_stdout(proc: subprocess.Popen) -> None:
+    """mpiexec's standard output (the ranks') copied to ours. mpiexec writing into a pipe whose reader has gone
+    (`llmc train --procs 2 | head`) would die of SIGPIPE and take the ranks down with nothing saved; here the ranks
+    are asked to stop as on SIGTERM instead (a checkpoint after the step, exit 75), and what they still print is
+    dropped."""
+    reader_gone = False
+    while chunk := proc.stdout.read1(1 << 16):
+        if reader_gone:
+            continue
+        try:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(1, view):]
+        except OSError:  # (EPIPE; or a full disk behind stdout: the run is worth more than its lines either way)
+            reader_gone = True
+            stderr_say("standard output closed: asking the ranks to stop after their step and write a checkpoint")
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
 def launch_mpi(args: list[str], n: int, say: Say = stderr_say) -> int:
     """`llmc <args>` as N MPI ranks through mpiexec (the cpu / OpenCL backends reduce through MPI)."""
     mpiexec = find_mpiexec()
@@ -180,13 +218,29 @@ def launch_mpi(args: list[str], n: int, say: Say = stderr_say) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", LLMC_FAILURE_DIR=str(faildir))
     # N ranks share this machine's cores: without a limit each one's BLAS would start a thread per core
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, "-m", "llmc_cli", *args], env=env)
+    sys.stdout.flush()
+    proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, "-m", "llmc_cli", *args], env=env,
+                            stdout=subprocess.PIPE, start_new_session=True)
+    relay = threading.Thread(target=_relay_stdout, args=(proc,), daemon=True)
+    relay.start()
+
+    def forward(signum, frame):  # mpiexec passes it on to the ranks, which checkpoint and exit 75
+        try:  # (MPICH's mpiexec dies of a SIGHUP, passing nothing on: the ranks are told SIGTERM)
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        except ProcessLookupError:
+            pass
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, forward) for s in FORWARDED} if main else {}
     try:
         rc = proc.wait()
-    except KeyboardInterrupt:  # mpiexec passes Ctrl-C on to the ranks; wait for their checkpoint
-        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    relay.join(timeout=5)
     notes = sorted(faildir.glob("rank*.failed"))
-    if rc != 0:
+    if rc == STOPPED:
+        say(f"all {n} ranks stopped after writing a checkpoint: continue with the same command and --resume")
+    elif rc != 0:
         who = "; ".join(p.read_text().strip() for p in notes) or "a rank failed (its own message above names it)"
         say(f"mpiexec {_status(rc)}: {who}; all {n} ranks stopped")
     shutil.rmtree(faildir, ignore_errors=True)
