@@ -424,8 +424,12 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
             else:
                 _say(f"{said}\n  {how}")
             sys.exit(75)
-        console.print(f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without "
-                      f"--out DIR, so this run cannot be resumed")
+        said = (f"stopped by {st['signal']} after step {st['step']}; nothing can be saved without --out DIR, so this "
+                "run cannot be resumed")
+        if closed:
+            sys.stderr.write(printable(said) + "\n")
+        else:
+            console.print(said, markup=False)
         sys.exit(130)
 
 
