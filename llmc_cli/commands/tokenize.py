@@ -113,8 +113,8 @@ class _Tokens(click.ParamType):
 
 
 TOKENS = _Tokens()
-# a process each, holding a tokenizer: past a few per CPU they only cost memory (2**31 of them never started)
-WORKERS = Int(1, max(8, 4 * (os.cpu_count() or 1)))
+# a process each, holding a tokenizer: a bound that no machine's script reaches, so 2**31 of them never start
+WORKERS = Int(1, max(1024, 4 * (os.cpu_count() or 1)))
 
 
 def _friendly(fn):
@@ -260,7 +260,7 @@ def tinyshakespeare(local, **o):
     """Tiny Shakespeare (1 MB, llm.c's first dataset): every blank-line-separated speech is a document,
     the first 32,768 tokens are val, as in llm.c's dev/data/tinyshakespeare.py."""
     out = o.get("out_dir") or Path("datasets") / "tinyshakespeare"
-    path = regular_file(local, "--local") if local else download(URLS["tinyshakespeare"], out / "tiny_shakespeare.txt",
+    path = regular_file(local, "--local", pipe_ok=True) if local else download(URLS["tinyshakespeare"], out / "tiny_shakespeare.txt",
                                                                    _progress_factory())
     _run(tinyshakespeare_source(path), o)
 

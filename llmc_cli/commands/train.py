@@ -32,26 +32,22 @@ CONFIG_MAX_BYTES = 1 << 20  # a --config file larger than this is not a file of 
 
 
 def _read_config_bytes(value: str, ctx: click.Context, param: click.Parameter) -> bytes:
-    """--config's bytes: a regular file, or a pipe (`--config <(...)`) read until its writer closes it, within a
-    deadline; a device (/dev/zero never ends) or more than CONFIG_MAX_BYTES is not a file of options."""
+    """--config's bytes: a regular file, or a pipe (`--config <(...)`) read until its writer closes it, as `cat`
+    would; a device (/dev/zero never ends) or more than CONFIG_MAX_BYTES is not a file of options."""
     import os
-    import select
     import stat
-    import time
-    fd = os.open(value, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO with no writer would block a plain open)
+    fd = os.open(value, os.O_RDONLY | os.O_NONBLOCK)  # (looked at before reading: a device is refused unread)
     try:
         st = os.fstat(fd)
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
             raise click.BadParameter(f"{value}: not a regular file (a TOML file of options)", ctx, param)
-        chunks, size, deadline = [], 0, time.monotonic() + 30
+        if stat.S_ISFIFO(st.st_mode):  # a FIFO opened without blocking reads as empty until its writer comes
+            os.close(fd)
+            fd = -1
+            fd = os.open(value, os.O_RDONLY)
+        chunks, size = [], 0
         while size <= CONFIG_MAX_BYTES:
-            try:
-                chunk = os.read(fd, 1 << 16)  # (a FIFO that no one writes to reads as empty at once)
-            except BlockingIOError:  # a pipe's writer is there but has written nothing yet: wait for it, a while
-                if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    raise click.BadParameter(f"{value}: nothing more came through the pipe for 30 s", ctx,
-                                             param) from None
-                continue
+            chunk = os.read(fd, 1 << 16)
             if not chunk:
                 return b"".join(chunks)
             chunks.append(chunk)
@@ -59,7 +55,8 @@ def _read_config_bytes(value: str, ctx: click.Context, param: click.Parameter) -
         raise click.BadParameter(f"{value}: more than {CONFIG_MAX_BYTES:,} bytes is not a file of options", ctx,
                                  param)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

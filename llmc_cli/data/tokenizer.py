@@ -176,10 +176,12 @@ def gpt2_ranks_path() -> Path:
                 candidates.append(Path(f.locate()))
     except importlib.metadata.PackageNotFoundError:
         pass
-    candidates.append(packages_dir() / "whisper" / "assets" / "gpt2.tiktoken")  # where install.sh puts it
     for c in candidates:
         if c.is_file():
             return c
+    ours = packages_dir() / "whisper" / "assets" / "gpt2.tiktoken"  # where install.sh puts it (needs a home)
+    if ours.is_file():
+        return ours
     raise TokenizerError(
         "GPT-2 ranks file whisper/assets/gpt2.tiktoken not found: install it with "
         f"`{install_hint('openai-whisper==20250625')}` (or pass the path of a gpt2.tiktoken file)")

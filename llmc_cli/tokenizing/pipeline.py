@@ -7,6 +7,7 @@ import collections
 import json
 import math
 import multiprocessing
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -163,13 +164,16 @@ def _check_manifest(path: Path, m: dict) -> None:
         bad(f"complete is {m.get('complete')!r}, expected true or false")
 
 
-MANIFEST_MAX_BYTES = 64 << 20  # ~150 bytes a shard: 400,000 shards; a bigger file is no manifest llmc wrote
+MANIFEST_MAX_BYTES = 1 << 30  # a manifest lists every input file (~100 bytes each): ten million of them fit; a
+# bigger file is no manifest llmc wrote
 
 
 def _manifest_bytes(path: Path) -> bytes:
     """A manifest's bytes, read only up to MANIFEST_MAX_BYTES: a stray big (or sparse) file under its name is
     refused as not a manifest, never read whole. ValueError when it is longer."""
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size > MANIFEST_MAX_BYTES:  # (refused by its size: nothing read)
+            raise ValueError(f"{path}: larger than {MANIFEST_MAX_BYTES >> 20} MiB")
         raw = f.read(MANIFEST_MAX_BYTES + 1)
     if len(raw) > MANIFEST_MAX_BYTES:
         raise ValueError(f"{path}: larger than {MANIFEST_MAX_BYTES >> 20} MiB")

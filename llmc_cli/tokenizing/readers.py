@@ -46,11 +46,13 @@ def not_utf8(path: Path, e: UnicodeDecodeError) -> DataError:
     return DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
 
 
-def regular_file(path: str | os.PathLike, what: str = "input") -> Path:
-    """`path` itself when it is a regular file (or a link to one). A FIFO, a device or a socket is refused: reading
-    one waits for a writer forever (a FIFO, /dev/stdin) or never ends (/dev/zero)."""
+def regular_file(path: str | os.PathLike, what: str = "input", pipe_ok: bool = False) -> Path:
+    """`path` itself when it is a regular file (or a link to one). A device or a socket is refused: reading one
+    never ends (/dev/zero). So is a FIFO, unless `pipe_ok` (a file read once from start to end, as
+    `--local <(curl ...)` or `/dev/stdin` hand it): inputs that are split among workers, seeked or resumed need a
+    file."""
     path = Path(path)
-    if kind := special_file(path):
+    if (kind := special_file(path)) and not (pipe_ok and kind == "a FIFO"):
         raise DataError(f"{what} {path} is {kind}, not a regular file; give a file")
     return path
 
@@ -204,7 +206,7 @@ def iter_file_docs(path: Path, text_field: str = "text", remedy: str | None = No
 def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
     """(label, context, the 4 endings) of each example of a HellaSwag .jsonl (rowanz/hellaswag), typed strictly:
     a label of 1.7 or true, or endings given as one string, would otherwise become an example nobody wrote."""
-    path = regular_file(path, "--local")
+    path = regular_file(path, "--local", pipe_ok=True)
     try:
         with open(path, encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):

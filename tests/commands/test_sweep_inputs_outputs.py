@@ -76,12 +76,14 @@ def test_tokenize_manifest_that_is_a_huge_sparse_file_is_refused_without_reading
     (tmp_path / "a.txt").write_text("hello world, a tiny corpus\n")
     out = tmp_path / "out"
     out.mkdir()
-    sparse(out / "a_manifest.json")
+    from llmc_cli.tokenizing.pipeline import MANIFEST_MAX_BYTES
+    size = MANIFEST_MAX_BYTES + (1 << 20)
+    sparse(out / "a_manifest.json", size)
     r, peak = peak_of(lambda: run("tokenize", "text", tmp_path / "a.txt", "--out-dir", out, "--workers", 1,
                                   ok=False))
     one_line_error(r, "a_manifest.json", "not an llmc tokenize manifest")
     assert peak < BOUND, f"{peak / 2**20:.0f} MiB allocated to refuse it"
-    assert tree(out) == {"a_manifest.json": HUGE}
+    assert tree(out) == {"a_manifest.json": size}
 
 
 def test_init_file_of_a_later_rank_huge_or_a_fifo(tmp_path):

@@ -110,12 +110,13 @@ def test_byte_order_mark_is_no_text(tmp_path):
     ["text", "{fifo}"],
     ["text", "{ok}", "--tokenizer-path", "{fifo}"],
     ["text", "{ok}", "--tokenizer", "llama3", "--tokenizer-path", "/dev/null"],
-    ["tinyshakespeare", "--local", "{fifo}"],
+    ["tinyshakespeare", "--local", "/dev/zero"],
     ["tinystories", "--local", "{fifo}"],
-    ["hellaswag", "--local", "{fifo}"],
+    ["hellaswag", "--local", "/dev/zero"],
     ["fineweb", "--local", "{fifo}"],
 ])
 def test_fifos_and_devices_are_refused_without_waiting(tmp_path, args):
+    """Inputs that workers split, seek or resume need a file; a device never ends."""
     (tmp_path / "ok.txt").write_text("hello world")
     with fifo(tmp_path / "in.txt") as f:
         r = run(*[a.format(fifo=f, ok=tmp_path / "ok.txt") for a in args], "--out-dir", tmp_path / "out")
@@ -309,3 +310,17 @@ def test_stderr_holds_the_error_line_alone(tmp_path):
                        timeout=120)
     assert r.returncode == 2 and r.stderr == f"error: {tmp_path / 'latin1.txt'}: not UTF-8 text (unexpected end of " \
                                              "data at byte 3)\n", repr(r.stderr)
+
+
+@pytest.mark.parametrize("what", ["hellaswag", "tinyshakespeare"])
+def test_local_files_read_once_may_come_through_a_pipe(tmp_path, what):
+    """`--local <(curl ...)` or `cat f | llmc tokenize ... --local /dev/stdin`: read from start to end once, so a pipe
+    is as good as the file."""
+    src = tmp_path / "src"
+    src.write_text(json.dumps(HS) + "\n" if what == "hellaswag" else "First Citizen:\nBefore we proceed any further.\n" * 50)
+    extra = [] if what == "hellaswag" else ["--val-tokens", "40", "--workers", "1"]
+    script = (f"cat {src} | {sys.executable} -m llmc_cli tokenize {what} --local /dev/stdin --out-dir {tmp_path / 'out'} "
+              + " ".join(extra))
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "out").glob("*.bin"))
