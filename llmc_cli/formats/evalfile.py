@@ -184,7 +184,8 @@ def _tokens(path: str) -> tuple[EvalFileInfo, _Format, np.ndarray, int]:
             count = min(body, info.num_examples * info.longest) // width
             if not count:
                 return info, fmt, np.zeros(0, fmt.dtype), body
-            return info, fmt, np.memmap(f, dtype=fmt.dtype, mode="r", offset=HEADER_BYTES, shape=(count,)), body
+            mapped = np.memmap(f, dtype=fmt.dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+            return info, fmt, mapped.view(np.ndarray), body  # (a memmap's own indexing costs ~3x a plain array's)
     except FileNotFoundError:
         raise DataError(f"eval file {path} not found") from None
     except OSError as e:  # a directory, no permission, an I/O error
