@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from llmc_cli.data.home import install_hint, packages_dir
-from llmc_cli.formats.files import DataError, special_file
+from llmc_cli.formats.files import DataError, read_at_most, special_file
 
 __all__ = [
     "Tokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
@@ -201,9 +201,8 @@ def _read_capped(p: Path, what: str) -> bytes:
     held in memory. OSError where it cannot be read."""
     if kind := special_file(p):
         raise TokenizerError(f"{p}: is {kind}, not {what}")
-    with open(p, "rb") as f:
-        raw = f.read(TOKENIZER_FILE_MAX_BYTES + 1)
-    if len(raw) > TOKENIZER_FILE_MAX_BYTES:
+    raw = read_at_most(p, TOKENIZER_FILE_MAX_BYTES)
+    if raw is None:
         raise TokenizerError(f"{p}: larger than {TOKENIZER_FILE_MAX_BYTES // 2**20} MiB, not {what} (those are a "
                              f"few MB)")
     return raw

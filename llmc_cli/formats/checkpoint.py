@@ -31,6 +31,7 @@ from llmc_cli.formats.files import (
     atomic_write_bytes,
     fault_delay,
     fsync_dir,
+    read_at_most,
     replace_dir,
 )
 from llmc_cli.formats.hf import TOKENIZER_FILE
@@ -266,9 +267,8 @@ def read_run_state(state_path: str | Path) -> dict:
     """state.json of a step directory, checked for its version and the fields a resume needs."""
     state_path = Path(state_path)
     try:
-        with open(state_path, "rb") as f:
-            raw = f.read(STATE_MAX_BYTES + 1)  # kilobytes (options, RNG, data position): never a stray big file whole
-        if len(raw) > STATE_MAX_BYTES:
+        raw = read_at_most(state_path, STATE_MAX_BYTES)  # kilobytes (options, RNG, data position)
+        if raw is None:
             raise CheckpointError(f"{state_path}: over {STATE_MAX_BYTES // 2**20} MiB, not an llmc run state")
         state = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

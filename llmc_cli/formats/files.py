@@ -79,6 +79,17 @@ def check_replaceable(path: str | os.PathLike, magics: Sequence[int], what: str)
                         "choose another path")
 
 
+def read_at_most(path: str | os.PathLike, limit: int) -> bytes | None:
+    """The whole of `path` when it holds at most `limit` bytes, else None: a regular file is judged by its size before
+    anything is read, anything else (a pipe) by reading at most limit + 1 bytes, so a stray big (or sparse) file or
+    a device is never read whole. OSError where it cannot be opened."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            return None
+        raw = f.read(limit + 1)
+    return raw if len(raw) <= limit else None
+
+
 def special_file(path: str | os.PathLike) -> str | None:
     """What `path` is ("a FIFO", "a socket", "a device") when it exists but is neither a regular file nor a
     directory, else None. Reading one waits for a writer forever (a FIFO, /dev/stdin) or never ends (/dev/zero), so

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.formats.files import CheckpointError, atomic_write_bytes
+from llmc_cli.formats.files import CheckpointError, atomic_write_bytes, read_at_most
 from llmc_cli.formats.safetensors import read_safetensors, write_safetensors
 
 WEIGHTS = "model.safetensors"
@@ -76,9 +76,8 @@ JSON_MAX_BYTES = 64 * 2**20  # config.json and the shards' index are kilobytes; 
 
 
 def _read_json(path: Path):
-    with open(path, "rb") as f:
-        raw = f.read(JSON_MAX_BYTES + 1)
-    if len(raw) > JSON_MAX_BYTES:
+    raw = read_at_most(path, JSON_MAX_BYTES)
+    if raw is None:
         raise ValueError(f"larger than {JSON_MAX_BYTES // 2**20} MiB, not a Hugging Face JSON file")
     return json.loads(raw)
 

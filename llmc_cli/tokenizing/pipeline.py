@@ -7,7 +7,6 @@ import collections
 import json
 import math
 import multiprocessing
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from llmc_cli.data.tokenizer import load_tokenizer
-from llmc_cli.formats.files import DataError, atomic_write_bytes
+from llmc_cli.formats.files import DataError, atomic_write_bytes, read_at_most
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 from llmc_cli.tokenizing.sources import Source
@@ -171,11 +170,8 @@ MANIFEST_MAX_BYTES = 1 << 30  # a manifest lists every input file (~100 bytes ea
 def _manifest_bytes(path: Path) -> bytes:
     """A manifest's bytes, read only up to MANIFEST_MAX_BYTES: a stray big (or sparse) file under its name is
     refused as not a manifest, never read whole. ValueError when it is longer."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size > MANIFEST_MAX_BYTES:  # (refused by its size: nothing read)
-            raise ValueError(f"{path}: larger than {MANIFEST_MAX_BYTES >> 20} MiB")
-        raw = f.read(MANIFEST_MAX_BYTES + 1)
-    if len(raw) > MANIFEST_MAX_BYTES:
+    raw = read_at_most(path, MANIFEST_MAX_BYTES)
+    if raw is None:
         raise ValueError(f"{path}: larger than {MANIFEST_MAX_BYTES >> 20} MiB")
     return raw
 
