@@ -638,7 +638,11 @@ class Communicator(Protocol):
     collective, maps every rank's copy of ``buf`` into this process and returns a handle (None where it cannot);
     the backend's ``adamw_update`` then takes ``mirrors=handle.others(offset)`` to write the other ranks' copies of
     what it updates. ``device_barrier()`` queues a point no rank's stream passes before every rank's stream reached
-    it.
+    it. ``reduce_scatter_pieces(buf)``, collective, returns a handle (None where it cannot) that reduce-scatters
+    ``buf`` piece by piece: ``send(ranges)`` queues the ``(lo, hi)`` element ranges, each inside one rank's chunk and
+    final once the work queued so far has run, to travel to their owner beside the work queued after them;
+    ``finish()``, once every range of every rank was sent, queues what leaves chunk ``rank`` averaged as
+    ``reduce_scatter(buf, AVG)`` would.
 
     Reductions run in the buffer's dtype (bf16 gradients are reduced in bf16, as llm.c does) and must be
     deterministic for a fixed world size: the same inputs give bit-identical results."""

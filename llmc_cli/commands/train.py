@@ -208,9 +208,10 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option("--overlap/--no-overlap", default=_ARGS.overlap, show_default=True,
               help="Data parallel: reduce each layer's gradients as soon as the backward pass has made them final, "
               "beside the layers still to come (on the communicator's own stream where it has one, as the cuda "
-              "backend's does); such runs replay no captured graphs. Off by default: on two NVLink-connected H200s it "
-              "measured 1-1.5 %% slower than one reduction after the backward pass (the collectives' kernels take SMs from the "
-              "matmuls); try it where the link is slow.")
+              "backend's does, or as copies to the owners where the backend moves them so); such runs replay no "
+              "captured graphs. Off by default: on two NVLink-connected H200s and H100s it measured 0.2-1.5 %% slower "
+              "than one reduction after the backward pass (the collectives' kernels take SMs from the matmuls, and "
+              "even copy engines' traffic slowed them); try it where the link is slow.")
 @click.option("--init-file", default=None, type=click.Path(),
               help="Multi-node without MPI: a path on a shared file system through which rank 0 hands out the device "
               "communicator's id (fresh per run; cuda).")
@@ -360,6 +361,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
         console.print(f"data parallel: {comm.world_size} ranks ({rank_info.source}), {comm.name} "
                       f"({getattr(comm, 'how', '')}), ZeRO-{args.zero}, B={args.batch_size} per rank, gradients "
                       + ("reduced layer by layer into the ranks' shards on every micro-step" if args.zero == 2
+                         else "copied layer by layer to their owners during the backward pass (copy engines)"
+                         if getattr(trainer.reducer, "by_copies", False)
                          else "reduced layer by layer during the backward pass" if trainer.reducer is not None
                          else "reduced after the backward pass")
                       + ("; the all-gather written by the update into the other ranks' memory (peer access)"

@@ -291,8 +291,25 @@ class OverlappedReduction:
         self.opt, self.grads, self.comm, self.backend = opt, grads, comm, opt.backend
         self.sharded = isinstance(opt, ShardedAdamW)
         self.overlapped = getattr(comm, "overlapped", None)
+        # ZeRO-1 on ranks that reach each other's memory: the owners' pieces moved by copies, not collectives
+        # (Communicator.reduce_scatter_pieces); the tail every rank updates is all-reduced at the end
+        pieces = getattr(comm, "reduce_scatter_pieces", None) if self.sharded and opt.stage == 1 else None
+        self.pushed = pieces(opt._main_grads) if pieces is not None else None
+        self._tail: list[tuple[int, int]] = []
+
+    @property
+    def by_copies(self) -> bool:
+        """Whether the pieces travel as copies to their owners (said in the run's data-parallel line)."""
+        return self.pushed is not None
 
     def _queue(self, ranges) -> None:
+        if self.pushed is not None:
+            owned = []
+            for off, n in ranges:
+                for lo, hi, owner in self._pieces(off, n):
+                    (self._tail if owner is None else owned).append((lo, hi))
+            self.pushed.send(owned)
+            return
         with (self.overlapped() if self.overlapped is not None else nullcontext()):
             for off, n in ranges:
                 for lo, hi, owner in self._pieces(off, n):
@@ -311,6 +328,12 @@ class OverlappedReduction:
 
     def finish(self) -> None:
         self._queue(self.grads.other_ranges)
+        if self.pushed is not None:
+            self.pushed.finish()
+            for lo, hi in self._tail:
+                self.comm.all_reduce(self.backend.view(self.grads.buf, lo, hi - lo), AVG)
+            self._tail = []
+            return
         join = getattr(self.comm, "join", None)
         if join is not None:
             join()

@@ -353,6 +353,73 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
         assert comm.scalars == [("all_reduce", 1)] * (1 + zero), comm.scalars
 
 
+def test_overlapped_zero1_sends_each_owners_piece_once_where_the_communicator_copies_pieces(tmp_path):
+    """A communicator with reduce_scatter_pieces (the CUDA plugin's copy engines, on GPUs that reach each other's
+    memory) gets, under --zero 1 --overlap, every element of the reduce-scattered range sent once, in ranges that
+    never cross an owner's chunk, layer by layer from the last while backward runs, then finish() once; the tail
+    every rank updates is all-reduced after it, and no piece goes through reduce() (5 ranks: a tail of 2)."""
+    from llmc_cli.kernels import AVG
+    from llmc_cli.registry import create_backend
+    from llmc_cli.training.trainer import TrainArgs, Trainer
+
+    events = []
+
+    class Pieces:
+        def __init__(self, buf):
+            self.buf = buf
+
+        def send(self, ranges):
+            events.append(("send", list(ranges)))
+
+        def finish(self):
+            events.append(("finish",))
+
+    class Copier:
+        name, rank, world_size, local_rank = "copier", 1, 5, 1
+
+        def reduce_scatter_pieces(self, buf):
+            events.append(("pieces", buf.size))
+            return Pieces(buf)
+
+        def all_reduce(self, buf, op=AVG):
+            events.append(("all_reduce", buf.size))
+
+        def reduce(self, buf, root, op=AVG):
+            events.append(("reduce", buf.size))
+
+        def all_gather(self, buf):
+            pass
+
+        def broadcast(self, buf, root=0):
+            pass
+
+        def all_reduce_value(self, x, op=AVG):
+            return float(x)
+
+        def barrier(self):
+            pass
+
+    write_shard(tmp_path / "c_train_000001.bin", phrase_tokens(2000))
+    a = TrainArgs(data=str(tmp_path / "c_train_*.bin"), model="d2", n_layer=3, n_embd=32, batch_size=1, seq_len=16,
+                  total_batch_size=2 * 5 * 16, steps=1, val_every=0, sample_every=0, zero=1, overlap=True)
+    tr = Trainer(a, create_backend("cpu"), say=lambda m: None, comm=Copier())
+    assert tr.reducer.by_copies
+    opt = tr.opt
+    assert events == [("pieces", opt.main)] and opt.tail > 0, "(the test wants a tail: 5 ranks, 1,680,672 values)"
+    events.clear()
+    tr.train_step(0)
+    sends = [e[1] for e in events if e[0] == "send"]
+    assert len(sends) == 3 + 1, "one send per layer on the last micro-step, then the rest"
+    fin = events.index(("finish",))
+    assert all(e[0] == "send" for e in events[:fin]) and not any(e[0] == "reduce" for e in events)
+    covered = np.zeros(opt.n, dtype=int)
+    for lo, hi in (r for rs in sends for r in rs):
+        assert lo // opt.chunk == (hi - 1) // opt.chunk, "a range inside one owner's chunk"
+        covered[lo:hi] += 1
+    assert (covered[:opt.main] == 1).all() and (covered[opt.main:] == 0).all()
+    assert events[fin + 1] == ("all_reduce", opt.tail), "the tail all-reduced after finish"
+
+
 def test_step_observations_are_combined_with_max_before_end_step_and_carried_into_checkpoints(tmp_path):
     """The trainer's side of Backend.begin_step / step_observations / end_step / carried_state (FP8's delayed
     scaling on CUDA): begin_step before the step's kernels, the ranks' observations all-reduced with MAX, then

@@ -9,6 +9,7 @@
 #   ONE_GPU_ON="0 1" ...   the 1-GPU baseline on each of these GPUs (default 0): is one GPU slower than the other?
 #   PAIR=1 ...             also two 1-GPU runs at once, on GPUs 0 and 1 (no communication): what sharing the host
 #                          and its power costs a GPU, apart from the reduction
+#   WARMUP=0 ...           no uncounted N-GPU run before round 1 (default: one, so that round 1 starts warm too)
 #   PHASES=1 ...           every run writes where its steps' time goes, rank by rank (LLMC_STEP_PHASES), summarized
 #                          by bench/step_phases.py into phases.log
 set -u
@@ -32,12 +33,15 @@ run() {  # run NAME ARGS...: one llmc train, its median line appended to medians
 losses() { grep -oE "step +[0-9]+/[0-9]+ \| loss [0-9.]+ \| norm [0-9.]+" "$1"; }
 # the N-GPU variants: overlap (--overlap), plain (--no-overlap, the default: ZeRO's collectives through the GPUs'
 # memory where they reach it), nccl (plain through NCCL: --backend-opt p2p=off), reduce (plain with the reduce-scatter
-# loading the peers' chunks too: --backend-opt p2p_reduce=on), z0overlap / z0plain (--zero 0:
+# loading the peers' chunks too: --backend-opt p2p_reduce=on), overlap (--overlap: on GPUs that reach each other's
+# memory the pieces are copied to their owners by the copy engines), nccloverlap (--overlap through NCCL's reduce
+# on SMs: --backend-opt p2p_copies=off), z0overlap / z0plain (--zero 0:
 # every piece all-reduced)
 variant() {
   ENVS="LLMC_X=1"; V="--zero ${ZERO:-1}"
   case $1 in
     overlap) V="$V --overlap" ;;
+    nccloverlap) V="$V --overlap --backend-opt p2p_copies=off" ;;
     plain) V="$V --no-overlap" ;;
     nccl) V="$V --no-overlap --backend-opt p2p=off" ;;
     reduce) V="$V --no-overlap --backend-opt p2p_reduce=on" ;;
@@ -50,6 +54,9 @@ for model in ${MODELS:-d12 d48}; do
     d12) A="--backend cuda --dtype bf16 --model d12 -b 64 -t 1024" ;;
     *) A="--backend cuda --dtype bf16 --model $model -b 16 -t 1024 --recompute gelu" ;;
   esac
+  # a first N-GPU run, not counted: on a cool machine the first run was the fastest (2xH100, 2026-11-26: GPT-2 d48
+  # on one GPU 337-339 ms in round 1, 344-349 in round 2), which biased round 1's baseline
+  if [ "${WARMUP:-1}" = 1 ]; then variant plain; run "${model}_warmup" $A $V --gpus "$N" > /dev/null; fi
   for r in $(seq "$ROUNDS"); do
     for g in ${ONE_GPU_ON:-0}; do  # (GPU 0's runs are the baseline; another GPU's are named _1gpu_g<N>)
       ENVS="CUDA_VISIBLE_DEVICES=$g"; run "${model}_1gpu$([ "$g" = 0 ] || echo _g$g)_$r" $A --zero "${ZERO:-1}"
@@ -63,7 +70,7 @@ for model in ${MODELS:-d12 d48}; do
       variant "$v"; run "${model}_${N}gpu_${v}_$r" $A $V --gpus "$N"
     done
   done
-  for v in overlap nccl reduce; do  # with 2 ranks every reduction adds the same pairs: the same losses to the last digit
+  for v in overlap nccl reduce nccloverlap; do  # with 2 ranks every reduction adds the same pairs: the same losses to the last digit
     [ -f "$LOGS/${model}_${N}gpu_plain_1.log" ] && [ -f "$LOGS/${model}_${N}gpu_${v}_1.log" ] || continue
     if cmp -s <(losses "$LOGS/${model}_${N}gpu_${v}_1.log") <(losses "$LOGS/${model}_${N}gpu_plain_1.log"); then
       echo "$model: $v and plain log the same losses" | tee -a "$OUT/medians.log"

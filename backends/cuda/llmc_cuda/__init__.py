@@ -25,7 +25,8 @@ CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 
 _FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
           ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
           ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"),
-          ("p2p", "LLMC_P2P"), ("p2p_reduce", "LLMC_P2P_REDUCE"))
+          ("p2p", "LLMC_P2P"), ("p2p_reduce", "LLMC_P2P_REDUCE"),
+          ("p2p_copies", "LLMC_P2P_COPIES"))
 
 
 def check_options(options: dict[str, str] | None) -> None:
@@ -133,6 +134,10 @@ class CudaPlugin(BackendPlugin):
         "p2p_reduce": "on|off: with p2p, ZeRO-1's reduce-scatter too: a kernel loads every rank's chunk from their "
                       "memory (default off: NCCL's; measured faster for GPT-2 d48 on two H200s, no faster for d12; "
                       "env LLMC_P2P_REDUCE)",
+        "p2p_copies": "on|off: with p2p and --overlap, ZeRO-1's gradient pieces are copied to the ranks that own "
+                      "them by the GPUs' copy engines as the backward pass makes them final, and each rank averages "
+                      "its chunk after it (default on; off: NCCL reduces each piece on SMs beside the backward; "
+                      "env LLMC_P2P_COPIES)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }

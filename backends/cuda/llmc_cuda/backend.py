@@ -213,6 +213,7 @@ class CudaBackend(Backend):
         self.fp8_dgelu = option_flag(options, "fp8_dgelu", False, env="LLMC_FP8_DGELU")
         self.p2p = option_flag(options, "p2p", True, env="LLMC_P2P")  # read by the communicator (nccl.py, p2p.py)
         self.p2p_reduce = option_flag(options, "p2p_reduce", False, env="LLMC_P2P_REDUCE")
+        self.p2p_copies = option_flag(options, "p2p_copies", True, env="LLMC_P2P_COPIES")
         # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
         # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).

@@ -96,6 +96,7 @@ class NCCLCommunicator:
         self._side = None  # the stream of overlapped collectives (see overlapped)
         self._fence = None  # device_barrier's one value
         self._peers: dict[tuple[int, int], object] = {}  # (pointer, bytes) -> p2p.PeerCopies, or None: not mappable
+        self._pieces: list = []  # p2p.PeerPieces handed out (their inboxes mapped)
         self._side_active = self._side_pending = False
         try:
             from cupy.cuda import nccl
@@ -199,6 +200,20 @@ class NCCLCommunicator:
             self._peers[key] = copies
         return self._peers[key]
 
+    def reduce_scatter_pieces(self, buf):
+        """Collective: ZeRO-1's reduce-scatter of `buf` sent piece by piece to the owners by the copy engines while
+        the backward pass runs (p2p.PeerPieces: `send(ranges)`, then `finish()`), or None where a rank cannot reach
+        another's memory or the backend's `p2p` or `p2p_copies` option is off (the caller then reduces each piece
+        through NCCL)."""
+        b = self.backend
+        if self.world_size < 2 or not getattr(b, "p2p", False) or not getattr(b, "p2p_copies", False):
+            return None
+        from .p2p import PeerPieces
+        pieces = PeerPieces.create(self, buf)
+        if pieces is not None:
+            self._pieces.append(pieces)
+        return pieces
+
     def device_barrier(self) -> None:
         """A point no rank's stream passes before every rank's stream reached it (a one-value all-reduce, queued;
         the host does not wait)."""
@@ -289,10 +304,10 @@ class NCCLCommunicator:
         os._exit(code)
 
     def close(self):
-        for copies in self._peers.values():
+        for copies in [*self._peers.values(), *self._pieces]:
             if copies is not None:
                 copies.close()
-        self._peers = {}
+        self._peers, self._pieces = {}, []
 
 
 def create(backend, info: RankInfo, rendezvous: Rendezvous) -> NCCLCommunicator:

@@ -23,6 +23,8 @@ import socket
 
 import numpy as np
 
+from llmc_cli.kernels import BFLOAT16, FLOAT32
+
 _RECORD = 8 + 64 + 8 + 8  # per rank: ok flag, cudaIpcMemHandle_t, offset in the allocation, the host's id
 
 
@@ -125,3 +127,87 @@ def map_peers(comm, buf) -> PeerCopies | None:
         copies.close()
         return None
     return copies
+
+
+class PeerPieces:
+    """ZeRO-1's reduce-scatter in pieces, moved by the GPUs' copy engines while the backward pass computes
+    (`--overlap`; NCCLCommunicator.reduce_scatter_pieces). Every rank holds an inbox of world_size - 1 chunks, one
+    per other rank, mapped into every process. As the backward pass makes a piece of the gradients final, `send`
+    queues, on a stream of its own, a device-to-device copy of it into the inbox of the rank that owns it; `finish`
+    waits for this rank's copies, passes a device barrier (after which every rank's copies into this inbox have
+    landed) and averages the chunk this rank owns over its own values and the inbox, in rank order: what
+    peer_mean computes over the ranks' memory, and (two ranks) the bits of NCCL's reduce-scatter.
+
+    Why: NCCL's reduction kernels, run beside the backward pass, take SMs from it and cost more than they hide
+    (docs/performance.md, the overlapped reduction); a copy engine takes none. The price is the inbox, (world_size
+    - 1) / world_size of the gradients' bytes."""
+
+    def __init__(self, comm, buf, inbox, copies: PeerCopies):
+        cp = comm.cp
+        self.cp, self.comm, self.backend, self.buf = cp, comm, comm.backend, buf
+        W, r = comm.world_size, comm.rank
+        self.chunk, self.itemsize, self.rank, self.world = buf.size // W, buf.dtype.itemsize, r, W
+        self.inbox, self.copies = inbox, copies
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.own = buf[r * self.chunk:(r + 1) * self.chunk]
+        # where this rank's chunk is read from, in rank order: its own values, then each other rank's in the inbox
+        srcs = [self.own.data.ptr if q == r else inbox.data.ptr + self._slot(q, r) * self.chunk * self.itemsize
+                for q in range(W)]
+        with self.backend.stream:
+            self.srcs = cp.asarray(np.array(srcs, dtype=np.uint64))
+        self.backend.stream.synchronize()
+        self.pending = False
+
+    @staticmethod
+    def _slot(sender: int, owner: int) -> int:
+        """Which of the owner's inbox chunks the sender writes."""
+        return sender if sender < owner else sender - 1
+
+    @classmethod
+    def create(cls, comm, buf):
+        """Collective: None on every rank where a rank cannot map another's inbox."""
+        W = comm.world_size
+        if buf.size % W:
+            raise ValueError(f"reduce_scatter_pieces: {buf.size} elements do not split into {W} equal chunks")
+        b = comm.backend
+        dtype = BFLOAT16 if b._is_bf16(buf) else FLOAT32
+        with b.stream:
+            inbox = b.alloc((W - 1) * (buf.size // W), dtype, tag="grads")
+        copies = map_peers(comm, inbox)
+        return None if copies is None else cls(comm, buf, inbox, copies)
+
+    def send(self, ranges: list[tuple[int, int]]) -> None:
+        """Queue the copies of buf[lo:hi] (final once the work queued so far on the backend's stream has run) to
+        their owners; each range lies inside one owner's chunk, and this rank's own are left where they are."""
+        cp, c, isz = self.cp, self.chunk, self.itemsize
+        todo = [(lo, hi) for lo, hi in ranges if hi > lo and lo // c != self.rank]
+        if not todo:
+            return
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record(self.backend.stream)
+        self.stream.wait_event(ev)
+        base = self.buf.data.ptr
+        for lo, hi in todo:
+            owner = lo // c
+            if (hi - 1) // c != owner:
+                raise ValueError(f"reduce_scatter_pieces: [{lo}, {hi}) crosses the owners' boundary at "
+                                 f"{(owner + 1) * c}")
+            dst = self.copies.ptrs[owner] + (self._slot(self.rank, owner) * c + lo - owner * c) * isz
+            cp.cuda.runtime.memcpyAsync(dst, base + lo * isz, (hi - lo) * isz, cp.cuda.runtime.memcpyDefault,
+                                        self.stream.ptr)
+        self.pending = True
+
+    def finish(self) -> None:
+        """Queue, on the backend's stream, the wait for every rank's copies and the average of this rank's chunk
+        (every piece of every rank's gradients must have been sent)."""
+        cp = self.cp
+        if self.pending:
+            ev = cp.cuda.Event(disable_timing=True)
+            ev.record(self.stream)
+            self.backend.stream.wait_event(ev)
+            self.pending = False
+        self.comm.device_barrier()
+        self.backend.peer_mean(self.own, self.srcs, self.world, 0)
+
+    def close(self) -> None:
+        self.copies.close()

@@ -108,13 +108,15 @@ def _gpus() -> int:
 
 
 SETUPS = {"zero1": ["--zero", "1"], "zero2": ["--zero", "2"], "overlap": ["--zero", "1", "--overlap"],
-          "accumulation": ["--zero", "1", "--total-batch-size", "1024"]}  # (1024 = 2 micro-steps of 2 x 4 x 64)
+          "accumulation": ["--zero", "1", "--total-batch-size", "1024"],  # (1024 = 2 micro-steps of 2 x 4 x 64)
+          "overlap_accumulation": ["--zero", "1", "--overlap", "--total-batch-size", "1024"]}
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path, setup):
     """GPT-2 d2 (C=64) on two GPUs, bf16, ZeRO-1 (also with --overlap and with gradient accumulation) and ZeRO-2:
-    peer memory (ZeRO-1: with and without p2p_reduce) and NCCL give the same losses, norms and saved model bytes
+    peer memory (ZeRO-1: with and without p2p_reduce; --overlap: the pieces copied to their owners or reduced by
+    NCCL) and NCCL give the same losses, norms and saved model bytes
     (for two ranks the average is one float32 sum divided by two either way)."""
     if _gpus() < 2:
         pytest.skip("needs two GPUs (one visible here)")
@@ -127,6 +129,8 @@ def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path, setup):
     modes = {"on": ["p2p=on"], "off": ["p2p=off"]}
     if setup in ("zero1", "accumulation"):  # (the reduce-scatter p2p_reduce replaces: ZeRO-1's after the backward)
         modes["reduce"] = ["p2p=on", "p2p_reduce=on"]
+    if setup.startswith("overlap"):  # (the pieces copied to their owners by default; p2p_copies=off: NCCL reduces each)
+        modes["pieces_nccl"] = ["p2p=on", "p2p_copies=off"]
     for mode, opts in modes.items():
         run = tmp_path / f"run_{mode}"
         r = subprocess.run([sys.executable, "-m", "llmc_cli", "train", "--backend", "cuda", "--dtype", "bf16",
@@ -150,3 +154,4 @@ def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path, setup):
         if mode != "off":
             assert "written by the update into the other ranks' memory" in out[mode], mode
         assert ("the reduce-scatter read from it" in out[mode]) == (mode == "reduce"), mode
+        assert ("copied layer by layer to their owners" in out[mode]) == (setup.startswith("overlap") and mode == "on"), mode
