@@ -35,13 +35,15 @@ losses() { grep -oE "step +[0-9]+/[0-9]+ \| loss [0-9.]+ \| norm [0-9.]+" "$1"; 
 # memory where they reach it), nccl (plain through NCCL: --backend-opt p2p=off), reduce (plain with the reduce-scatter
 # loading the peers' chunks too: --backend-opt p2p_reduce=on), overlap (--overlap: on GPUs that reach each other's
 # memory the pieces are copied to their owners by the copy engines), nccloverlap (--overlap through NCCL's reduce
-# on SMs: --backend-opt p2p_copies=off), z0overlap / z0plain (--zero 0:
+# on SMs: --backend-opt p2p_copies=off), shm (plain with no peer access at all: NCCL through host memory,
+# NCCL_P2P_DISABLE=1, and p2p=off), z0overlap / z0plain (--zero 0:
 # every piece all-reduced)
 variant() {
   ENVS="LLMC_X=1"; V="--zero ${ZERO:-1}"
   case $1 in
     overlap) V="$V --overlap" ;;
     nccloverlap) V="$V --overlap --backend-opt p2p_copies=off" ;;
+    shm) ENVS="NCCL_P2P_DISABLE=1"; V="$V --no-overlap --backend-opt p2p=off" ;;
     plain) V="$V --no-overlap" ;;
     nccl) V="$V --no-overlap --backend-opt p2p=off" ;;
     reduce) V="$V --no-overlap --backend-opt p2p_reduce=on" ;;
