@@ -63,9 +63,12 @@ from __future__ import annotations
 import abc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:  # (the cache helpers import pathlib when called: the contract module stays light)
+    from pathlib import Path
 
 Buffer = Any  # the backend's array type
 

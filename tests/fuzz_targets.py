@@ -151,7 +151,7 @@ TARGETS: dict[str, Target] = {
                             ".npz", 0),
 }
 try:
-    import llmc_cli.formats.hf
+    import llmc_cli.formats.hf  # noqa: F401  (only whether it imports: safetensors reading needs it)
     TARGETS["safetensors"] = Target(_safetensors_seed, _read_safetensors, (ckpt.CheckpointError,), ".safetensors", 0)
 except ImportError:
     pass

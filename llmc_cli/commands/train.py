@@ -600,7 +600,8 @@ def dry_run(o: dict) -> None:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
     ranks = max(o["gpus"], o["procs"], 1)
     try:
-        plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"], world_size=ranks, zero=int(o["zero"]))
+        plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"], world_size=ranks, zero=int(o["zero"]),
+                           overlap=bool(o.get("overlap")))
     except ValueError as e:
         fail(str(e))
     from llmc_cli.models.families import family_of

@@ -68,11 +68,13 @@ def family_of_hf(model_type: str) -> Family | None:
 
 
 def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recompute: str = "none",
-                world_size: int = 1, zero: int = 0) -> dict[str, int]:
+                world_size: int = 1, zero: int = 0, overlap: bool = False) -> dict[str, int]:
     """Bytes the engine will allocate on one rank, by component, without allocating anything (for --dry-run). With
     ZeRO (`zero` >= 1) over `world_size` ranks a rank holds its shard of the optimizer state: n // W elements plus
     the tail of fewer than W that every rank keeps (parallel.zero.ShardedAdamW); with ZeRO-2 its gradients are such
-    a shard, one layer's slot and the unstacked tensors (models.base.LayerSlotGrads)."""
+    a shard, one layer's slot and the unstacked tensors (models.base.LayerSlotGrads). ZeRO-1 with `overlap` counts
+    the inbox a communicator that copies the pieces to their owners takes (world_size - 1 chunks; the cuda plugin's
+    on GPUs with peer access: an upper bound elsewhere)."""
     fam = family_of(cfg)
     half = dtype in (BFLOAT16, FP8)  # fp8 keeps every buffer in bf16 (only the matmuls' operands are cast)
     act_bytes = 2 if half else 4
@@ -89,6 +91,8 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
             plan[f"gradients (ZeRO-2 shard 1/{world_size}, one layer, embeddings)"] = (shard + slot + others) * act_bytes
         else:
             plan["gradients"] = n * act_bytes
+            if zero == 1 and overlap and world_size > 1:
+                plan["gradient inbox (--overlap, where peers copy)"] = (world_size - 1) * (n // world_size) * act_bytes
         key = "optimizer (m, v" + (", fp32 master)" if half else ")")
         if held < n:
             key += f", ZeRO-{zero} shard 1/{world_size}"

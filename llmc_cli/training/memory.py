@@ -5,13 +5,15 @@ from __future__ import annotations
 
 
 # ---- out of memory ----------------------------------------------------------------------------------------------
-def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int, recompute: str = "none") -> str:
-    """One line: what the plan asks for, what the device has free (when it says), and what to lower."""
+def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int, recompute: str = "none",
+                          world_size: int = 1, zero: int = 0, overlap: bool = False) -> str:
+    """One line: what the plan asks for (of one rank, for `world_size` ranks under ZeRO-`zero`), what the device
+    has free (when it says), and what to lower."""
     asked = None
     try:
         from llmc_cli.models.families import memory_plan
         asked = sum(memory_plan(cfg, B, T, getattr(backend, "matmul_dtype", None) or backend.dtype,
-                                recompute=recompute).values())
+                                recompute=recompute, world_size=world_size, zero=zero, overlap=overlap).values())
     except Exception:
         pass
     parts = [f"out of memory on --backend {getattr(backend, 'name', '?')} planning B={B} T={T}"]

@@ -254,7 +254,8 @@ class Trainer:
             self.opt = make_optimizer(backend, self.model, a.optim, self.comm, a.zero)
         except Exception as e:
             if backend.is_out_of_memory(e):
-                raise TrainError(out_of_memory_message(e, backend, cfg, B, T, a.recompute)) from None
+                raise TrainError(out_of_memory_message(e, backend, cfg, B, T, a.recompute, self.comm.world_size,
+                                                       a.zero)) from None
             raise
         self.opt.sync_master_from_params()
         where = os.environ.get(PHASES_ENV)

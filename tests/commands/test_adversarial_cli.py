@@ -99,6 +99,7 @@ def test_option_int_checks_range_power_of_two_and_off_and_names_the_variable(mon
     ("LLMC_FP8_SCALING", "later", "expected one of current, delayed"),
     ("LLMC_P2P", "maybe", "expected on or off"),
     ("LLMC_P2P_REDUCE", "2", "expected on or off"),
+    ("LLMC_P2P_COPIES", "sometimes", "expected on or off"),
 ])
 def test_cuda_options_and_variables_are_checked_before_any_device(monkeypatch, env, value, expect):
     """The cuda plugin parses every option and variable first (without a GPU, too): a bad one is named, not the

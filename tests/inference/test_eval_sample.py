@@ -11,7 +11,6 @@ import torch
 import torch_gpt2
 from llmc_test_support import run
 
-from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.shards import write_shard

@@ -56,6 +56,22 @@ def assert_close(a, b, rtol=RTOL):
     np.testing.assert_allclose(np.array(a), np.array(b), rtol=rtol, atol=0)
 
 
+def test_dry_run_plans_the_gradient_inbox_of_an_overlapped_zero1_run(tmp_path):
+    """--dry-run with --gpus 4 --zero 1 --overlap counts the inbox the cuda plugin takes where the GPUs reach each
+    other's memory (three chunks of a quarter of the gradients); without --overlap, or under --zero 0, none."""
+    from llmc_cli.models.families import family_of, memory_plan
+    from llmc_cli.training.trainer import TrainArgs, model_config
+    cfg = model_config(TrainArgs(data="", model="d12"))
+    n = family_of(cfg).num_parameters(cfg)
+    plan = memory_plan(cfg, 4, 64, "bfloat16", world_size=4, zero=1, overlap=True)
+    assert plan["gradient inbox (--overlap, where peers copy)"] == 3 * (n // 4) * 2
+    for kw in ({"zero": 1}, {"zero": 0, "overlap": True}, {"zero": 1, "overlap": True, "world_size": 1}):
+        assert not any("inbox" in k for k in memory_plan(cfg, 4, 64, "bfloat16", **({"world_size": 4} | kw)))
+    common = ["train", "--backend", "cpu", "--model", "d12", "-b", 4, "-t", 64, "--gpus", 4, "--zero", 1, "--dry-run"]
+    with_inbox = llmc(*common, "--overlap").stdout
+    assert "gradient inbox" in with_inbox and "gradient inbox" not in llmc(*common).stdout
+
+
 @needs_mpi
 def test_two_ranks_match_one_rank_and_zero_matches_allreduce(data, tmp_path):
     """1 rank x B=4 == 2 MPI ranks x B=2 (all-reduce) == 2 ranks x B=2 with ZeRO-1, step by step (fp32)."""

@@ -165,14 +165,21 @@ class PeerPieces:
 
     @classmethod
     def create(cls, comm, buf):
-        """Collective: None on every rank where a rank cannot map another's inbox."""
+        """Collective: None on every rank where a rank has no room for its inbox or cannot map another's."""
         W = comm.world_size
         if buf.size % W:
             raise ValueError(f"reduce_scatter_pieces: {buf.size} elements do not split into {W} equal chunks")
         b = comm.backend
         dtype = BFLOAT16 if b._is_bf16(buf) else FLOAT32
-        with b.stream:
-            inbox = b.alloc((W - 1) * (buf.size // W), dtype, tag="grads")
+        try:
+            with b.stream:
+                inbox = b.alloc((W - 1) * (buf.size // W), dtype, tag="grads")
+        except Exception as e:  # (out of memory on one rank: every rank goes on without inboxes)
+            if not b.is_out_of_memory(e):
+                raise
+            inbox = None
+        if comm.all_reduce_value(0.0 if inbox is not None else 1.0, "max") > 0:
+            return None
         copies = map_peers(comm, inbox)
         return None if copies is None else cls(comm, buf, inbox, copies)
 
