@@ -22,19 +22,16 @@ import time
 
 import numpy as np
 import pytest
-from llmc_test_support import TINY, one_line_error, phrase_tokens, run
+from llmc_test_support import TINY, one_line_error, run
 
-from llmc_cli.formats.shards import write_shard
 
 NASTY = "no\nsuch\x1b[31m\udcff"  # a newline, an escape sequence, a byte that is not UTF-8 (surrogateescape)
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("envp_data")
-    write_shard(d / "tiny_train_000001.bin", phrase_tokens(60))
-    write_shard(d / "tiny_val_000000.bin", phrase_tokens(20))
-    return d
+def data(shards):
+    """(conftest's tiny shards, under the name these tests use)"""
+    return shards
 
 
 @pytest.fixture(scope="module")

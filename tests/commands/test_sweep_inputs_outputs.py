@@ -26,11 +26,9 @@ BOUND = 200 << 20  # what a bounded read may cost, imports and all
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sweep_data")
-    write_shard(d / "tiny_train_000001.bin", phrase_tokens(60))
-    write_shard(d / "tiny_val_000000.bin", phrase_tokens(20))
-    return d
+def data(shards):
+    """(conftest's tiny shards, under the name these tests use)"""
+    return shards
 
 
 def sparse(path, size: int = HUGE):
