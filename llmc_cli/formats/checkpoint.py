@@ -214,9 +214,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     if (path / "latest").is_file():
         try:
-            with open(path / "latest", "rb") as f:
-                raw = f.read(LATEST_MAX_BYTES + 1)  # a step's name: never the whole of a big file put there
-            name = raw.decode().strip() if len(raw) <= LATEST_MAX_BYTES else None
+            raw = read_at_most(path / "latest", LATEST_MAX_BYTES)  # a step's name: never a big file put there
+            name = raw.decode().strip() if raw is not None else None
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}/latest: unreadable ({e})") from None
         step = path / (name or "")

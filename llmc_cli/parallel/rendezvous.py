@@ -10,7 +10,7 @@ import socket
 import time
 from pathlib import Path
 
-from llmc_cli.formats.files import atomic_write_bytes, special_file
+from llmc_cli.formats.files import atomic_write_bytes, read_at_most, special_file
 from llmc_cli.kernels import CommError, RankInfo
 
 ID_BYTES = 128  # the usual size of a communicator's unique id
@@ -79,9 +79,8 @@ def share_file(uid: bytes | None, rank: int, path: str, timeout: float, nbytes: 
             raise CommError(f"--init-file {path}: {kind}, not a file rank 0 writes the communicator's id to; give a "
                             "path that does not exist yet")
         try:
-            with open(p, "rb") as f:
-                data = f.read(nbytes + 1)  # the id's few bytes: never the whole of a big file left there
-            if len(data) == nbytes:
+            data = read_at_most(p, nbytes)  # the id's few bytes: never the whole of a big file left there
+            if data is not None and len(data) == nbytes:
                 return data
         except FileNotFoundError:
             pass
