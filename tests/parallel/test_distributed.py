@@ -294,6 +294,22 @@ def test_supervisor_stops_all_ranks_and_names_the_failed_one(tmp_path, capfd):
     assert supervise([ok, ok], [env, env], tmp_path) == 0
 
 
+class _HostlessComm:
+    """A communicator of the tests below whose collectives that move no gradients do nothing."""
+
+    def all_gather(self, buf):
+        pass
+
+    def broadcast(self, buf, root=0):
+        pass
+
+    def all_reduce_value(self, x, op="avg"):
+        return float(x)
+
+    def barrier(self):
+        pass
+
+
 def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_path):
     """What OverlappedReduction queues, on a recording communicator of 3 ranks: on the last micro-step only, the
     layers from the last to the first while backward runs, then the rest; every element exactly once; --zero 1
@@ -303,7 +319,7 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
     from llmc_cli.registry import create_backend
     from llmc_cli.training.trainer import TrainArgs, Trainer
 
-    class Recorder:
+    class Recorder(_HostlessComm):
         name, rank, world_size, local_rank = "recorder", 0, 3, 0
 
         def __init__(self):
@@ -325,20 +341,8 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
         def reduce_scatter(self, buf, op=AVG):
             self._rec("reduce_scatter", buf)
 
-        def all_gather(self, buf):
-            pass
-
-        def broadcast(self, buf, root=0):
-            pass
-
-        def all_reduce_value(self, x, op=AVG):
-            return float(x)
-
         def join(self):
             self.joined += 1
-
-        def barrier(self):
-            pass
 
     write_shard(tmp_path / "r_train_000001.bin", phrase_tokens(2000))
     for zero in (0, 1):
@@ -390,7 +394,7 @@ def test_overlapped_zero1_sends_each_owners_piece_once_where_the_communicator_co
         def finish(self):
             events.append(("finish",))
 
-    class Copier:
+    class Copier(_HostlessComm):
         name, rank, world_size, local_rank = "copier", 1, 5, 1
 
         def reduce_scatter_pieces(self, buf):
@@ -403,17 +407,6 @@ def test_overlapped_zero1_sends_each_owners_piece_once_where_the_communicator_co
         def reduce(self, buf, root, op=AVG):
             events.append(("reduce", buf.size))
 
-        def all_gather(self, buf):
-            pass
-
-        def broadcast(self, buf, root=0):
-            pass
-
-        def all_reduce_value(self, x, op=AVG):
-            return float(x)
-
-        def barrier(self):
-            pass
 
     write_shard(tmp_path / "c_train_000001.bin", phrase_tokens(2000))
     a = TrainArgs(data=str(tmp_path / "c_train_*.bin"), model="d2", n_layer=3, n_embd=32, batch_size=1, seq_len=16,
