@@ -5,7 +5,8 @@
   share the device communicator's unique id through a fresh file (LLMC_INIT_FILE). Rank 0's output streams through; the others'
   goes to a log that is shown if that rank fails. When one rank fails, the others are stopped (SIGTERM, then
   SIGKILL after a grace period) and the launcher exits non-zero naming the rank. Ctrl-C / SIGTERM are passed on
-  to every rank once, so they stop after the same step and rank 0 writes its checkpoint.
+  to every rank once, so they stop after the same step and rank 0 writes its checkpoint; Ctrl-Z suspends every
+  rank with the launcher, and `fg` / `bg` continue them all (job_control).
 * ``--procs N``: N ranks through ``mpiexec -n N`` (MPI moves the data: the cpu and OpenCL backends).
 
 Both re-run the same `llmc train` command line without --gpus / --procs.
@@ -13,6 +14,7 @@ Both re-run the same `llmc train` command line without --gpus / --procs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -29,6 +31,62 @@ STOPPED = 75  # a rank's exit status after a graceful stop with a checkpoint (ll
 # what the launcher passes on to its ranks, which run in their own session so that a terminal's Ctrl-C reaches them
 # once, through here (SIGHUP: the terminal or ssh session went away; a rank stops on it as on SIGTERM)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _tree(pids: list[int]) -> list[int]:
+    """`pids` and every process descended from them (Linux's /proc; elsewhere `pids` alone)."""
+    children: dict[int, list[int]] = {}
+    try:
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat", "rb") as f:
+                        stat = f.read()
+                    ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # (the name in parentheses may hold spaces)
+                except (OSError, ValueError, IndexError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+    except OSError:
+        return list(pids)
+    out, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+@contextlib.contextmanager
+def job_control(pids: Callable[[], list[int]]):
+    """Ctrl-Z (SIGTSTP) and `fg`/`bg` (SIGCONT) for ranks that run in a session of their own, which the terminal's
+    signals never reach: on SIGTSTP every process under `pids()` is stopped, then the launcher stops itself as the
+    shell expects; on SIGCONT they all continue. Without it Ctrl-Z suspended the launcher alone while the ranks
+    went on training. Only in the main thread, where signal handlers can be set."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTSTP"):
+        yield
+        return
+
+    def each(sig: int) -> None:
+        for pid in _tree(pids()):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(signum, frame):
+        each(signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # the launcher stops here until `fg` or `bg`
+        signal.signal(signal.SIGTSTP, stop)
+        each(signal.SIGCONT)
+
+    old = {signal.SIGTSTP: signal.signal(signal.SIGTSTP, stop),
+           signal.SIGCONT: signal.signal(signal.SIGCONT, lambda signum, frame: each(signal.SIGCONT))}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def stderr_say(msg: str) -> None:
@@ -80,6 +138,17 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
                     pass
 
     old = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        with job_control(lambda: [p.pid for p in procs if p.poll() is None]):
+            return _run_ranks(procs, logs, cmds, envs, logdir, grace, describe, say)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run_ranks(procs: list, logs: list, cmds, envs, logdir: Path, grace: float, describe, say: Say) -> int:
+    """supervise's body: start the ranks (into `procs`, their logs into `logs`), wait, stop the others when one
+    fails; every rank is gone when it returns."""
     try:
         for r, (cmd, env) in enumerate(zip(cmds, envs)):
             if r == 0:
@@ -133,8 +202,6 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
                 p.wait()
         for f in logs:
             f.close()
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def launch_gpus(args: list[str], n: int, env: dict | None = None, say: Say = stderr_say) -> int:
@@ -232,7 +299,8 @@ def launch_mpi(args: list[str], n: int, say: Say = stderr_say) -> int:
     main = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, forward) for s in FORWARDED} if main else {}
     try:
-        rc = proc.wait()
+        with job_control(lambda: [proc.pid] if proc.poll() is None else []):
+            rc = proc.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -21,7 +21,7 @@ try:
 except ImportError:
     HAVE_MPI = False
 
-pytestmark = pytest.mark.skipif(not HAVE_MPI, reason="needs MPI: pip install mpich mpi4py (llmc[mpi])")
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs MPI: pip install mpich mpi4py (llmc[mpi])")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,7 @@ def data(tmp_path_factory):
     return d
 
 
+@needs_mpi
 @pytest.mark.parametrize("how", ["stdout closed", "SIGTERM", "SIGHUP", "SIGINT"])
 def test_two_ranks_stop_with_a_checkpoint(how, data, tmp_path):
     run = tmp_path / "run"
@@ -78,3 +79,70 @@ def test_supervise_takes_a_graceful_stop_as_one_and_forwards_sighup(tmp_path):
     rc = supervise(cmds, [dict(os.environ)] * 2, tmp_path, say=said.append)
     assert rc == 75 and said == [], (rc, said)
     assert all((tmp_path / f"r{r}").read_text() == "hup" for r in range(2))
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rindex(b")") + 2:].split()[0].decode()
+
+
+def _wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+@pytest.mark.parametrize("launcher", ["supervise", pytest.param("mpiexec", marks=needs_mpi)])
+def test_ctrl_z_suspends_the_ranks_with_the_launcher_and_fg_resumes_them(tmp_path, launcher):
+    """The ranks run in a session of their own, which the terminal's Ctrl-Z never reaches: the launcher stops them
+    before it stops itself, and continues them when it is continued (`fg`). Before, Ctrl-Z suspended the launcher
+    alone while the ranks went on training. (The launcher runs in a process group of its own under this test, as a
+    shell's job does: a stop signal sent to an orphaned group is discarded.)"""
+    import os
+    import time
+
+    from llmc_cli.parallel.launch import _tree
+    rank = ("import os, sys, time, pathlib\n"
+            "d = pathlib.Path(sys.argv[1]); me = d / f'tick{os.environ.get(\"PMI_RANK\", sys.argv[2])}'\n"
+            "t0 = time.monotonic()\n"
+            "while not (d / 'done').exists() and time.monotonic() - t0 < 120:\n"
+            "    with open(me, 'a') as f: f.write('.')\n"
+            "    time.sleep(0.01)\n")
+    if launcher == "supervise":
+        script = ("import os, sys\nfrom pathlib import Path\nfrom llmc_cli.parallel.launch import supervise\n"
+                  f"cmds = [[sys.executable, '-c', {rank!r}, {str(tmp_path)!r}, str(r)] for r in range(2)]\n"
+                  f"sys.exit(supervise(cmds, [dict(os.environ)] * 2, Path({str(tmp_path)!r})))\n")
+    else:  # launch_mpi's own wait, with the rank script in place of llmc (mpiexec runs it as N ranks)
+        script = ("import sys\nfrom unittest import mock\nfrom llmc_cli.parallel import launch\n"
+                  "real = launch.subprocess.Popen\n"
+                  f"def popen(cmd, **kw):\n    return real([cmd[0], cmd[1], cmd[2], sys.executable, '-c', {rank!r}, "
+                  f"{str(tmp_path)!r}, '0'], **kw)\n"
+                  "with mock.patch.object(launch.subprocess, 'Popen', popen):\n"
+                  "    sys.exit(launch.launch_mpi([], 2))\n")
+    p = subprocess.Popen([sys.executable, "-c", script], process_group=0) if sys.version_info >= (3, 11) else \
+        subprocess.Popen([sys.executable, "-c", script], preexec_fn=os.setpgrp)
+    ticks = [tmp_path / f"tick{r}" for r in range(2)]
+    size = lambda: [t.stat().st_size if t.exists() else 0 for t in ticks]  # noqa: E731
+    try:
+        _wait_for(lambda: all(n > 5 for n in size()), "both ranks to tick")
+        ranks = [q for q in _tree([p.pid]) if q != p.pid]
+        os.kill(p.pid, signal.SIGTSTP)
+        _wait_for(lambda: _state(p.pid) == "T", "the launcher to stop")
+        before = size()
+        time.sleep(0.5)
+        assert size() == before, "the ranks went on while the launcher was stopped"
+        assert all(_state(q) == "T" for q in ranks if os.path.exists(f"/proc/{q}"))
+        os.kill(p.pid, signal.SIGCONT)
+        _wait_for(lambda: all(a > b + 5 for a, b in zip(size(), before)), "the ranks to go on after SIGCONT")
+        (tmp_path / "done").write_text("")
+        assert p.wait(timeout=60) == 0
+    finally:
+        (tmp_path / "done").write_text("")
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
