@@ -40,6 +40,41 @@ def atomic_file(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
     fsync_dir(path.parent)  # make the rename itself durable
 
 
+def remove_stale_temporaries(directory: str | os.PathLike, prefix: str, suffix: str = ".tmp") -> list[Path]:
+    """Remove what atomic_file left in `directory` for files whose names start with `prefix` when its process was
+    killed before it could (SIGKILL, a power cut): `.<name>.<pid><suffix>` whose pid no process of this machine
+    has. Returns what went. A temporary of a live process stays, and so does anything not of that form."""
+    gone = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return gone
+    for e in entries:
+        name = e.name
+        if not (name.startswith("." + prefix) and name.endswith(suffix)):
+            continue
+        target, dot, pid = name[1:len(name) - len(suffix)].rpartition(".")
+        if not dot or not target or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            if e.is_file(follow_symlinks=False):
+                os.unlink(e.path)
+                gone.append(Path(e.path))
+        except OSError:
+            pass
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # (OverflowError: a number past any pid)
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
     """Write ``data`` to ``path`` atomically (see atomic_file)."""
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data

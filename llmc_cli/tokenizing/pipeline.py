@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from llmc_cli.data.tokenizer import load_tokenizer
-from llmc_cli.formats.files import DataError, atomic_write_bytes, read_at_most
+from llmc_cli.formats.files import DataError, atomic_write_bytes, read_at_most, remove_stale_temporaries
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 from llmc_cli.tokenizing.sources import Source
@@ -248,6 +248,7 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
                             "with --force); move it or choose another --out-dir")
     for p in stale:
         p.unlink()
+    remove_stale_temporaries(out_dir, f"{src.name}_")  # a killed run's half-written shards and manifests
     # (out_dir is made by the first shard's write: input that fails before it leaves nothing behind)
 
     state = {"fingerprint": fp, "shards": list(done), "complete": False,

@@ -342,6 +342,27 @@ def test_existing_shards_without_manifest_are_not_clobbered(tmp_path):
     assert sorted(p.name for p in out.glob("*.bin")) == ["x_train_000001.bin", "x_val_000000.bin"]
 
 
+def test_a_killed_runs_temporaries_go_with_the_next_run(tmp_path):
+    """A tokenize run killed mid-write (SIGKILL) leaves `.x_train_000001.bin.<pid>.tmp`; the next run into the same
+    directory removes the corpus' temporaries whose process is gone, and leaves a live process's, another corpus',
+    and anything not of that form."""
+    import os
+    out = tmp_path / "o"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    kept = [f".x_train_000001.bin.{os.getppid()}.tmp", f".y_train_000000.bin.{dead.pid}.tmp", ".x_notes.tmp",
+            f".x_val_000000.bin.{dead.pid}.tmp.mine", f"x_train_000009.bin.{dead.pid}.tmp"]
+    gone = [f".x_train_000001.bin.{dead.pid}.tmp", f".x_manifest.json.{dead.pid}.tmp"]
+    for name in kept + gone:
+        (out / name).write_bytes(b"half")
+    f = tmp_path / "x.txt"
+    f.write_text("hello there")
+    run(["text", f, "--out-dir", out, "--workers", "1"])
+    left = {p.name for p in out.iterdir()}
+    assert set(kept) <= left and not set(gone) & left, sorted(left)
+
+
 @pytest.mark.parametrize("args, msg", [
     (["text", "{tmp}/missing.txt"], "does not exist"),
     (["text", "{tmp}/a.csv"], "unsupported input type"),
