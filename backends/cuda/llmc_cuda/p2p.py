@@ -138,9 +138,10 @@ class PeerPieces:
     landed) and averages the chunk this rank owns over its own values and the inbox, in rank order: what
     peer_mean computes over the ranks' memory, and (two ranks) the bits of NCCL's reduce-scatter.
 
-    Why: NCCL's reduction kernels, run beside the backward pass, take SMs from it and cost more than they hide
-    (docs/performance.md, the overlapped reduction); a copy engine takes none. The price is the inbox, (world_size
-    - 1) / world_size of the gradients' bytes."""
+    Why: NCCL's reduction kernels, run beside the backward pass, take SMs from it; a copy engine takes none. On two
+    H100s this path beat NCCL's overlapped reduce for GPT-2 d12 and matched it for d48, yet both slowed the backward
+    by more than the reduction after it costs (docs/performance.md), which is why `--overlap` is off by default.
+    The price is the inbox, (world_size - 1) / world_size of the gradients' bytes."""
 
     def __init__(self, comm, buf, inbox, copies: PeerCopies):
         cp = comm.cp
@@ -150,7 +151,8 @@ class PeerPieces:
         self.inbox, self.copies = inbox, copies
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.own = buf[r * self.chunk:(r + 1) * self.chunk]
-        # where this rank's chunk is read from, in rank order: its own values, then each other rank's in the inbox
+        # where this rank's chunk is read from, in rank order: its own values at its own index, the others' inbox
+        # chunks at theirs
         srcs = [self.own.data.ptr if q == r else inbox.data.ptr + self._slot(q, r) * self.chunk * self.itemsize
                 for q in range(W)]
         with self.backend.stream:
