@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -252,6 +253,12 @@ def check_png_target(path: str | Path, option: str = "--out") -> None:
         raise PlotError(f"{option} {path}: a symbolic link to nothing (or to itself); give a new path; nothing was "
                         "changed")
     if not path.exists():
+        # its folder is made when the picture is written: a file where a folder of it belongs would fail only then
+        # (after a whole benchmark), so it is refused now
+        folder = next((p for p in path.absolute().parents if os.path.lexists(p)), None)
+        if folder is not None and not folder.is_dir():
+            raise PlotError(f"{option} {path}: {folder} is not a directory; give a path in a directory; nothing was "
+                            "changed")
         return
     if not path.is_file():
         raise PlotError(f"{option} {path}: not a file")

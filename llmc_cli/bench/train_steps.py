@@ -196,6 +196,9 @@ def train_torch(cfg: Config, B: int, T: int, data: str, *, steps: int, warmup: i
     return r
 
 
+RANDOM_SHARD_TOKENS = 1 << 24  # the most tokens `bench train` writes to its temporary shard (32 MiB of GPT-2 ids)
+
+
 def random_shard(directory: str | Path, cfg: Config, ntokens: int, seed: int) -> str:
     """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it. The
     format is the one the trainer takes for the model's vocabulary: GPT-2's (16-bit ids) up to 50257 ids,
@@ -239,7 +242,10 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
     results, notes = [], []
     with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
         if data is None:
-            data = random_shard(tmp, cfg, max((warmup + steps) * B * T + 1, 2 * B * T + 1), seed)
+            # every step its own tokens, up to RANDOM_SHARD_TOKENS: past that the loader starts the shard again (a
+            # step costs the same), so --steps 2147483647 is not a 128 GiB array of token ids
+            need = (warmup + steps) * B * T + 1
+            data = random_shard(tmp, cfg, max(min(need, RANDOM_SHARD_TOKENS), 2 * B * T + 1), seed)
             data_desc = "random tokens (temporary shard)"
         else:
             data_desc = data

@@ -82,34 +82,42 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
         if name not in names or name == "config":
             raise click.BadParameter(f"{value}: {key!r} is not an option of `llmc train` (see --help)", ctx, param)
         opt = names[name]
-        if isinstance(v, (dict, list)) and not opt.multiple:
-            raise click.BadParameter(f"{value}: {key} must be a single value, not a {type(v).__name__}", ctx, param)
-        if opt.multiple:  # a list of strings, or one string for a list of one
-            v = [v] if isinstance(v, str) else v
-            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-                raise click.BadParameter(f"{value}: {key} must be a string or a list of strings, e.g. "
-                                         f"{key} = [\"threads=2\"]", ctx, param)
-        elif opt.is_flag:  # TOML's true / false, nothing else (click would read 5 or 1.5 with a traceback)
-            if not isinstance(v, bool):
-                raise click.BadParameter(f"{value}: {key} must be true or false (got {v!r})", ctx, param)
-        else:
-            kind = {"integer": "an integer", "float": "a number"}.get(opt.type.name, "a string")
-            # a date, a time, true for a number, or a number for a path (click would pass log = 5 on as 5)
-            if isinstance(v, bool) or not isinstance(v, (str, int, float)) or (isinstance(opt.type, click.Path)
-                                                                              and not isinstance(v, str)):
-                raise click.BadParameter(f"{value}: {key} must be {kind} (got {v!r})", ctx, param)
-        if not opt.is_flag and not opt.multiple:  # checked here, so the error names the file as well as the key
-            try:
-                opt.type.convert(v, opt, ctx)
-            except click.BadParameter as e:
-                raise click.BadParameter(f"{value}: {key} {e.message}" if e.message.startswith("must")
-                                         else f"{value}: {key}: {e.message}", ctx, param) from None
-            except (TypeError, ValueError, OverflowError):  # a number where a path belongs (log = 5), inf for -t
-                kind = {"integer": "an integer", "float": "a number"}.get(opt.type.name, "a string")
-                raise click.BadParameter(f"{value}: {key} must be {kind} (got {v!r})", ctx, param) from None
+        if opt.multiple and isinstance(v, str):  # one string for a list of one
+            v = [v]
+        try:
+            _checked_value(opt, key, v, ctx)
+        except ValueError as e:
+            raise click.BadParameter(f"{value}: {e}", ctx, param) from None
         defaults[name] = v
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
+
+
+def _checked_value(opt: click.Option, key: str, v, ctx: click.Context):
+    """A value for `opt` that came from a file (a --config TOML, a run's state.json), not from the command line,
+    checked as click checks the command line's (its kind, then its type's range) and converted by that type;
+    ValueError `KEY must be ...` otherwise, for the caller to prefix with the file's name."""
+    if isinstance(v, (dict, list)) and not opt.multiple:
+        raise ValueError(f"{key} must be a single value, not a {type(v).__name__}")
+    if opt.multiple:  # a list of strings
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ValueError(f"{key} must be a string or a list of strings, e.g. {key} = [\"threads=2\"]")
+        return tuple(v)
+    if opt.is_flag:  # true / false, nothing else (click would read 5 or 1.5 with a traceback)
+        if not isinstance(v, bool):
+            raise ValueError(f"{key} must be true or false (got {v!r})")
+        return v
+    kind = {"integer": "an integer", "float": "a number"}.get(opt.type.name, "a string")
+    # a date, a time, true for a number, or a number for a path (click would pass log = 5 on as 5)
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)) or (isinstance(opt.type, click.Path)
+                                                                      and not isinstance(v, str)):
+        raise ValueError(f"{key} must be {kind} (got {v!r})")
+    try:  # the option's own range: NaN, a negative count, 1e30 steps
+        return opt.type.convert(v, opt, ctx)
+    except click.BadParameter as e:
+        raise ValueError(f"{key} {e.message}" if e.message.startswith("must") else f"{key}: {e.message}") from None
+    except (TypeError, ValueError, OverflowError):  # a number where a path belongs (log = 5), inf for -t
+        raise ValueError(f"{key} must be {kind} (got {v!r})") from None
 
 
 @click.command()
@@ -679,6 +687,21 @@ def child_args(ctx, drop=LAUNCH_OPTIONS) -> list[str]:
 
 
 _OPTIM_KEYS = ("lr", "beta1", "beta2", "weight_decay", "grad_clip")
+_RUN_DIR_PATHS = ("log", "tensorboard")  # what a run writes, and may write inside its run directory
+
+
+def _path_inside(path: str, folder) -> Path | None:
+    """`path` relative to `folder` when it lies inside it (as written: both as the run recorded them), else None."""
+    import os
+    if not isinstance(folder, str) or not folder:
+        return None
+    p, d = Path(os.path.normpath(path)), Path(os.path.normpath(folder))
+    if p.is_absolute() != d.is_absolute() or p == d:
+        return None
+    try:
+        return p.relative_to(d)
+    except ValueError:
+        return None
 
 
 def _options_from_run(o: dict) -> list[str]:
@@ -694,17 +717,31 @@ def _options_from_run(o: dict) -> list[str]:
     except (ckpt.CheckpointError, OSError):
         return []  # the trainer says what is wrong with the run directory
     ctx = click.get_current_context()
-    values = dict(recorded) | {k: v for k, v in (recorded.get("optim") or {}).items() if k in _OPTIM_KEYS}
+    optim = recorded.get("optim") or {}
+    if not isinstance(optim, dict):
+        fail(f"--resume: {step / 'state.json'}: args 'optim' must be a JSON object (got {optim!r:.80}), not what "
+             "llmc wrote (a damaged run state)")
+    values = dict(recorded) | {k: v for k, v in optim.items() if k in _OPTIM_KEYS}
+    options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
     taken = []
     for key, value in values.items():
-        if key in ("optim", "resume", "out") or key not in o or value is None:
+        if key in ("optim", "resume", "out") or key not in o or key not in options or value is None:
             continue
+        if ctx.get_parameter_source(key) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue  # (given here: what the run recorded is not used, damaged or not)
+        if key == "zero" and type(value) is int:
+            value = str(value)
+        try:  # checked as the command line's own values are: a damaged state.json's NaN or -5 is refused here
+            value = _checked_value(options[key], key, value, ctx)
+        except ValueError as e:
+            fail(f"--resume: {step / 'state.json'}: its recorded {e} (a damaged run state; give --"
+                 f"{key.replace('_', '-')} to override it)")
+        if key in _RUN_DIR_PATHS and (inside := _path_inside(value, recorded.get("out"))) is not None:
+            # a file of the run directory itself (its log.jsonl): that of the directory resumed now, which may be a
+            # copy or a move of the one recorded; the original (another run's, or gone) is never trimmed or added to
+            value = str(Path(o["out"]) / inside)
         if key == "log" and Path(value) == Path(o["out"]) / "log.jsonl":
             continue  # the run directory's own log: what a run with --out uses anyway
-        if ctx.get_parameter_source(key) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
-            continue
-        if key == "zero":
-            value = str(value)
         if o[key] != value:
             o[key] = value
             flag = "--" + key.replace("_", "-")

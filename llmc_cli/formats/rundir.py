@@ -46,10 +46,24 @@ def step_folder_of(path: str | Path) -> Path | None:
 def check_out(out: str | Path, resume: bool) -> None:
     """A fresh run must not write into another run's directory; --resume needs one to continue."""
     out = Path(out)
+    if out.is_symlink() and not out.exists():  # (mkdir would say only "File exists")
+        raise RunDirError(f"--out {out} is a symbolic link to nothing (or a loop of links); expected a run directory "
+                          "(new, or holding a run to --resume)")
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file; expected a run directory (new, or holding a run to --resume)")
     if (step := step_folder_of(out)) is not None:
         raise RunDirError(f"--out {out} is inside the checkpoint {step}; give a directory outside the step folders")
+    latest = out / "latest"
+    if os.path.lexists(latest) and not latest.is_file():  # a run writes it after every checkpoint: refused now,
+        # not after the steps it took (and a directory, a FIFO or a link to nothing there is not llmc's pointer)
+        from llmc_cli.formats.files import special_file
+        what = ("a directory" if latest.is_dir() else special_file(latest)
+                or "a symbolic link to nothing (or a loop of links)")
+        raise RunDirError(f"--out {out}: {latest} is {what}, not llmc's pointer to the newest checkpoint (a file "
+                          "naming a step_NNNNNNNN folder); move it, or give another --out; nothing was changed")
+    if resume and not is_run_dir(out):
+        raise RunDirError(f"--resume: --out {out} holds no run to continue (no 'latest' and no step_NNNNNNNN "
+                          "checkpoint folder); leave out --resume to start a new run there")
     if not resume and is_run_dir(out):
         held = step_dirs(out)
         raise RunDirError(f"--out {out} already holds a run (checkpoints up to {held[-1].name if held else '?'}); "

@@ -344,6 +344,9 @@ class Trainer:
             self.opt.load_state(opt_state, resume_state["step"])
             self.opt.step_count = int(resume_state.get("optimizer_steps", resume_state["step"]))
             self.start_step = resume_state["step"]
+            if a.steps < self.start_step:  # (equal: the run is complete, and resuming it does nothing)
+                raise TrainError(f"--steps {a.steps}: the run in {a.out} is already at step {self.start_step}; give "
+                                 f"--steps {self.start_step} or more to continue it")
             old_total = resume_state.get("tokens_per_step")
             if old_total and old_total != self.tokens_per_step:
                 raise TrainError(f"--resume: the run in {a.out} took {old_total} tokens per step, now "
