@@ -75,6 +75,81 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class DirectoryLock:
+    """Exclusive ownership of what one llmc process writes in a directory, for that process's life: flock on
+    DIR/<name>, which holds the owner's pid for the message another process prints. (Two writers would interleave
+    their files: a run's checkpoints, a corpus' shards and manifest.)
+
+    `acquire` creates the directory (and its parents) if needed; `release` removes the lock file, and the folders
+    acquire created that are still empty (a command that failed before writing anything)."""
+
+    def __init__(self, directory: str | os.PathLike, name: str, option: str, what: str,
+                 error: type[Exception] = OSError, instead: str = "give another directory"):
+        self.directory = Path(directory)
+        self.name, self.option, self.what, self.error, self.instead = name, option, what, error, instead
+        self._fd: int | None = None
+        self._made: list[Path] = []  # the folders acquire created, deepest first
+
+    def acquire(self) -> "DirectoryLock":
+        import fcntl
+        path = self.directory / self.name
+        where = f"{self.option} {self.directory}"
+        try:
+            self._made = [d for d in (self.directory, *self.directory.parents) if not os.path.lexists(d)]
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self.error(f"{where}: cannot create {self.what} ({e.strerror or e})") from None
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise self.error(f"{where}: cannot create its lock file {self.name} ({e.strerror or e})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise self.error(f"{where} is in use by another llmc process (pid {holder}); wait for it to finish "
+                                 f"or stop it, or {self.instead}; nothing was changed") from None
+            except OSError as e:  # a file system without locks: say so rather than run unprotected
+                os.close(fd)
+                raise self.error(f"{where}: cannot lock {self.name} ({e.strerror or e}); this file system does not "
+                                 "support file locks") from None
+            try:  # the holder unlinks the file as it lets go: a lock on an unlinked file guards nothing
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:  # who holds it, for the message another process prints
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:  # unlinked while still held, so no one can lock the old file after us (see acquire)
+            (self.directory / self.name).unlink()
+            for d in self._made:  # what acquire created and nothing was written into after all
+                if any(d.iterdir()):
+                    break
+                d.rmdir()
+        except OSError:
+            pass
+        os.close(fd)  # closing drops the flock
+
+    def __enter__(self) -> "DirectoryLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
     """Write ``data`` to ``path`` atomically (see atomic_file)."""
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data

@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+from llmc_cli.formats.files import DirectoryLock
+
 STEP_DIR = re.compile(r"step_\d{8}")
 LOCK_FILE = ".lock"
 
@@ -70,70 +72,9 @@ def check_out(out: str | Path, resume: bool) -> None:
                           "add --resume to continue it, or give another --out; nothing was changed")
 
 
-class RunLock:
-    """Exclusive ownership of a run directory for this process's life (flock on RUN/.lock).
-
-    `acquire` creates the directory if needed; `release` removes the lock file, and the directory too when
-    this process created it and left nothing in it (a run that failed before writing anything)."""
+class RunLock(DirectoryLock):
+    """Exclusive ownership of a run directory for this process's life (flock on RUN/.lock; see DirectoryLock)."""
 
     def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
-        self._fd: int | None = None
-        self._created = False
-
-    def acquire(self) -> "RunLock":
-        import fcntl
-        path = self.run_dir / LOCK_FILE
-        try:
-            self._created = not self.run_dir.exists()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise RunDirError(f"--out {self.run_dir}: cannot create the run directory ({e.strerror or e})") from None
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise RunDirError(f"--out {self.run_dir}: cannot create its lock file {LOCK_FILE} "
-                                  f"({e.strerror or e})") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-                os.close(fd)
-                raise RunDirError(f"--out {self.run_dir} is in use by another llmc process (pid {holder}); wait for "
-                                  "it to finish or stop it, or give another --out; nothing was changed") from None
-            except OSError as e:  # a file system without locks: say so rather than run unprotected
-                os.close(fd)
-                raise RunDirError(f"--out {self.run_dir}: cannot lock {LOCK_FILE} ({e.strerror or e}); "
-                                  "this file system does not support file locks") from None
-            try:  # the holder unlinks the file as it lets go: a lock on an unlinked file guards nothing
-                if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        try:  # who holds it, for the message another process prints
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:  # unlinked while still held, so no one can lock the old file after us (see acquire)
-            (self.run_dir / LOCK_FILE).unlink()
-            if self._created and not any(self.run_dir.iterdir()):  # a run that failed before writing anything
-                self.run_dir.rmdir()
-        except OSError:
-            pass
-        os.close(fd)  # closing drops the flock
-
-    def __enter__(self) -> "RunLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+        super().__init__(run_dir, LOCK_FILE, "--out", "the run directory", RunDirError, "give another --out")
+        self.run_dir = self.directory

@@ -16,7 +16,13 @@ from typing import Iterator
 import numpy as np
 
 from llmc_cli.data.tokenizer import load_tokenizer
-from llmc_cli.formats.files import DataError, atomic_write_bytes, read_at_most, remove_stale_temporaries
+from llmc_cli.formats.files import (
+    DataError,
+    DirectoryLock,
+    atomic_write_bytes,
+    read_at_most,
+    remove_stale_temporaries,
+)
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 from llmc_cli.tokenizing.sources import Source
@@ -189,6 +195,15 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
         raise DataError(f"--shard-size must be at least 1 token, got {shard_size}")
     shard_format(tok.name)  # an unknown tokenizer fails here, before anything is written
     out_dir = Path(out_dir)
+    # one writer of a corpus' shards and manifest at a time (two runs into one directory would interleave them);
+    # other corpora in the same directory are free to run beside it
+    with DirectoryLock(out_dir, f".{src.name}.lock", "--out-dir", "the output directory", DataError,
+                       "give another --out-dir"):
+        return _run_locked(src, tok, out_dir, shard_size, workers, val_tokens, val_fraction, force, progress)
+
+
+def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, val_tokens: int | None,
+                val_fraction: float, force: bool, progress: ProgressFactory) -> Summary:
     manifest_path = out_dir / f"{src.name}_manifest.json"
     fp = {"source": src.ident, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
           "shard_size": shard_size, "explicit_split": src.explicit_split,
@@ -249,7 +264,7 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
     for p in stale:
         p.unlink()
     remove_stale_temporaries(out_dir, f"{src.name}_")  # a killed run's half-written shards and manifests
-    # (out_dir is made by the first shard's write: input that fails before it leaves nothing behind)
+    # (input that fails before the first shard leaves nothing behind: the lock's release removes the folders)
 
     state = {"fingerprint": fp, "shards": list(done), "complete": False,
              "val_size": manifest.get("val_size") if (manifest and done) else None}

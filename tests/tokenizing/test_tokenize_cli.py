@@ -363,6 +363,28 @@ def test_a_killed_runs_temporaries_go_with_the_next_run(tmp_path):
     assert set(kept) <= left and not set(gone) & left, sorted(left)
 
 
+def test_one_writer_of_a_corpus_in_a_directory(tmp_path):
+    """A second `tokenize` of the same corpus into a directory another is writing is refused before it writes
+    (the two would interleave shards and manifest); another corpus into the same directory runs; a run that fails
+    before its first shard leaves no folder it made, however deep."""
+    import os
+
+    from llmc_cli.formats.files import DirectoryLock
+    out = tmp_path / "o"
+    (tmp_path / "x.txt").write_text("hello there")
+    (tmp_path / "y.txt").write_text("general kenobi")
+    with DirectoryLock(out, ".x.lock", "--out-dir", "the output directory"):  # (as a running tokenize of x holds it)
+        r = run(["text", tmp_path / "x.txt", "--out-dir", out, "--workers", "1"], ok=False)
+        assert r.exit_code == 2 and f"is in use by another llmc process (pid {os.getpid()})" in r.output, r.output
+        assert sorted(p.name for p in out.iterdir()) == [".x.lock"]
+        run(["text", tmp_path / "y.txt", "--out-dir", out, "--workers", "1"])
+    assert sorted(p.name for p in out.iterdir()) == ["y_manifest.json", "y_train_000001.bin", "y_val_000000.bin"]
+    run(["text", tmp_path / "x.txt", "--out-dir", out, "--workers", "1"])
+    (tmp_path / "empty.jsonl").write_text("")
+    r = run(["text", tmp_path / "empty.jsonl", "--out-dir", tmp_path / "a" / "b" / "c", "--workers", "1"], ok=False)
+    assert r.exit_code == 2 and not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("args, msg", [
     (["text", "{tmp}/missing.txt"], "does not exist"),
     (["text", "{tmp}/a.csv"], "unsupported input type"),
