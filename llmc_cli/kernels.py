@@ -900,6 +900,12 @@ class BackendPlugin(abc.ABC):
         call again (a warm cache makes it quick)."""
         return "nothing to prepare"
 
+    def planned_scratch(self, dtype: str, options: dict[str, str] | None = None) -> dict[str, int]:
+        """Optional: the bytes a backend created with `dtype` and `options` allocates beside the engine's buffers
+        whatever the model (libraries' workspaces), by component: upper bounds, for `llmc train --dry-run`. Must
+        not touch a device; BackendUnavailable on a bad option value, as `create` would say it."""
+        return {}
+
     def communicator(self, backend: Backend, info: RankInfo, rendezvous: Rendezvous) -> "Communicator | None":
         """Optional: a Communicator over the device's own fabric for `info.world_size` ranks (every rank calls
         this collectively), using `rendezvous` to share its unique id; raise CommError with a one-line reason.

@@ -5,9 +5,13 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
+
+if TYPE_CHECKING:  # (for an annotation)
+    from llmc_cli.kernels import BackendPlugin
 
 from llmc_cli.commands.console import (
     _RANK,
@@ -152,7 +156,8 @@ def _checked_value(opt: click.Option, key: str, v, ctx: click.Context):
               help="Recompute these activations in backward instead of keeping one per layer (less memory, more "
                    "compute; same gradients). gelu: GPT-2's GELU output, Llama's SwiGLU output; layernorm: "
                    "GPT-2's layernorm outputs, Llama's RMSNorm outputs.")
-@click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component, then exit.")
+@click.option("--dry-run", is_flag=True, help="Print parameter count and planned memory by component (the "
+              "backend's library workspaces included), then exit.")
 @click.option("-b", "--batch-size", type=POSITIVE, default=_ARGS.batch_size, show_default=True, help="Micro-batch size (sequences).")
 @click.option("-t", "--seq-len", type=POSITIVE, default=_ARGS.seq_len, show_default=True, help="Sequence length (tokens).")
 @click.option("--total-batch-size", type=POSITIVE, default=None,
@@ -583,7 +588,7 @@ def dry_run(o: dict) -> None:
     """Plans the model's memory on the host, allocating nothing: works for models this machine cannot hold."""
     from llmc_cli.models.families import memory_plan
     from llmc_cli.training.trainer import TrainArgs, model_config
-    _check_backend_opt_names(o["backend"], o["backend_opt"])
+    plugin = _check_backend_opt_names(o["backend"], o["backend_opt"])
     source = o["out"] if o["resume"] and o["out"] else o["init"]
     if source:  # the model is the checkpoint's, not --model's preset: its config alone, no weights read
         from llmc_cli.formats.sources import load_config_any
@@ -619,30 +624,36 @@ def dry_run(o: dict) -> None:
     table = Table(title=f"{source or o['model']}: {n:,} parameters, B={B} T={T}, {dtype}{how}{per}")
     table.add_column("component")
     table.add_column("GiB", justify="right")
+    from llmc_cli.kernels import BackendUnavailable
+    try:  # the backend's own library workspaces, as its options set them
+        scratch = plugin.planned_scratch(dtype, backend_options(o["backend_opt"]) or None) if plugin else {}
+    except BackendUnavailable as e:
+        fail(f"--backend {plugin.name}: {e}")
+    plan |= {f"{plugin.name}: {k}": v for k, v in scratch.items()}
     for k, v in plan.items():
         table.add_row(k, f"{v / 2**30:.2f}")
     table.add_row("total", f"{sum(plan.values()) / 2**30:.2f}")
     console.print(table)
 
 
-def _check_backend_opt_names(backend: str, pairs) -> None:
+def _check_backend_opt_names(backend: str, pairs) -> BackendPlugin | None:
     """--dry-run opens no backend, so its --backend-opt are checked here as far as that allows: KEY=VALUE, each
-    key once, and a key the backend declares (the values are the backend's to check when a run opens it)."""
+    key once, and a key the backend declares (the values are the backend's planned_scratch checks). Returns the
+    plugin the run would take (None where --backend auto finds none usable)."""
     from llmc_cli.registry import check_option_names, discover, load_plugin
     opts = backend_options(pairs)
-    if not opts:
-        return
     if backend == "auto":
         plugin = next((p.plugin for p in discover() if p.usable and p.plugin is not None), None)
     else:
         plugin = load_plugin(backend)
-    if plugin is None:
-        return
+    if plugin is None or not opts:
+        return plugin
     from llmc_cli.kernels import BackendUnavailable
     try:
         check_option_names(plugin, opts)
     except BackendUnavailable as e:
         fail(f"--backend {plugin.name}: {e}")
+    return plugin
 
 
 def resume_command(ctx) -> str:

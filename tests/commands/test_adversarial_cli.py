@@ -172,6 +172,30 @@ def test_dry_run_refuses_what_a_run_refuses(args, expect):
     one_line_error(run("train", "--dry-run", "--model", "d2", "-b", 2, "-t", 32, *args, ok=False), expect)
 
 
+def test_dry_run_counts_the_backends_workspaces_as_their_options_set_them():
+    """--dry-run on the cuda backend (planned here without a GPU) adds cuBLASLt's workspace and, for bf16 with cuDNN
+    on, cuDNN attention's at its cap; the cpu backend has none. A bad value is one line naming the option."""
+    pytest.importorskip("llmc_cuda", reason="llmc-cuda is not installed")
+    from llmc_cuda import CUBLASLT_WORKSPACE_BYTES
+    plan = ["train", "--dry-run", "--model", "d2", "-b", 2, "-t", 32]
+
+    def rows(*args) -> dict[str, str]:
+        out = run(*plan, *args).output
+        return {c[0].strip(): c[1].strip() for c in (ln.strip("│┃ ").split("│") for ln in out.splitlines())
+                if len(c) == 2}
+
+    cuda = rows("--backend", "cuda")
+    assert cuda["cuda: cuBLASLt workspace"] == f"{CUBLASLT_WORKSPACE_BYTES / 2**30:.2f}"
+    assert cuda["cuda: cuDNN attention workspace (at most: cudnn_workspace_mib)"] == "0.50"
+    small = rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=1024")
+    assert small["cuda: cuDNN attention workspace (at most: cudnn_workspace_mib)"] == "1.00"
+    for args in (["--backend-opt", "cudnn=off"], ["--dtype", "fp32"]):
+        assert not any("cuDNN" in k for k in rows("--backend", "cuda", *args)), args
+    assert not any(k.startswith("cpu:") for k in rows("--backend", "cpu"))
+    one_line_error(run(*plan, "--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=-1", ok=False),
+                   "--backend-opt cudnn_workspace_mib=-1: expected an integer in [0, 1048576]")
+
+
 def test_gpus_refused_before_starting_ranks_that_cannot_reduce(shards):
     r = run(*TINY, "--data", shards, "--gpus", 2, ok=False)
     line = one_line_error(r, "--gpus 2: the cpu backend reduces through MPI", "--procs 2")

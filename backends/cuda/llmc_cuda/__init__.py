@@ -21,6 +21,7 @@ _DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FL
 
 FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
 CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 1 TiB (past any GPU's memory)
+CUBLASLT_WORKSPACE_BYTES = 32 << 20  # every cuBLASLt matmul's workspace (cublaslt.py; here, where nothing is heavy)
 # the on/off options and their environment variables (the older way to set them)
 _FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
           ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
@@ -141,6 +142,18 @@ class CudaPlugin(BackendPlugin):
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }
+
+    def planned_scratch(self, dtype, options=None):
+        """cuBLASLt's workspace (CUBLASLT_WORKSPACE_BYTES) and, for
+        bf16 and fp8 with cuDNN on, cuDNN attention's workspace at its cap (cudnn_workspace_mib), which FP8's
+        casts share: so for fp8 it overlaps the plan's "FP8 casts" and the sum is an upper bound."""
+        check_options(options)
+        out = {"cuBLASLt workspace": CUBLASLT_WORKSPACE_BYTES}
+        if _DTYPES.get(dtype, dtype) in (BFLOAT16, FP8) and option_flag(options, "cudnn", True, env="LLMC_CUDNN"):
+            mib = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB",
+                             max=CUDNN_WORKSPACE_MAX_MIB)
+            out["cuDNN attention workspace (at most: cudnn_workspace_mib)"] = mib << 20
+        return out
 
     def create(self, device=None, dtype=None, options=None):
         check_options(options)

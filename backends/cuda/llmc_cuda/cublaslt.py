@@ -30,6 +30,8 @@ from __future__ import annotations
 import numpy as np
 from nvmath.bindings import cublasLt as lt
 
+from llmc_cuda import CUBLASLT_WORKSPACE_BYTES as WORKSPACE_BYTES  # (the plugin plans --dry-run with it too)
+
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
 CUDA_R_8F_E4M3 = 28
@@ -37,7 +39,6 @@ CUDA_R_8F_E5M2 = 29
 COMPUTE_32F = 68
 COMPUTE_32F_FAST_TF32 = 77
 OP_N, OP_T = 0, 1
-WORKSPACE_BYTES = 32 << 20
 TUNE_AFTER = 12  # calls of a plan before its candidates are compared (d12: the first step runs untouched)
 TRIAL_CALLS = 4  # timed real calls per bit-identical candidate (d12, 8 candidates: done within step 5)
 TUNE_MARGIN = 0.02  # how much faster than the heuristic's first a candidate must be to be kept
