@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.files import replace_dir
+from llmc_cli.formats.files import DirectoryLock, remove_dead_siblings, replace_dir
 from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
 from llmc_cli.models.families import FAMILIES, family_of
 
@@ -66,6 +66,7 @@ def _write_dir_atomically(dst: Path, write) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_siblings(dst)  # the whole model an earlier convert killed mid-write (SIGKILL, SIGTERM) left beside
         write(tmp)
         replace_dir(tmp, dst)
     finally:
@@ -76,7 +77,27 @@ def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "aut
     """Converts the model at `src` (any source, by content) to `dst`: a new run directory (`to="run"`), the
     family's model file when `dst` ends in that file's suffix, else a Hugging Face directory (written beside and
     swapped in). Returns (config, source kind, what was written). CheckpointError messages start with SRC: or
-    DST: (the path the user named, never a temporary one)."""
+    DST: (the path the user named, never a temporary one).
+
+    One conversion to a destination at a time: a second `convert` to the same DST while one runs is refused
+    (`DST.parent/.DST.lock`), rather than both passing the check for a new destination and the later one replacing
+    the other's output unasked, or failing half-way on the other's rename."""
+    d = Path(os.path.abspath(dst))  # ("." or "..": the lock beside the folder they name)
+    try:
+        lock = DirectoryLock(d.parent, f".{d.name}.lock", "DST", "its directory", ckpt.CheckpointError,
+                             "give another destination", label=str(dst))
+        above = next((p for p in d.parents if p.exists() or p.is_symlink()), None)
+        if d.name and (above is None or above.is_dir()):  # (a file among DST's folders: check_destination names it)
+            lock.acquire()
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"DST: {e}") from None
+    try:
+        return _convert(src, dst, bf16, to, force)
+    finally:
+        lock.release()
+
+
+def _convert(src: str | Path, dst: str | Path, bf16: bool, to: str, force: bool):
     try:
         check_destination(src, dst, force)
     except ckpt.CheckpointError as e:

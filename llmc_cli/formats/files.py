@@ -24,6 +24,7 @@ def atomic_file(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}{suffix}")
+    remove_dead_siblings(path, suffix)  # what an earlier writer of `path` killed mid-write (SIGKILL, SIGTERM) left
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -40,26 +41,36 @@ def atomic_file(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
     fsync_dir(path.parent)  # make the rename itself durable
 
 
-def remove_stale_temporaries(directory: str | os.PathLike, prefix: str, suffix: str = ".tmp") -> list[Path]:
-    """Remove what atomic_file left in `directory` for files whose names start with `prefix` when its process was
-    killed before it could (SIGKILL, a power cut): `.<name>.<pid><suffix>` whose pid no process of this machine
-    has. Returns what went. A temporary of a live process stays, and so does anything not of that form."""
+def remove_dead_siblings(path: str | os.PathLike, suffix: str = ".tmp") -> list[Path]:
+    """Remove what a writer of `path` left beside it when it was killed before it could clean up (SIGKILL, SIGTERM,
+    a power cut), for that one name only and only where the writer's pid is gone from this machine: atomic_file's
+    `.<name>.<pid><suffix>`, and the `.<name>.tmp-<pid>` / `.<name>.old-<pid>` folders (or files, or links) that a
+    directory written beside and swapped in leaves (replace_dir). Returns what went; a live process's stays."""
+    import re
+    path = Path(path)
+    name = re.escape(path.name)
+    form = re.compile(rf"\.{name}\.(?:(\d+){re.escape(suffix)}|(?:tmp|old)-(\d+))")
     gone = []
     try:
-        entries = list(os.scandir(directory))
+        entries = list(os.scandir(path.parent))
     except OSError:
         return gone
+    head = f".{path.name}."
     for e in entries:
-        name = e.name
-        if not (name.startswith("." + prefix) and name.endswith(suffix)):
+        if not e.name.startswith(head):  # (a cheap test first: a directory of ten thousand shards is scanned per write)
             continue
-        target, dot, pid = name[1:len(name) - len(suffix)].rpartition(".")
-        if not dot or not target or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        m = form.fullmatch(e.name)
+        if m is None:
+            continue
+        pid = int(m.group(1) or m.group(2))
+        if pid == os.getpid() or _alive(pid):
             continue
         try:
-            if e.is_file(follow_symlinks=False):
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
                 os.unlink(e.path)
-                gone.append(Path(e.path))
+            gone.append(Path(e.path))
         except OSError:
             pass
     return gone
@@ -84,16 +95,17 @@ class DirectoryLock:
     acquire created that are still empty (a command that failed before writing anything)."""
 
     def __init__(self, directory: str | os.PathLike, name: str, option: str, what: str,
-                 error: type[Exception] = OSError, instead: str = "give another directory"):
+                 error: type[Exception] = OSError, instead: str = "give another directory", label: str | None = None):
         self.directory = Path(directory)
         self.name, self.option, self.what, self.error, self.instead = name, option, what, error, instead
+        self.label = label  # how messages name what is locked (a file in the directory); default: OPTION DIRECTORY
         self._fd: int | None = None
         self._made: list[Path] = []  # the folders acquire created, deepest first
 
     def acquire(self) -> "DirectoryLock":
         import fcntl
         path = self.directory / self.name
-        where = f"{self.option} {self.directory}"
+        where = self.label or f"{self.option} {self.directory}"
         try:
             self._made = [d for d in (self.directory, *self.directory.parents) if not os.path.lexists(d)]
             self.directory.mkdir(parents=True, exist_ok=True)

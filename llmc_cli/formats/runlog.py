@@ -74,6 +74,18 @@ def check_log(path: str | Path) -> None:
                        "llmc appends only to its own logs, so give a new path; nothing was changed")
 
 
+def log_lock(path: str | Path):
+    """The lock that makes one run at a time the writer of the log at `path` (`.<name>.lock` beside the file it
+    names, so two spellings or a symbolic link of one log meet): a second run given the same --log is refused in
+    one line rather than interleaving its records with the first's (and, on --resume, trimming them away)."""
+    import os
+
+    from llmc_cli.formats.files import DirectoryLock
+    real = Path(os.path.realpath(path))
+    return DirectoryLock(real.parent, f".{real.name}.lock", "--log", "the log's directory", LogError,
+                         "give another --log", label=f"--log {path}")
+
+
 def open_log(path: str | Path, resume_step: int | None) -> IO[str]:
     """The log opened for appending; on resume, first trimmed back to what the checkpoint at `resume_step`
     had logged. The caller has passed `path` through check_log (the Trainer does, as it starts)."""

@@ -106,26 +106,37 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
                tokenizer_file: str | Path | None = None) -> Path:
     """A new run directory holding the model alone: step_00000000/<model file> and `latest` pointing at it
     (plus a Llama's tokenizer.model beside the steps). It samples, evaluates, converts and serves as --init like
-    any run; resuming it says that it holds only a model (no optimizer state)."""
+    any run; resuming it says that it holds only a model (no optimizer state).
+
+    Written beside, as `.<name>.tmp-<pid>`, and renamed into place whole: a run killed half-way (SIGKILL, SIGTERM,
+    a full disk) leaves no half run under the name (which the retry would refuse as a run directory), and what it
+    left beside is removed by the next export to that name."""
+    import os
+
+    from llmc_cli.formats.files import fsync_dir, remove_dead_siblings
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
     ranks = None if tokenizer_file is None else tokenizer_model_bytes(tokenizer_file)  # (before any write)
-    step = out / ckpt.step_dir_name(0)
-    new = not out.exists()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_siblings(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        step.mkdir(parents=True, exist_ok=True)
+        step = tmp / ckpt.step_dir_name(0)
+        step.mkdir(parents=True)
         if ranks is not None:
-            ckpt.atomic_write_bytes(out / ckpt.TOKENIZER_FILE, [ranks])
+            ckpt.atomic_write_bytes(tmp / ckpt.TOKENIZER_FILE, [ranks])
         ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
-        ckpt.atomic_write_bytes(out / "latest", [step.name.encode() + b"\n"])
-    except BaseException:
-        # a failed export (a full disk) leaves no half run behind: it would be refused as "not empty" on the retry
-        if new:
-            shutil.rmtree(out, ignore_errors=True)
-        else:  # the empty directory given stays, empty
-            shutil.rmtree(step, ignore_errors=True)
-            for name in (ckpt.TOKENIZER_FILE, "latest"):
-                (out / name).unlink(missing_ok=True)
-        raise
+        ckpt.atomic_write_bytes(tmp / "latest", [step.name.encode() + b"\n"])
+        try:  # (over an empty directory the rename succeeds; over one that another process filled meanwhile, not)
+            os.replace(tmp, out)
+        except OSError:
+            if out.is_dir() and any(out.iterdir()):
+                raise ckpt.CheckpointError(f"{out}: was filled by another process while this one wrote the run; "
+                                           "nothing was changed") from None
+            raise
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

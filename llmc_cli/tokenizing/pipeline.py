@@ -21,7 +21,6 @@ from llmc_cli.formats.files import (
     DirectoryLock,
     atomic_write_bytes,
     read_at_most,
-    remove_stale_temporaries,
 )
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
@@ -263,14 +262,16 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
                             "with --force); move it or choose another --out-dir")
     for p in stale:
         p.unlink()
-    remove_stale_temporaries(out_dir, f"{src.name}_")  # a killed run's half-written shards and manifests
     # (input that fails before the first shard leaves nothing behind: the lock's release removes the folders)
 
     state = {"fingerprint": fp, "shards": list(done), "complete": False,
              "val_size": manifest.get("val_size") if (manifest and done) else None}
 
+    saved = []
+
     def save_manifest():
         atomic_write_bytes(manifest_path, json.dumps(state, indent=1).encode())
+        saved.append(True)
 
     summary.resumed = len(done)
     skip_doc, skip_off = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
@@ -297,6 +298,8 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
         buffered -= n
         arr = np.concatenate(take) if len(take) != 1 else take[0]
         fname = _shard_name(src.name, split, k)
+        if not saved:  # the manifest before this run's first shard: a run killed between a shard and the manifest
+            save_manifest()  # that lists it leaves shards with a manifest (a resume), never shards alone (refused)
         write_shard(out_dir / fname, arr, tok.name)
         nd, no = (pieces[0].doc, pieces[0].start) if pieces else (next_doc, 0)
         state["shards"].append({"file": fname, "split": split, "tokens": int(n), "next_doc": nd, "next_offset": no})

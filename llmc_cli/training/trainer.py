@@ -17,7 +17,7 @@ from llmc_cli.evals.evaluate import check_shards_tokenizer, eval_batches, evalua
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
-from llmc_cli.formats.runlog import LogError, check_log, open_log, record_line
+from llmc_cli.formats.runlog import LogError, check_log, log_lock, open_log, record_line
 from llmc_cli.formats.shards import has_split
 from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.inference.sampling import generate
@@ -171,11 +171,12 @@ class Trainer:
         self.a, self.backend, self.say, self.decode, self.eot = a, backend, say, decode, eot
         self.comm = comm or SingleProcess()  # this process's place among data-parallel ranks (llmc_cli.parallel.comm)
         check_args(a)
-        self.lock = None
+        self.lock = self.log_lock = None
         lead = self.comm.rank == 0
         try:
-            if a.log and lead:
+            if a.log and lead:  # one writer of a log: two runs given the same --log would interleave their records
                 check_log(a.log)
+                self.log_lock = log_lock(a.log).acquire()
             if a.out and lead:
                 self.lock = RunLock(a.out).acquire()  # before anything reads the directory: one writer at a time
                 check_out(a.out, a.resume)
@@ -197,6 +198,9 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if getattr(self, "log_lock", None) is not None:
+            self.log_lock.release()
+            self.log_lock = None
 
     def _setup(self) -> None:
         a, backend = self.a, self.backend
