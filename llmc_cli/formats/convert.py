@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.files import DirectoryLock, remove_dead_siblings, replace_dir
+from llmc_cli.formats.files import DirectoryLock, write_dir_beside
 from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
 from llmc_cli.models.families import FAMILIES, family_of
 
@@ -57,20 +56,6 @@ def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
     if not _is_llmc_output(dst):
         raise ckpt.CheckpointError(f"{dst} exists and is not an llmc model file or Hugging Face model directory, so "
                                    f"llmc will not replace it, even with --force; nothing was changed")
-
-
-def _write_dir_atomically(dst: Path, write) -> None:
-    """`write(tmp)` fills a temporary sibling directory, which then takes `dst`'s place (the old one is
-    dropped only after the new one stands), so a failure leaves `dst` as it was."""
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        remove_dead_siblings(dst)  # the whole model an earlier convert killed mid-write (SIGKILL, SIGTERM) left beside
-        write(tmp)
-        replace_dir(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "auto", force: bool = False):
@@ -136,8 +121,8 @@ def _convert(src: str | Path, dst: str | Path, bf16: bool, to: str, force: bool)
         if d.exists() and not d.is_dir():
             raise ckpt.CheckpointError(f"{d} exists and is not a directory (name a model file with "
                                        f"{' or '.join(MODEL_SUFFIXES)})")
-        _write_dir_atomically(d, lambda out: fam.hf.save(out, cfg, params, bf16=bf16, tokenizer=tok_name,
-                                                          tokenizer_file=tok_file))
+        write_dir_beside(d, lambda out: fam.hf.save(out, cfg, params, bf16=bf16, tokenizer=tok_name,
+                                                    tokenizer_file=tok_file))
         return cfg, kind, "Hugging Face directory (config.json, model.safetensors)"
     except OSError as e:  # (the file that failed may be a temporary one beside DST: DST is what the user named)
         raise ckpt.CheckpointError(f"DST: {d}: {e.strerror or e}") from None

@@ -186,6 +186,22 @@ def replace_dir(tmp: str | os.PathLike, dst: str | os.PathLike) -> None:
         os.replace(tmp, dst)
 
 
+def write_dir_beside(dst: str | os.PathLike, write, place=replace_dir) -> None:
+    """`write(tmp)` fills a temporary sibling of `dst` (`.NAME.tmp-PID`), which `place(tmp, dst)` then puts in
+    `dst`'s place (replace_dir: the old `dst` is dropped only after the new one stands), so a failure leaves `dst`
+    as it was. What a killed writer of `dst` left beside it goes first; this call's temporary never outlives it."""
+    dst = Path(dst)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_siblings(dst)
+        write(tmp)
+        place(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check_replaceable(path: str | os.PathLike, magics: Sequence[int], what: str) -> None:
     """llmc writes over a file only when it is one of its own kind (its int32 magic number is one of `magics`);
     anything else at `path` is the user's and is refused before a byte is written."""

@@ -3,7 +3,6 @@ a Hugging Face GPT-2 or Llama directory; and the tokenizer each was trained with
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -113,22 +112,21 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
     left beside is removed by the next export to that name."""
     import os
 
-    from llmc_cli.formats.files import fsync_dir, remove_dead_siblings
+    from llmc_cli.formats.files import fsync_dir, write_dir_beside
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
     ranks = None if tokenizer_file is None else tokenizer_model_bytes(tokenizer_file)  # (before any write)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_siblings(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         step = tmp / ckpt.step_dir_name(0)
         step.mkdir(parents=True)
         if ranks is not None:
             ckpt.atomic_write_bytes(tmp / ckpt.TOKENIZER_FILE, [ranks])
         ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
         ckpt.atomic_write_bytes(tmp / "latest", [step.name.encode() + b"\n"])
+
+    def rename_in(tmp: Path, out: Path) -> None:
         try:  # (over an empty directory the rename succeeds; over one that another process filled meanwhile, not)
             os.replace(tmp, out)
         except OSError:
@@ -137,6 +135,6 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
                                            "nothing was changed") from None
             raise
         fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_dir_beside(out, fill, rename_in)
     return out

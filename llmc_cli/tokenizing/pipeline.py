@@ -16,12 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from llmc_cli.data.tokenizer import load_tokenizer
-from llmc_cli.formats.files import (
-    DataError,
-    DirectoryLock,
-    atomic_write_bytes,
-    read_at_most,
-)
+from llmc_cli.formats.files import DataError, DirectoryLock, atomic_write_bytes, read_at_most
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 from llmc_cli.tokenizing.sources import Source
@@ -267,11 +262,8 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
     state = {"fingerprint": fp, "shards": list(done), "complete": False,
              "val_size": manifest.get("val_size") if (manifest and done) else None}
 
-    saved = []
-
     def save_manifest():
         atomic_write_bytes(manifest_path, json.dumps(state, indent=1).encode())
-        saved.append(True)
 
     summary.resumed = len(done)
     skip_doc, skip_off = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
@@ -298,7 +290,7 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
         buffered -= n
         arr = np.concatenate(take) if len(take) != 1 else take[0]
         fname = _shard_name(src.name, split, k)
-        if not saved:  # the manifest before this run's first shard: a run killed between a shard and the manifest
+        if k == len(done):  # the manifest before this run's first shard: a run killed between a shard and the manifest
             save_manifest()  # that lists it leaves shards with a manifest (a resume), never shards alone (refused)
         write_shard(out_dir / fname, arr, tok.name)
         nd, no = (pieces[0].doc, pieces[0].start) if pieces else (next_doc, 0)

@@ -47,6 +47,19 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+class _FullDisk:
+    """An open file on a full disk: every write fails with ENOSPC."""
+
+    def write(self, data):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
 # ---- names with control characters -------------------------------------------------------------------------------
 
 def test_printable_escapes_what_would_break_the_line():
@@ -167,17 +180,8 @@ def test_step_phases_write_error_names_the_file(tmp_path):
 
     p = StepPhases(tmp_path, 0)
 
-    class Full:
-        def write(self, s):
-            raise OSError(28, "No space left on device")
-
-        def flush(self):
-            pass
-
-        def close(self):
-            pass
     p.file.close()
-    p.file = Full()
+    p.file = _FullDisk()
     p.begin(Timer())
     with pytest.raises(OSError) as e:
         p.end(1, 0.01)
@@ -350,17 +354,8 @@ def test_tensorboard_write_error_names_the_event_file(tmp_path):
     from llmc_cli.formats.tensorboard import EventWriter
     w = EventWriter(tmp_path / "tb")
 
-    class Full:
-        def write(self, b):
-            raise OSError(28, "No space left on device")
-
-        def flush(self):
-            pass
-
-        def close(self):
-            pass
     w._f.close()
-    w._f = Full()
+    w._f = _FullDisk()
     with pytest.raises(OSError) as e:
         w.write_record({"step": 1, "loss": 2.0})
     assert e.value.filename == str(w.path) and e.value.errno == 28
