@@ -10,6 +10,29 @@ import numpy as np
 
 from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend, clip_scale
 
+FLAGS = 2  # host values a step carries to every rank in its one read (the Trainer's: a stop request, a checkpoint due)
+
+
+class StepResult:
+    """What a guarded step's one read at its end returns: step_guard's [loss, norm, scale, apply] (`guard`, which
+    AdamW reads on the device), then FLAGS host values every rank set before the read (`flags`), each the largest
+    over the ranks where a communicator reduces them (`reduce_flags`)."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.buf = backend.alloc(4 + FLAGS, FLOAT32, tag="optimizer")
+        self.guard = backend.view(self.buf, 0, 4)
+        self.flags = backend.view(self.buf, 4, FLAGS)
+
+    def set_flags(self, flags) -> None:
+        for i, f in enumerate(flags):  # (fill queues on the device's order: no wait for the work queued before)
+            self.backend.fill(self.backend.view(self.flags, i, 1), float(f))
+
+    def read(self) -> tuple[float, float, bool, tuple[float, ...]]:
+        """(loss, norm, applied, flags): waits for everything queued."""
+        v = [float(x) for x in self.backend.download(self.buf)]
+        return v[0], v[1], bool(v[3]), tuple(v[4:])
+
 
 @dataclass
 class AdamWConfig:
@@ -63,7 +86,9 @@ class AdamW:
             self.master = backend.alloc(n, FLOAT32, tag="optimizer")
         self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
         self.loss_buf = backend.alloc(1, FLOAT32, tag="optimizer")   # the step's mean loss (loss_sum)
-        self.guard = backend.alloc(4, FLOAT32, tag="optimizer")      # [loss, norm, scale, apply] (step_guard)
+        self.result = StepResult(backend)
+        self.guard = self.result.guard  # [loss, norm, scale, apply] (step_guard)
+        self.flags: tuple[float, ...] = ()  # the last guarded step's flags, as every rank read them
         self.step_count = 0
         self._views = []
         off = 0
@@ -97,12 +122,20 @@ class AdamW:
                 lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay if decay else 0.0,
                 step=step, grad_scale=scale, seed=(seed * 1000003 + step * 64 + i) & 0x7FFFFFFF, guard=guard)
 
-    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float) -> tuple[float, float, bool]:
+    def reduce_flags(self) -> None:
+        """Queues the ranks' flags' reduction (max); one rank has nothing to reduce."""
+
+    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float,
+                     flags=()) -> tuple[float, float, bool]:
         """The whole update queued without the host waiting for the device in between: the grad norm, the clip
         scale and the skip verdict (non-finite loss or norm, or one above its bound) are computed on the device
         (`step_guard`) and every AdamW update reads them there. The step's mean loss must be in `loss_buf`
-        (`loss_sum`). One read at the end returns (loss, norm, applied); a skipped step changes nothing."""
+        (`loss_sum`). One read at the end returns (loss, norm, applied); a skipped step changes nothing. `flags`
+        (at most FLAGS host values) come back in `self.flags` from that same read, the largest over the ranks."""
         b = self.backend
+        if flags:
+            self.result.set_flags(flags)
+            self.reduce_flags()
         b.global_norm_squared(self.norm_buf, [self.grads.buf])
         b.step_guard(self.guard, self.loss_buf, self.norm_buf, self.cfg.grad_clip, max_loss, max_norm)
         if self.mark:
@@ -110,10 +143,11 @@ class AdamW:
         self._updates(lr, self.step_count + 1, 1.0, seed, self.guard)
         if self.mark:
             self.mark("adamw")
-        loss, norm, _, apply = (float(v) for v in b.download(self.guard))
+        loss, norm, apply, got = self.result.read()
+        self.flags = got[:len(flags)]
         if apply:
             self.step_count += 1
-        return loss, norm, bool(apply)
+        return loss, norm, apply
 
     # state in and out as host arrays, for checkpoints
     def state_host(self) -> dict[str, np.ndarray]:

@@ -23,8 +23,8 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from llmc_cli.kernels import AVG, BFLOAT16, FLOAT32, SUM, Backend, Communicator, clip_scale
-from llmc_cli.optim import AdamW, AdamWConfig
+from llmc_cli.kernels import AVG, BFLOAT16, FLOAT32, MAX, SUM, Backend, Communicator, clip_scale
+from llmc_cli.optim import AdamW, AdamWConfig, StepResult
 from llmc_cli.parallel.comm import SingleProcess
 
 ZERO_STAGES = (0, 1, 2)
@@ -41,12 +41,17 @@ class DataParallelAdamW(AdamW):
         if self.comm.world_size > 1:
             self.comm.all_reduce(self.grads.buf, AVG)
 
-    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float) -> tuple[float, float, bool]:
+    def reduce_flags(self) -> None:
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(self.result.flags, MAX)
+
+    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float,
+                     flags=()) -> tuple[float, float, bool]:
         """AdamW's guarded step over the ranks' mean loss (averaged on the device; the gradients, already averaged,
         give every rank the same norm): every rank reaches the same verdict with no host read before the end."""
         if self.comm.world_size > 1:
             self.comm.all_reduce(self.loss_buf, AVG)
-        return super().guarded_step(lr, seed, max_loss, max_norm)
+        return super().guarded_step(lr, seed, max_loss, max_norm, flags)
 
     def state_host(self):
         return super().state_host() if self.comm.rank == 0 else None
@@ -86,7 +91,9 @@ class ShardedAdamW:
             (lambda lo, l0, n: backend.view(shard, l0, n))
         self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
         self.loss_buf = backend.alloc(1, FLOAT32, tag="optimizer")   # the step's mean loss (loss_sum)
-        self.guard = backend.alloc(4, FLOAT32, tag="optimizer")      # [loss, norm, scale, apply] (step_guard)
+        self.result = StepResult(backend)
+        self.guard = self.result.guard  # [loss, norm, scale, apply] (step_guard)
+        self.flags: tuple[float, ...] = ()  # the last guarded step's flags, the largest over the ranks
         self.step_count = 0
         # one segment per (tensor, owned range) overlap: weight decay is a property of the tensor
         self._segments = []
@@ -179,11 +186,21 @@ class ShardedAdamW:
         self._updates(lr, self.step_count, clip_scale(grad_norm, self.cfg.grad_clip), seed, None)
         self._share_params()
 
-    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float) -> tuple[float, float, bool]:
+    def reduce_flags(self) -> None:
+        """Queues the ranks' flags' reduction (max), as DataParallelAdamW's."""
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(self.result.flags, MAX)
+
+    def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float,
+                     flags=()) -> tuple[float, float, bool]:
         """The step with no host read before its end, as AdamW.guarded_step: the squared norm summed and the loss
         averaged over the ranks on the device, so every rank's step_guard reaches the same verdict; the update
-        and the all-gather queued behind it (a skipped step gathers the parameters unchanged)."""
+        and the all-gather queued behind it (a skipped step gathers the parameters unchanged). `flags` come back
+        in `self.flags`, the largest over the ranks, from the same read."""
         b = self.backend
+        if flags:
+            self.result.set_flags(flags)
+            self.reduce_flags()
         b.global_norm_squared(self.norm_buf, self._norm_parts())
         if self.comm.world_size > 1:
             self.comm.all_reduce(self.norm_buf, SUM)
@@ -195,10 +212,11 @@ class ShardedAdamW:
         if self.mark:
             self.mark("adamw")
         self._share_params()
-        loss, norm, _, apply = (float(v) for v in b.download(self.guard))
+        loss, norm, apply, got = self.result.read()
+        self.flags = got[:len(flags)]
         if apply:
             self.step_count += 1
-        return loss, norm, bool(apply)
+        return loss, norm, apply
 
     def _updates(self, lr: float, step: int, scale: float, seed: int, guard) -> None:
         c = self.cfg

@@ -155,3 +155,49 @@ def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path, setup):
             assert "written by the update into the other ranks' memory" in out[mode], mode
         assert ("the reduce-scatter read from it" in out[mode]) == (mode == "reduce"), mode
         assert ("copied layer by layer to their owners" in out[mode]) == (setup.startswith("overlap") and mode == "on"), mode
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the --gpus launcher's ranks (its children, by the LLMC_RANK it gave each)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher:
+                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+                if "LLMC_RANK" in env:
+                    out[int(env["LLMC_RANK"])] = int(d.name)
+        except (OSError, ValueError, IndexError):  # (a process that ended meanwhile)
+            pass
+    return out
+
+
+def test_a_stop_request_on_one_rank_stops_both_after_the_same_step(tmp_path):
+    """SIGTERM to rank 1 alone (a scheduler that signals one process): the ranks' vote, carried by the step's own
+    collectives, stops both after the same step, with one checkpoint and exit 75."""
+    if _gpus() < 2:
+        pytest.skip("needs two GPUs (one visible here)")
+    import signal
+    import time
+    write_shard(tmp_path / "v_train_000.bin", np.random.default_rng(0).integers(0, 50257, 100_000))
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "llmc_cli", "train", "--backend", "cuda", "--dtype", "bf16",
+                          "--model", "d2", "--n-embd", "64", "-b", "4", "-t", "64", "--steps", "100000", "--gpus", "2",
+                          "--val-every", "0", "--sample-every", "0", "--data", str(tmp_path / "v_train_*.bin"),
+                          "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+    try:
+        for line in p.stdout:
+            if line.startswith(b"step"):
+                break
+        ranks = _rank_pids(p.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGTERM)
+        t0 = time.monotonic()
+        rest = p.stdout.read().decode()
+        code, err = p.wait(timeout=300), p.stderr.read().decode()
+    finally:
+        p.kill()
+    assert code == 75 and time.monotonic() - t0 < 120, (code, err[-2000:])
+    assert "a stop request on another rank" in rest + err, (rest[-1000:], err[-2000:])
+    steps = sorted(run.glob("step_*"))
+    assert len(steps) == 1 and (run / "latest").read_text().strip() == steps[0].name, sorted(run.iterdir())

@@ -1,0 +1,166 @@
+"""The ranks' per-step votes (a stop request, rank 0's checkpoint clock) travel with the step's own collectives:
+every rank stops after the same step, checkpoints at the same steps by rank 0's clock alone, and no host collective
+runs between two steps (one there, a host round trip, left every GPU idle outside any step's time). Two Trainers
+on the cpu backend in two threads, joined by a communicator over shared memory."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from llmc_test_support import phrase_tokens
+
+from llmc_cli.formats.shards import write_shard
+from llmc_cli.kernels import AVG, MAX
+from llmc_cli.registry import create_backend
+from llmc_cli.training.trainer import TrainArgs, Trainer
+
+W = 2
+
+
+class Shared:
+    def __init__(self):
+        self.barrier = threading.Barrier(W, timeout=60)
+        self.slots: list = [None] * W
+        self.host_collectives = 0
+
+
+class ThreadComm:
+    """Rank `rank` of W threads; every collective exchanges host copies through `shared` (in rank order, so
+    deterministic). Buffers are the cpu backend's numpy arrays."""
+
+    name = "threads"
+
+    def __init__(self, shared: Shared, rank: int):
+        self.s, self.rank, self.world_size, self.local_rank = shared, rank, W, rank
+
+    def _exchange(self, buf) -> list[np.ndarray]:
+        self.s.slots[self.rank] = np.array(buf, copy=True)
+        self.s.barrier.wait()
+        got = list(self.s.slots)
+        self.s.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return got
+
+    @staticmethod
+    def _reduce(parts, op):
+        if op == MAX:
+            return np.maximum.reduce(parts)
+        total = parts[0].astype(np.float64)
+        for p in parts[1:]:
+            total = total + p
+        return total / W if op == AVG else total
+
+    def all_reduce(self, buf, op=AVG):
+        buf[...] = self._reduce(self._exchange(buf), op)
+
+    reduce_scatter = all_reduce  # (the other chunks may hold anything)
+
+    def reduce(self, buf, root, op=AVG):
+        out = self._reduce(self._exchange(buf), op)
+        if self.rank == root:
+            buf[...] = out
+
+    def all_gather(self, buf):
+        parts, n = self._exchange(buf), buf.size // W
+        for r in range(W):
+            buf[r * n:(r + 1) * n] = parts[r][r * n:(r + 1) * n]
+
+    def broadcast(self, buf, root=0):
+        buf[...] = self._exchange(buf)[root]
+
+    def all_reduce_value(self, x, op=AVG):
+        if self.rank == 0:
+            self.s.host_collectives += 1
+        return float(self._reduce(self._exchange(np.array([x], dtype=np.float64)), op)[0])
+
+    def barrier(self):
+        self.s.barrier.wait()
+
+    def share(self, data, nbytes):
+        return self._exchange(np.frombuffer(data if self.rank == 0 else bytes(nbytes), dtype=np.uint8))[0].tobytes()
+
+    def abort(self, code=1):
+        self.s.barrier.abort()
+
+    def close(self):
+        pass
+
+
+def run_ranks(make, steps: int, tweak=None):
+    """Trainers made by make(rank, comm), tweaked by tweak(rank, trainer), run in W threads; their trainers."""
+    shared = Shared()
+    trainers = [make(r, ThreadComm(shared, r)) for r in range(W)]  # (sequential: no collective in __init__)
+    errors = []
+
+    def go(tr):
+        try:
+            tr.run()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            shared.barrier.abort()
+        finally:
+            tr.close()
+
+    for r, tr in enumerate(trainers):
+        if tweak:
+            tweak(r, tr)
+    threads = [threading.Thread(target=go, args=(tr,)) for tr in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return trainers, shared
+
+
+def _args(tmp_path, **kw):
+    write_shard(tmp_path / "v_train_000001.bin", phrase_tokens(400))
+    return dict(data=str(tmp_path / "v_train_*.bin"), model="d2", n_layer=1, n_embd=32, batch_size=2, seq_len=16,
+                total_batch_size=2 * W * 16, val_every=0, sample_every=0, zero=1) | kw
+
+
+def test_a_stop_request_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    run = tmp_path / "run"
+    a = _args(tmp_path, steps=50, out=str(run))
+
+    def make(rank, comm):
+        return Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm)
+
+    def tweak(rank, tr):
+        if rank == 1:  # only rank 1 is told to stop, from its third step on
+            tr.stop_requested = lambda: "SIGTERM" if tr.steps_run >= 3 else None
+
+    (t0, t1), shared = run_ranks(make, 50, tweak)
+    assert t0.stopped and t1.stopped and t0.stopped["step"] == t1.stopped["step"] == 3
+    assert t1.stopped["signal"] == "SIGTERM" and t0.stopped["signal"] == "a stop request on another rank"
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_00000003"]
+    # the vote went with the steps' collectives; the only host collectives were the checkpoint's own
+    before_save = shared.host_collectives
+    assert before_save == 0, f"{before_save} host collectives in a run of 3 steps and one checkpoint"
+
+
+def test_rank_0s_checkpoint_clock_decides_for_every_rank(tmp_path):
+    for clock_of, expect in ((0, ["step_00000001", "step_00000002", "step_00000003"]), (1, ["step_00000003"])):
+        run = tmp_path / f"run{clock_of}"
+        a = _args(tmp_path, steps=3, out=str(run), keep=5)
+
+        def make(rank, comm):
+            return Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm)
+
+        def tweak(rank, tr):  # one rank's clock says a checkpoint is due after every step, the other's never
+            tr._clock_due = lambda: rank == clock_of
+
+        run_ranks(make, 3, tweak)
+        got = sorted(p.name for p in run.glob("step_*"))
+        assert got == expect, (clock_of, got)
+
+
+def test_no_host_collective_between_steps(tmp_path):
+    a = _args(tmp_path, steps=6)
+    for zero in (0, 1):
+        (t0, t1), shared = run_ranks(
+            lambda rank, comm: Trainer(TrainArgs(**a | {"zero": zero}), create_backend("cpu"), say=lambda m: None,
+                                       comm=comm), 6)
+        assert t0.steps_run == t1.steps_run == 6 and shared.host_collectives == 0, (zero, shared.host_collectives)
+        np.testing.assert_array_equal(t0.model.parameters_host(), t1.model.parameters_host())
+
