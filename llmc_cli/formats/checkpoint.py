@@ -211,6 +211,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A run directory (its `latest`), a step directory or a model file -> the model file to load."""
     path = Path(path)
     if path.is_file():
+        _check_model_file_kind(path)
         return path
     if (path / "latest").is_file():
         try:
@@ -231,8 +232,35 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return model
     if path.is_dir() and (complete := _complete_steps(path)):  # killed before its first `latest` was written
         return _model_in(complete[-1])
+    steps = sorted(p.name for p in path.glob("step_*") if p.is_dir()) if path.is_dir() else []
+    if steps:  # (a run killed while writing its first checkpoint, or step folders made by hand)
+        raise CheckpointError(f"{path}: a run directory with no complete checkpoint: no step folder here "
+                              f"({', '.join(steps[:3])}{', ...' if len(steps) > 3 else ''}) holds model.bin or "
+                              f"model.safetensors with optimizer.npz and state.json, and there is no 'latest'")
     raise CheckpointError(f"{path}: not a model file, a run directory with 'latest', or a step directory "
                           f"(model.bin or model.safetensors)")
+
+
+def _check_model_file_kind(path: Path) -> None:
+    """Refuses, in one line that says what was expected, a file that is neither an llm.c .bin (its magic) nor a
+    safetensors file (a header length that fits the file, then JSON): a run's state.json or optimizer.npz given
+    where a model belongs was read as a safetensors header of absurd length. A .bin keeps its reader's own
+    message (a wrong magic number)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+        size = path.stat().st_size
+    except OSError:
+        return  # (the reader that follows says what is wrong)
+    if path.suffix == ".bin" or len(head) >= 4 and int(np.frombuffer(head[:4], "<i4")[0]) == MODEL_MAGIC:
+        return
+    if len(head) == 9 and int(np.frombuffer(head[:8], "<u8")[0]) <= size - 8 and head[8:9] == b"{":
+        return
+    hint = ""
+    if path.parent.name.startswith("step_") and _model_in(path.parent) is not None:
+        hint = f"; its folder {path.parent} is a step directory: give that, or its model file {_model_in(path.parent)}"
+    raise CheckpointError(f"{path}: not a model file: expected an llm.c .bin (magic {MODEL_MAGIC}), a "
+                          f"model.safetensors, a run or step directory, or a Hugging Face directory{hint}")
 
 
 def check_finite(path: str | Path, params: np.ndarray, what: str = "weights") -> None:

@@ -95,7 +95,8 @@ def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
 
 def _resolve(path: str | Path) -> Path:
     path = Path(path)
-    if path.is_dir() and not (path / "latest").is_file() and not any((path / f).is_file() for f in ckpt.MODEL_FILES):
+    if path.is_dir() and not (path / "latest").is_file() and not any((path / f).is_file() for f in ckpt.MODEL_FILES) \
+            and not any(path.glob("step_*")):  # (a run's step folders: resolve_checkpoint says what they lack)
         raise ckpt.CheckpointError(f"{path}: not a run directory (no 'latest'), a step directory (no model.bin or "
                                    f"model.safetensors) or a Hugging Face directory (no config.json)")
     return ckpt.resolve_checkpoint(path)

@@ -125,6 +125,30 @@ def test_resume_of_no_run_and_an_out_that_is_a_link_to_nothing(shards, tmp_path)
     assert os.readlink(loop) == "loop"
 
 
+def test_a_run_without_a_complete_step_and_a_runs_other_files_as_models(trained, shards, tmp_path):
+    """A run killed while writing its first checkpoint (an empty step folder, no 'latest') was "not a model file";
+    a step folder's state.json or optimizer.npz given as a model was "header length 8315740998472829563 is
+    implausible (not a safetensors file)". Each line now says what is there and what was expected."""
+    half = tmp_path / "half"
+    (half / "step_00000002").mkdir(parents=True)
+    before = tree(half)
+    one_line_error(run(*TINY, "--data", shards, "--steps", 1, "--out", half, "--resume", ok=False),
+                   f"{half}: a run directory with no complete checkpoint", "step_00000002")
+    one_line_error(run("sample", "--checkpoint", half, ok=False), "no complete checkpoint")
+    assert tree(half) == before
+    step = trained / "step_00000002"
+    for name in ("state.json", "optimizer.npz"):
+        for cmd in (["sample", "--checkpoint"], ["eval", "--data", shards, "--checkpoint"],
+                    [*TINY, "--data", shards, "--steps", 1, "--init"]):
+            line = one_line_error(run(*cmd, step / name, ok=False), f"{step / name}: not a model file",
+                                  "expected an llm.c .bin", f"give that, or its model file {step / 'model.bin'}")
+            assert "implausible" not in line
+    junk = tmp_path / "weights.pt"
+    junk.write_bytes(b"PK\x03\x04" + bytes(100))
+    line = one_line_error(run("sample", "--checkpoint", junk, ok=False), f"{junk}: not a model file")
+    assert "step directory: give" not in line
+
+
 def test_plot_under_a_file_is_refused_before_the_benchmark(trained, tmp_path):
     mine = tmp_path / "mine.png"
     mine.write_text("mine")
