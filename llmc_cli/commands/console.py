@@ -38,6 +38,13 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub(_escaped, text)
 
 
+def terminal_text(text: str) -> str:
+    """Text of several lines as `printable` shows each: newlines and tabs stay, while an escape sequence or a
+    carriage return (a path's, or a model's output, which can hold any bytes) is shown escaped instead of driving
+    the terminal."""
+    return "\n".join("\t".join(map(printable, line.split("\t"))) for line in text.split("\n"))
+
+
 STDOUT_CLOSED: list = []  # what a command asked to happen when standard output's reader goes (when_stdout_closes)
 
 

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import click
 
-from llmc_cli.commands.console import BACKEND_OPT_HELP, DTYPES, backend_options, err_console, fail, make_backend
+from llmc_cli.commands.console import (
+    BACKEND_OPT_HELP,
+    DTYPES,
+    backend_options,
+    err_console,
+    fail,
+    make_backend,
+    terminal_text,
+)
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real, ZeroOrReal
 
 
 PROMPT_MAX_BYTES = 64 * 2**20
+
+
+def _stdout_is_terminal() -> bool:
+    import sys
+    return sys.stdout.isatty()
 
 
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
@@ -102,11 +115,14 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     kv = has_kv_cache(model) and not no_kv_cache
     rng = np.random.default_rng(seed)
     total, seconds = 0, 0.0
+    # a model's text can hold any bytes: on a terminal an escape sequence is shown, not obeyed (into a pipe or a
+    # file the text goes as the model wrote it)
+    show = terminal_text if _stdout_is_terminal() else (lambda text: text)
     for i in range(num_samples):
         if num_samples > 1:
             click.echo(f"{'' if i == 0 else chr(10)}--- sample {i + 1}/{num_samples} ---")
         if prompt:
-            click.echo(prompt, nl=False)
+            click.echo(show(prompt), nl=False, color=True)  # (color: click would strip some escapes, not all)
         out: list[int] = []
         shown = 0  # out[:shown] is printed; decoding only the rest keeps a long sample linear in its length
         t0 = time.perf_counter()
@@ -115,10 +131,10 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
             out.append(t)
             text = tok.decode(out[shown:])
             if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing
-                click.echo(text, nl=False)
+                click.echo(show(text), nl=False, color=True)
                 shown = len(out)
         seconds += time.perf_counter() - t0
         total += len(out)
-        click.echo(tok.decode(out[shown:]))
+        click.echo(show(tok.decode(out[shown:])), color=True)
     err_console.print(f"{total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tok/s "
                       f"({'KV cache' if kv else 'full recomputation'}, {be.name})")

@@ -496,9 +496,8 @@ def _say(text: str) -> None:
     """A line of the run as it is: paths, device names and sampled text may hold '[...]', which is not markup, and
     an escape sequence or a carriage return, which is shown escaped (nothing sent to the terminal). Newlines and
     tabs stay: a sample is text of several lines."""
-    from llmc_cli.commands.console import printable
-    console.print("\n".join("\t".join(map(printable, line.split("\t"))) for line in text.split("\n")),
-                  markup=False)
+    from llmc_cli.commands.console import terminal_text
+    console.print(terminal_text(text), markup=False)
 
 
 def _check_combination(o: dict) -> None:

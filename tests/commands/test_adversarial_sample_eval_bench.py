@@ -149,6 +149,27 @@ def test_a_run_without_a_complete_step_and_a_runs_other_files_as_models(trained,
     assert "step directory: give" not in line
 
 
+def test_sample_shows_control_bytes_escaped_on_a_terminal_and_as_written_into_a_pipe(trained, monkeypatch):
+    """A model's text can hold any bytes (an untrusted checkpoint's, on purpose): on a terminal an escape sequence
+    printed raw retitles the window or clears the screen; it is now shown escaped there, and goes as the model
+    wrote it into a pipe or a file."""
+    import llmc_cli.commands.sample as sample_cmd
+    import llmc_cli.inference.sampling as sampling
+    from llmc_cli.data.tokenizer import load_tokenizer
+    text = "\x1b]0;owned\x07 red\x1b[31m\rline"
+    ids = load_tokenizer("gpt2").encode(text)
+    monkeypatch.setattr(sampling, "generate", lambda *a, **k: iter(ids))
+    args = ("sample", "--backend", "cpu", "--checkpoint", trained, "--max-new-tokens", len(ids),
+            "--prompt", "\x1b[2J hi")
+    raw = run(*args).output
+    assert "\x1b[2J hi" + text in raw, repr(raw)
+
+    monkeypatch.setattr(sample_cmd, "_stdout_is_terminal", lambda: True)
+    shown = run(*args).output
+    assert "\\x1b[2J hi\\x1b]0;owned\\x07 red\\x1b[31m\\rline" in shown, repr(shown)
+    assert not any(c in shown for c in "\x1b\x07\r"), repr(shown)
+
+
 def test_plot_under_a_file_is_refused_before_the_benchmark(trained, tmp_path):
     mine = tmp_path / "mine.png"
     mine.write_text("mine")
