@@ -10,7 +10,9 @@ import numpy as np
 
 from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend, clip_scale
 
-FLAGS = 2  # host values a step carries to every rank in its one read (the Trainer's: a stop request, a checkpoint due)
+# host values a step carries to every rank in its one read (the Trainer's: a stop request, a checkpoint due, the
+# rank's previous step's seconds)
+FLAGS = 3
 
 
 class StepResult:

@@ -54,6 +54,9 @@ class TrainDiverged(TrainError):
 # uncaptured steps before the micro-steps are captured as graphs (CAP_GRAPHS): enough for every scratch buffer to
 # reach its size and for a backend's own tuning of its products to settle (the CUDA backend's, d12: by step 5)
 GRAPH_AFTER = 6
+# data parallel steps this long (seconds, the slowest rank's) also vote on a stop request after each step (_votes):
+# its host round trip (0.2 ms) is then under 0.02 % of the step
+SLOW_STEP_S = 1.0
 SHARD_VOCAB = {"gpt2": 50257, "llama3": 128256}  # the vocabulary a shard format records (dataloader.SHARD_FORMATS)
 
 # options that fix the model's shape or the meaning of a step: a resumed run must not change them
@@ -290,9 +293,11 @@ class Trainer:
         self.bad_streak = 0
         self.stop_requested: Callable[[], str | None] = lambda: None
         self.stopped: dict | None = None  # set by run() when it returns early on a stop request
-        # data parallel: what the last step's vote (_votes) said
+        # data parallel: what the last step's vote (_votes) said, and this rank's last step time it sends
         self.voted_stop: str | None = None
         self.voted_due = False
+        self.slow_steps = False
+        self.last_step_s = 0.0
         self._last_checkpoint = time.monotonic()  # (run() restarts the clock)
 
         # token ids are checked against the model's vocabulary as each shard is first opened
@@ -482,9 +487,10 @@ class Trainer:
             self.comm.all_reduce(seen, MAX)
         self.backend.end_step()
         if votes:
-            any_stop, due = self.opt.flags
+            any_stop, due, slowest = self.opt.flags
             self.voted_stop = stop or ("a stop request on another rank" if any_stop > 0 else None)
             self.voted_due = due > 0
+            self.slow_steps = slowest >= SLOW_STEP_S
         reason = None
         if not applied:
             if not math.isfinite(lr):
@@ -496,6 +502,7 @@ class Trainer:
             else:
                 reason = f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"
         seconds = timer.stop()
+        self.last_step_s = seconds
         if phases:
             phases.end(step + 1, seconds)
         finite = lambda v: float(v) if np.isfinite(v) else None  # noqa: E731  (JSON has no NaN / inf)
@@ -582,16 +589,19 @@ class Trainer:
             return True
         return self.voted_due if self.comm.world_size > 1 else self._clock_due()
 
-    def _votes(self) -> tuple[str | None, tuple[float, float] | tuple[()]]:
-        """Data parallel: this rank's stop request, and its votes (that request; rank 0's checkpoint clock) for the
-        optimizer's step to reduce (max) with its own collectives and return in the step's one read. Every rank
-        then stops after the same step and checkpoints at the same one, with no collective between steps: one
-        there, a host round trip, left every GPU idle outside any step's time (about 0.2 ms a step on two H100s).
-        A request made later in the step is voted on at the next. One rank: no votes."""
+    def _votes(self) -> tuple[str | None, tuple[float, ...]]:
+        """Data parallel: this rank's stop request, and its votes (that request; rank 0's checkpoint clock; its last
+        step's seconds) for the optimizer's step to reduce (max) with its own collectives and return in the step's
+        one read. Every rank then stops after the same step and checkpoints at the same one, with no collective
+        between steps: one there, a host round trip, left every GPU idle outside any step's time (about 0.2 ms a
+        step on two H100s). The host queues a step long before the device runs it, so a request made during the
+        step is voted on at the next; where steps take SLOW_STEP_S or more, run() asks again after each (a
+        scheduler's grace before SIGKILL must not wait two long steps). One rank: no votes."""
         if self.comm.world_size == 1:
             return None, ()
         stop = self.stop_requested()
-        return stop, (1.0 if stop else 0.0, 1.0 if self.comm.rank == 0 and self._clock_due() else 0.0)
+        return stop, (1.0 if stop else 0.0, 1.0 if self.comm.rank == 0 and self._clock_due() else 0.0,
+                      self.last_step_s)
 
     def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         """Trains from `start_step` to `a.steps`. When an error stops it between two updates (a bad shard, a
@@ -662,8 +672,16 @@ class Trainer:
                             f"or check the data (--max-bad-steps sets the limit)")
                 else:
                     self.bad_streak = 0
-                # every rank stops after the same step, or none does: data parallel ranks go by the step's vote
-                signame = self.voted_stop if self.comm.world_size > 1 else self.stop_requested()
+                # every rank stops after the same step, or none does: data parallel ranks go by the step's vote,
+                # and where the steps are long (every rank knows it from the vote) by one more after the step
+                if self.comm.world_size == 1:
+                    signame = self.stop_requested()
+                else:
+                    signame = self.voted_stop
+                    if signame is None and self.slow_steps:
+                        local = self.stop_requested()
+                        if self.comm.all_reduce_value(1.0 if local else 0.0, MAX) > 0:
+                            signame = local or "a stop request on another rank"
                 if signame and step + 1 < a.steps:
                     path = None
                     if a.out and self.saved != step + 1:

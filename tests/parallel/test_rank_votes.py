@@ -86,15 +86,16 @@ class ThreadComm:
         pass
 
 
-def run_ranks(make, steps: int, tweak=None):
-    """Trainers made by make(rank, comm), tweaked by tweak(rank, trainer), run in W threads; their trainers."""
+def run_ranks(make, steps: int, tweak=None, on_step=None):
+    """Trainers made by make(rank, comm), tweaked by tweak(rank, trainer), run in W threads (on_step(rank, trainer,
+    record) after each step); their trainers."""
     shared = Shared()
     trainers = [make(r, ThreadComm(shared, r)) for r in range(W)]  # (sequential: no collective in __init__)
     errors = []
 
-    def go(tr):
+    def go(rank, tr):
         try:
-            tr.run()
+            tr.run(on_step=None if on_step is None else lambda rec: on_step(rank, tr, rec))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
             shared.barrier.abort()
@@ -104,7 +105,7 @@ def run_ranks(make, steps: int, tweak=None):
     for r, tr in enumerate(trainers):
         if tweak:
             tweak(r, tr)
-    threads = [threading.Thread(target=go, args=(tr,)) for tr in trainers]
+    threads = [threading.Thread(target=go, args=(r, tr)) for r, tr in enumerate(trainers)]
     for t in threads:
         t.start()
     for t in threads:
@@ -137,6 +138,35 @@ def test_a_stop_request_on_one_rank_stops_every_rank_after_the_same_step(tmp_pat
     # the vote went with the steps' collectives; the only host collectives were the checkpoint's own
     before_save = shared.host_collectives
     assert before_save == 0, f"{before_save} host collectives in a run of 3 steps and one checkpoint"
+
+
+def test_a_request_made_after_the_steps_vote_stops_after_the_next_step_or_this_one_when_steps_are_slow(
+        tmp_path, monkeypatch):
+    """The host queues a step before the device runs it, so a request made during a step (here: after it, before
+    run() looks) is voted on with the next step. Where the steps are slow (SLOW_STEP_S), a second vote after each
+    step stops after this one, as one process would: a scheduler's grace before SIGKILL must not wait two long
+    steps."""
+    from llmc_cli.training import trainer as trainer_mod
+    for slow, stop_after, host_votes in ((False, 4, 0), (True, 3, 3)):
+        monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 0.0 if slow else 1e9)
+        run = tmp_path / f"run{slow}"
+        a = _args(tmp_path, steps=50, out=str(run))
+        told = {}
+
+        def tweak(rank, tr):
+            tr.stop_requested = lambda: told.get(rank)
+
+        def on_step(rank, tr, rec):  # rank 1 is told to stop once its third step has ended
+            if rank == 1 and rec["step"] == 3:
+                told[1] = "SIGTERM"
+
+        (t0, t1), shared = run_ranks(
+            lambda rank, comm: Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm), 50,
+            tweak, on_step)
+        assert t0.stopped["step"] == t1.stopped["step"] == stop_after, (slow, t0.stopped, t1.stopped)
+        assert t1.stopped["signal"] == "SIGTERM" and t0.stopped["signal"] == "a stop request on another rank"
+        # (slow: one vote after each of the three steps; fast: none at all)
+        assert shared.host_collectives == host_votes, (slow, shared.host_collectives)
 
 
 def test_rank_0s_checkpoint_clock_decides_for_every_rank(tmp_path):
