@@ -413,6 +413,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
             closed: list[bool] = []  # hours of training outweigh the lines that tell of them: stop as on a signal
             when_stdout_closes(lambda: (closed.append(True), stop.request("a closed standard output")))
             trainer.run(on_step=_fault_hook(comm, show, fault))
+            if comm.world_size > 1:  # no rank gives up its handlers while rank 0 still writes the last checkpoint: a
+                comm.barrier()       # signal would then kill that rank, and mpiexec or the launcher rank 0 mid-write
     except TrainAborted as e:
         where = (f"; {args.out} keeps its last complete checkpoint, resume with: {how}" if args.out
                  else "; nothing was saved (no --out)")

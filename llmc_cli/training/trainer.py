@@ -575,10 +575,19 @@ class Trainer:
             return ""
         return f"; the last good checkpoint is {Path(self.a.out) / ckpt.step_dir_name(self.saved)}"
 
-    def _clock_due(self) -> bool:
+    def _clock_due(self, ahead: float = 0.0) -> bool:
+        """Whether --checkpoint-minutes will have passed `ahead` seconds from now."""
         a = self.a
         return bool(a.out) and a.checkpoint_minutes > 0 and \
-            time.monotonic() - self._last_checkpoint >= a.checkpoint_minutes * 60
+            time.monotonic() + ahead - self._last_checkpoint >= a.checkpoint_minutes * 60
+
+    def _busy_before(self, step: int) -> bool:
+        """Whether run()'s iteration `step` validates, evaluates, samples or checkpoints before it trains: the same
+        answer on every rank (the options', and for the checkpoint clock the last step's vote)."""
+        a = self.a
+        every = lambda n: n > 0 and step % n == 0  # noqa: E731
+        return (self.val_loader is not None and every(a.val_every)) or (bool(a.hellaswag) and every(a.hellaswag_every)) \
+            or every(a.sample_every) or (bool(a.out) and self._checkpoint_due(step))
 
     def _checkpoint_due(self, step: int) -> bool:
         """Every --checkpoint-every steps, and whenever --checkpoint-minutes have passed since the last one (or
@@ -595,12 +604,15 @@ class Trainer:
         one read. Every rank then stops after the same step and checkpoints at the same one, with no collective
         between steps: one there, a host round trip, left every GPU idle outside any step's time (about 0.2 ms a
         step on two H100s). The host queues a step long before the device runs it, so a request made during the
-        step is voted on at the next; where steps take SLOW_STEP_S or more, run() asks again after each (a
-        scheduler's grace before SIGKILL must not wait two long steps). One rank: no votes."""
+        step is voted on at the next; where steps take SLOW_STEP_S or more, or the next step waits for a
+        validation, a sample or a checkpoint, run() asks again after the step (a scheduler's grace before SIGKILL
+        must not be spent on a second long wait). One rank: no votes."""
         if self.comm.world_size == 1:
             return None, ()
         stop = self.stop_requested()
-        return stop, (1.0 if stop else 0.0, 1.0 if self.comm.rank == 0 and self._clock_due() else 0.0,
+        # (the clock is read as the host queues the step, before the device runs it: asked a step ahead, so that
+        # the checkpoint is not one step late)
+        return stop, (1.0 if stop else 0.0, 1.0 if self.comm.rank == 0 and self._clock_due(self.last_step_s) else 0.0,
                       self.last_step_s)
 
     def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
@@ -673,12 +685,14 @@ class Trainer:
                 else:
                     self.bad_streak = 0
                 # every rank stops after the same step, or none does: data parallel ranks go by the step's vote,
-                # and where the steps are long (every rank knows it from the vote) by one more after the step
+                # and by one more after the step where waiting for the next step's could be long: long steps
+                # (every rank knows it from the vote), or a next iteration that validates, evaluates, samples or
+                # checkpoints first (the same conditions on every rank)
                 if self.comm.world_size == 1:
                     signame = self.stop_requested()
                 else:
                     signame = self.voted_stop
-                    if signame is None and self.slow_steps:
+                    if signame is None and (self.slow_steps or self._busy_before(step + 1)):
                         local = self.stop_requested()
                         if self.comm.all_reduce_value(1.0 if local else 0.0, MAX) > 0:
                             signame = local or "a stop request on another rank"

@@ -146,3 +146,48 @@ def test_ctrl_z_suspends_the_ranks_with_the_launcher_and_fg_resumes_them(tmp_pat
         if p.poll() is None:
             os.kill(p.pid, signal.SIGCONT)
             p.kill()
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of `rank` among the launcher's descendants (mpiexec's ranks carry PMI_RANK, --gpus's LLMC_RANK)."""
+    from llmc_cli.parallel.launch import _tree
+    for q in _tree([launcher]):
+        try:
+            env = dict(kv.split("=", 1) for kv in open(f"/proc/{q}/environ").read().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "llmc_cli" in open(f"/proc/{q}/cmdline").read() and \
+                env.get("PMI_RANK", env.get("LLMC_RANK")) == str(rank):
+            return q
+    return None
+
+
+@needs_mpi
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks in /proc")
+def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoint(data, tmp_path):
+    """SIGTERM to rank 0 alone: both ranks stop after the same step (the vote), and rank 0 writes the checkpoint
+    (slowed here, as a big model's is). A first signal reaching rank 1 meanwhile used to find it past its training
+    loop with the default handlers back: it died, and mpiexec took rank 0 down mid-write (exit 1, no checkpoint).
+    Every rank now waits inside the loop's handlers until rank 0 has written."""
+    import os
+    import time
+    run = tmp_path / "run"
+    env = dict(os.environ, LLMC_FAULT_CHECKPOINT_DELAY="1")  # a second at each of the checkpoint's phases
+    p = subprocess.Popen([sys.executable, "-m", "llmc_cli", *TINY, "--data", str(data), "--steps", "300", "--out",
+                          str(run), "--procs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        for line in p.stdout:
+            if line.startswith(b"step"):
+                break
+        r0, r1 = _rank_pid(p.pid, 0), _rank_pid(p.pid, 1)
+        assert r0 and r1, (r0, r1)
+        os.kill(r0, signal.SIGTERM)
+        _wait_for(lambda: any(run.glob(".step_*")) or any(run.glob("step_*")), "rank 0's checkpoint to begin")
+        time.sleep(0.5)
+        os.kill(r1, signal.SIGHUP)
+        p.stdout.read()
+        code, err = p.wait(timeout=240), p.stderr.read().decode()
+    finally:
+        p.kill()
+    assert code == 75, (code, err[-2000:])
+    assert (run / "latest").is_file() and len(list(run.glob("step_*"))) == 1, sorted(x.name for x in run.iterdir())

@@ -169,6 +169,28 @@ def test_a_request_made_after_the_steps_vote_stops_after_the_next_step_or_this_o
         assert shared.host_collectives == host_votes, (slow, shared.host_collectives)
 
 
+def test_a_request_made_after_the_steps_vote_stops_before_a_checkpoint_or_validation_runs(tmp_path, monkeypatch):
+    """Steps under SLOW_STEP_S, but the next iteration checkpoints (or validates, samples, evaluates) before it
+    trains: waiting for the next step's vote put that work, which may outlast many steps, between the request and
+    the stop, and wrote two checkpoints. The ranks vote once more after such a step and stop after it."""
+    from llmc_cli.training import trainer as trainer_mod
+    monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 1e9)
+    run = tmp_path / "run"
+    a = _args(tmp_path, steps=50, out=str(run), checkpoint_every=4, keep=10)
+    told = {}
+
+    def on_step(rank, tr, rec):
+        if rank == 1 and rec["step"] == 4:
+            told[1] = "SIGTERM"
+
+    (t0, t1), shared = run_ranks(
+        lambda rank, comm: Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm), 50,
+        lambda rank, tr: setattr(tr, "stop_requested", lambda: told.get(rank)), on_step)
+    assert t0.stopped["step"] == t1.stopped["step"] == 4, (t0.stopped, t1.stopped)
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_00000004"]
+    assert shared.host_collectives == 1  # (only before the iteration that checkpoints)
+
+
 def test_rank_0s_checkpoint_clock_decides_for_every_rank(tmp_path):
     for clock_of, expect in ((0, ["step_00000001", "step_00000002", "step_00000003"]), (1, ["step_00000003"])):
         run = tmp_path / f"run{clock_of}"
@@ -178,7 +200,7 @@ def test_rank_0s_checkpoint_clock_decides_for_every_rank(tmp_path):
             return Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm)
 
         def tweak(rank, tr):  # one rank's clock says a checkpoint is due after every step, the other's never
-            tr._clock_due = lambda: rank == clock_of
+            tr._clock_due = lambda ahead=0.0: rank == clock_of
 
         run_ranks(make, 3, tweak)
         got = sorted(p.name for p in run.glob("step_*"))
@@ -194,3 +216,24 @@ def test_no_host_collective_between_steps(tmp_path):
         assert t0.steps_run == t1.steps_run == 6 and shared.host_collectives == 0, (zero, shared.host_collectives)
         np.testing.assert_array_equal(t0.model.parameters_host(), t1.model.parameters_host())
 
+
+
+def test_rank_0_votes_the_checkpoint_clock_a_step_ahead(tmp_path):
+    """Rank 0 reads its clock for the vote as the host queues the step, before the device runs it (CUDA): asked
+    for the time one step later, the checkpoint is not one step late. Rank 1's clock never votes."""
+    import time
+    a = _args(tmp_path, steps=5, out=str(tmp_path / "run"), checkpoint_minutes=1.0)
+    shared = Shared()
+    tr = [Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=ThreadComm(shared, r))
+          for r in range(W)]
+    try:
+        for t in tr:
+            t._last_checkpoint = time.monotonic() - 59.5  # half a second to go
+            t.last_step_s = 2.0
+        assert [t._votes()[1][1] for t in tr] == [1.0, 0.0]
+        for t in tr:
+            t.last_step_s = 0.1
+        assert [t._votes()[1][1] for t in tr] == [0.0, 0.0]
+    finally:
+        for t in tr:
+            t.close()
