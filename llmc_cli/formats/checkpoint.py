@@ -42,7 +42,7 @@ from llmc_cli.formats.llama_file import (
 from llmc_cli.formats.llmc_bin import (
     MODEL_MAGIC,
 )
-from llmc_cli.formats.safetensors import read_safetensors_header
+from llmc_cli.formats.safetensors import SAFETENSORS_HEADER_MAX, read_safetensors_header
 from llmc_cli.models.families import FAMILIES, GPT2, LLAMA3, family_of
 from llmc_cli.models.family import Family
 from llmc_cli.models.gpt2 import GPT2Config
@@ -248,13 +248,15 @@ def _check_model_file_kind(path: Path) -> None:
     message (a wrong magic number)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(9)
-        size = path.stat().st_size
+            head = f.read(64)
     except OSError:
         return  # (the reader that follows says what is wrong)
     if path.suffix == ".bin" or len(head) >= 4 and int(np.frombuffer(head[:4], "<i4")[0]) == MODEL_MAGIC:
         return
-    if len(head) == 9 and int(np.frombuffer(head[:8], "<u8")[0]) <= size - 8 and head[8:9] == b"{":
+    # a safetensors header (JSON, which may begin with white space or a BOM) is what follows the length: a file
+    # cut short still has it, and its reader then says it is truncated
+    if len(head) >= 8 and int(np.frombuffer(head[:8], "<u8")[0]) <= SAFETENSORS_HEADER_MAX and \
+            head[8:].lstrip(b" \t\r\n").removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")[:1] in (b"{", b""):
         return
     hint = ""
     if path.parent.name.startswith("step_") and _model_in(path.parent) is not None:

@@ -30,6 +30,7 @@ def bf16_bits_to_float32(b: np.ndarray) -> np.ndarray:
 
 
 # ---- safetensors ----------------------------------------------------------------------------------------------
+SAFETENSORS_HEADER_MAX = 100 * 2**20  # bytes: a larger header length is not a safetensors file's
 ST_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
 
 
@@ -60,7 +61,7 @@ def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
             if len(head) < 8:
                 raise CheckpointError(f"{path}: too short for a safetensors file")
             n = int(np.frombuffer(head, "<u8")[0])
-            if n > 100 * 2**20:
+            if n > SAFETENSORS_HEADER_MAX:
                 raise CheckpointError(f"{path}: header length {n} is implausible (not a safetensors file)")
             raw = f.read(n)
             if len(raw) < n:

@@ -17,6 +17,7 @@ through host memory.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -202,7 +203,11 @@ class MPICommunicator:
         return v / self.world_size if op == AVG else float(v)
 
     def barrier(self):
-        self.comm.Barrier()
+        # polled: a blocking MPI_Barrier holds off Python's signal handlers until it returns, so a rank waiting
+        # here for rank 0's last checkpoint could be neither stopped nor aborted (a second signal was lost)
+        req = self.comm.Ibarrier()
+        while not req.Test():
+            time.sleep(0.005)
 
     def abort(self, code=1):
         self.comm.Abort(code)

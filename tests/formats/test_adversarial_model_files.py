@@ -226,3 +226,36 @@ def test_state_json_of_gigabytes_is_not_read_whole(tmp_path):
         f.truncate(64 * 2**30)
     with pytest.raises(ckpt.CheckpointError, match="state.json: over 64 MiB, not an llmc run state"):
         ckpt.read_run_state(path)
+
+
+def test_what_is_not_a_model_file_is_told_apart_from_a_damaged_one(tmp_path):
+    """A file that is neither an llm.c .bin nor a safetensors file (a run's state.json, a zip) is 'not a model file';
+    a safetensors file whose JSON header begins with white space or a BOM is one (the reader takes it), and one cut
+    short keeps its reader's 'truncated' line."""
+    import json
+
+    from llmc_cli.formats.checkpoint import CheckpointError, resolve_checkpoint
+    from llmc_cli.formats.safetensors import read_safetensors_header, write_safetensors
+    good = tmp_path / "m.safetensors"
+    write_safetensors(good, {"w": np.ones((4, 4), np.float32)})
+    raw = good.read_bytes()
+    n = int(np.frombuffer(raw[:8], "<u8")[0])
+    for lead in (b" ", b"\n", b"\xef\xbb\xbf"):
+        header = lead + raw[8:8 + n]
+        header += b" " * (-len(header) % 8)
+        f = tmp_path / f"lead{len(lead)}.safetensors"
+        f.write_bytes(np.uint64(len(header)).astype("<u8").tobytes() + header + raw[8 + n:])
+        assert resolve_checkpoint(f) == f
+        assert "w" in read_safetensors_header(f)[0]
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(raw[:20])
+    assert resolve_checkpoint(cut) == cut
+    with pytest.raises(CheckpointError, match="past the end of the file"):
+        read_safetensors_header(cut)
+    (tmp_path / "state.json").write_text(json.dumps({"step": 2, "args": {}}, indent=1))
+    for name, data in (("state.json", None), ("w.pt", b"PK\x03\x04" + bytes(100)), ("tiny", b"{}")):
+        f = tmp_path / name
+        if data is not None:
+            f.write_bytes(data)
+        with pytest.raises(CheckpointError, match="not a model file: expected an llm.c .bin"):
+            resolve_checkpoint(f)

@@ -191,3 +191,36 @@ def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoi
         p.kill()
     assert code == 75, (code, err[-2000:])
     assert (run / "latest").is_file() and len(list(run.glob("step_*"))) == 1, sorted(x.name for x in run.iterdir())
+
+
+@needs_mpi
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks in /proc")
+def test_a_second_signal_aborts_a_rank_waiting_for_rank_0s_checkpoint(data, tmp_path):
+    """Rank 1 waits for rank 0's last checkpoint inside its stop handlers; a blocking MPI_Barrier held them off, so
+    a second signal there ("send it again to abort at once") was lost and the rank waited on. Now it aborts."""
+    import os
+    import time
+    run = tmp_path / "run"
+    env = dict(os.environ, LLMC_FAULT_CHECKPOINT_DELAY="3")  # (4 phases: 12 s of checkpoint)
+    p = subprocess.Popen([sys.executable, "-m", "llmc_cli", *TINY, "--data", str(data), "--steps", "300", "--out",
+                          str(run), "--procs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        for line in p.stdout:
+            if line.startswith(b"step"):
+                break
+        r0, r1 = _rank_pid(p.pid, 0), _rank_pid(p.pid, 1)
+        assert r0 and r1, (r0, r1)
+        os.kill(r0, signal.SIGTERM)
+        _wait_for(lambda: any(run.glob(".step_*")) or any(run.glob("step_*")), "rank 0's checkpoint to begin")
+        time.sleep(0.5)
+        os.kill(r1, signal.SIGTERM)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(r1, signal.SIGTERM)
+        p.stdout.read()
+        code, err = p.wait(timeout=240), p.stderr.read().decode()
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+    assert code == 130 and "aborted by a second SIGTERM" in err, (code, err[-2000:])
+    assert took < 6, took
