@@ -162,17 +162,13 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-@needs_mpi
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks in /proc")
-def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoint(data, tmp_path):
-    """SIGTERM to rank 0 alone: both ranks stop after the same step (the vote), and rank 0 writes the checkpoint
-    (slowed here, as a big model's is). A first signal reaching rank 1 meanwhile used to find it past its training
-    loop with the default handlers back: it died, and mpiexec took rank 0 down mid-write (exit 1, no checkpoint).
-    Every rank now waits inside the loop's handlers until rank 0 has written."""
+def _signals_while_rank_0_writes(data, run, delay: str, to_rank_1: list) -> tuple[int, str, float]:
+    """`--procs 2` with rank 0's checkpoint slowed (LLMC_FAULT_CHECKPOINT_DELAY seconds at each of its phases):
+    SIGTERM to rank 0 alone, which both ranks stop on (the vote); once rank 0 writes, `to_rank_1`'s signals to
+    rank 1, half a second apart. (exit status, stderr, seconds from the last signal to the end)."""
     import os
     import time
-    run = tmp_path / "run"
-    env = dict(os.environ, LLMC_FAULT_CHECKPOINT_DELAY="1")  # a second at each of the checkpoint's phases
+    env = dict(os.environ, LLMC_FAULT_CHECKPOINT_DELAY=delay)
     p = subprocess.Popen([sys.executable, "-m", "llmc_cli", *TINY, "--data", str(data), "--steps", "300", "--out",
                           str(run), "--procs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
@@ -183,12 +179,26 @@ def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoi
         assert r0 and r1, (r0, r1)
         os.kill(r0, signal.SIGTERM)
         _wait_for(lambda: any(run.glob(".step_*")) or any(run.glob("step_*")), "rank 0's checkpoint to begin")
-        time.sleep(0.5)
-        os.kill(r1, signal.SIGHUP)
+        for sig in to_rank_1:
+            time.sleep(0.5)
+            os.kill(r1, sig)
+        t0 = time.monotonic()
         p.stdout.read()
         code, err = p.wait(timeout=240), p.stderr.read().decode()
+        return code, err, time.monotonic() - t0
     finally:
         p.kill()
+
+
+@needs_mpi
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks in /proc")
+def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoint(data, tmp_path):
+    """SIGTERM to rank 0 alone: both ranks stop after the same step (the vote), and rank 0 writes the checkpoint
+    (slowed here, as a big model's is). A first signal reaching rank 1 meanwhile used to find it past its training
+    loop with the default handlers back: it died, and mpiexec took rank 0 down mid-write (exit 1, no checkpoint).
+    Every rank now waits inside the loop's handlers until rank 0 has written."""
+    run = tmp_path / "run"
+    code, err, _ = _signals_while_rank_0_writes(data, run, "1", [signal.SIGHUP])
     assert code == 75, (code, err[-2000:])
     assert (run / "latest").is_file() and len(list(run.glob("step_*"))) == 1, sorted(x.name for x in run.iterdir())
 
@@ -198,29 +208,6 @@ def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoi
 def test_a_second_signal_aborts_a_rank_waiting_for_rank_0s_checkpoint(data, tmp_path):
     """Rank 1 waits for rank 0's last checkpoint inside its stop handlers; a blocking MPI_Barrier held them off, so
     a second signal there ("send it again to abort at once") was lost and the rank waited on. Now it aborts."""
-    import os
-    import time
-    run = tmp_path / "run"
-    env = dict(os.environ, LLMC_FAULT_CHECKPOINT_DELAY="3")  # (4 phases: 12 s of checkpoint)
-    p = subprocess.Popen([sys.executable, "-m", "llmc_cli", *TINY, "--data", str(data), "--steps", "300", "--out",
-                          str(run), "--procs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        for line in p.stdout:
-            if line.startswith(b"step"):
-                break
-        r0, r1 = _rank_pid(p.pid, 0), _rank_pid(p.pid, 1)
-        assert r0 and r1, (r0, r1)
-        os.kill(r0, signal.SIGTERM)
-        _wait_for(lambda: any(run.glob(".step_*")) or any(run.glob("step_*")), "rank 0's checkpoint to begin")
-        time.sleep(0.5)
-        os.kill(r1, signal.SIGTERM)
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        os.kill(r1, signal.SIGTERM)
-        p.stdout.read()
-        code, err = p.wait(timeout=240), p.stderr.read().decode()
-        took = time.monotonic() - t0
-    finally:
-        p.kill()
+    code, err, took = _signals_while_rank_0_writes(data, tmp_path / "run", "3", [signal.SIGTERM, signal.SIGTERM])
     assert code == 130 and "aborted by a second SIGTERM" in err, (code, err[-2000:])
-    assert took < 6, took
+    assert took < 6, took  # (rank 0's checkpoint would take 12 s)
