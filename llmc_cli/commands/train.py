@@ -416,8 +416,9 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
             if comm.world_size > 1:  # no rank gives up its handlers while rank 0 still writes the last checkpoint: a
                 comm.barrier()       # signal would then kill that rank, and mpiexec or the launcher rank 0 mid-write
     except TrainAborted as e:
-        where = (f"; {args.out} keeps its last complete checkpoint, resume with: {how}" if args.out
-                 else "; nothing was saved (no --out)")
+        where = (f"; {args.out} keeps its last complete checkpoint, resume with: {how}" if _has_checkpoint(args.out)
+                 else f"; {args.out} holds no complete checkpoint yet: the same command starts the run again"
+                 if args.out else "; nothing was saved (no --out)")
         fail(f"aborted by a second {e.signame}{where}", code=130)
     except TrainDiverged as e:
         fail(str(e), code=3)
@@ -446,6 +447,18 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
         else:
             console.print(said, markup=False)
         sys.exit(130)
+
+
+def _has_checkpoint(out: str | None) -> bool:
+    """Whether the run directory holds a checkpoint to resume (an abort before the first one has none)."""
+    if not out:
+        return False
+    from llmc_cli.formats import checkpoint as ckpt
+    try:
+        ckpt.resolve_checkpoint(out)
+        return True
+    except (ckpt.CheckpointError, OSError):
+        return False
 
 
 def data_waits_line(feed, prefetch: bool) -> str:

@@ -211,3 +211,5 @@ def test_a_second_signal_aborts_a_rank_waiting_for_rank_0s_checkpoint(data, tmp_
     code, err, took = _signals_while_rank_0_writes(data, tmp_path / "run", "3", [signal.SIGTERM, signal.SIGTERM])
     assert code == 130 and "aborted by a second SIGTERM" in err, (code, err[-2000:])
     assert took < 6, took  # (rank 0's checkpoint would take 12 s)
+    # (the run had no checkpoint yet: it used to say that it kept its last complete one, and how to resume it)
+    assert "holds no complete checkpoint yet" in err and "--resume" not in err, err[-2000:]
