@@ -581,13 +581,18 @@ class Trainer:
         return bool(a.out) and a.checkpoint_minutes > 0 and \
             time.monotonic() + ahead - self._last_checkpoint >= a.checkpoint_minutes * 60
 
+    def _evals_before(self, step: int, last: bool) -> tuple[bool, bool, bool]:
+        """Whether run()'s iteration `step` validates, evaluates HellaSwag and samples before it trains (rank 0 does
+        them; every rank computes the same answer)."""
+        a = self.a
+        at = lambda every: every > 0 and (step % every == 0 or last)  # noqa: E731
+        return self.val_loader is not None and at(a.val_every), bool(a.hellaswag) and at(a.hellaswag_every), \
+            step > 0 and at(a.sample_every)
+
     def _busy_before(self, step: int) -> bool:
         """Whether run()'s iteration `step` validates, evaluates, samples or checkpoints before it trains: the same
         answer on every rank (the options', and for the checkpoint clock the last step's vote)."""
-        a = self.a
-        every = lambda n: n > 0 and step % n == 0  # noqa: E731
-        return (self.val_loader is not None and every(a.val_every)) or (bool(a.hellaswag) and every(a.hellaswag_every)) \
-            or every(a.sample_every) or (bool(a.out) and self._checkpoint_due(step))
+        return any(self._evals_before(step, False)) or (bool(self.a.out) and self._checkpoint_due(step))
 
     def _checkpoint_due(self, step: int) -> bool:
         """Every --checkpoint-every steps, and whenever --checkpoint-minutes have passed since the last one (or
@@ -639,16 +644,17 @@ class Trainer:
                 done = step
                 last = step == a.steps
                 rec = None
-                if lead and self.val_loader is not None and a.val_every > 0 and (step % a.val_every == 0 or last):
+                validates, evaluates, samples = self._evals_before(step, last)
+                if lead and validates:
                     rec = {"step": step, "val_loss": self.validate()}
                     n = eval_batches(self.val_loader, a.val_batches)
                     self.say(f"step {step}: val loss {rec['val_loss']:.6f} ({n} batches of B={a.batch_size} "
                              f"T={a.seq_len})")
-                if lead and a.hellaswag and a.hellaswag_every > 0 and (step % a.hellaswag_every == 0 or last):
+                if lead and evaluates:
                     rec = (rec or {"step": step}) | self.hellaswag_eval()
                     self.say(f"step {step}: HellaSwag acc_norm {rec['hellaswag_acc_norm']:.4f} "
                              f"acc {rec['hellaswag_acc']:.4f} ({rec['hellaswag_examples']} examples)")
-                if lead and a.sample_every > 0 and step > 0 and (step % a.sample_every == 0 or last):
+                if lead and samples:
                     text = self.sample_text()
                     if text:
                         self.say(f"sample at step {step}:\n{text}\n---")
