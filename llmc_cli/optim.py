@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, Backend, clip_scale
+from llmc_cli.kernels import BFLOAT16, FLOAT32, MAX, Backend, clip_scale
 
 # host values a step carries to every rank in its one read (the Trainer's: a stop request, a checkpoint due, the
 # rank's previous step's seconds)
@@ -18,17 +18,20 @@ FLAGS = 3
 class StepResult:
     """What a guarded step's one read at its end returns: step_guard's [loss, norm, scale, apply] (`guard`, which
     AdamW reads on the device), then FLAGS host values every rank set before the read (`flags`), each the largest
-    over the ranks where a communicator reduces them (`reduce_flags`)."""
+    over the ranks of `comm` (a data-parallel optimizer's communicator; None for one process)."""
 
-    def __init__(self, backend: Backend):
-        self.backend = backend
+    def __init__(self, backend: Backend, comm=None):
+        self.backend, self.comm = backend, comm
         self.buf = backend.alloc(4 + FLAGS, FLOAT32, tag="optimizer")
         self.guard = backend.view(self.buf, 0, 4)
         self.flags = backend.view(self.buf, 4, FLAGS)
 
     def set_flags(self, flags) -> None:
+        """Queues this rank's flags and their reduction (max) over the ranks, behind the work queued before."""
         for i, f in enumerate(flags):  # (fill queues on the device's order: no wait for the work queued before)
             self.backend.fill(self.backend.view(self.flags, i, 1), float(f))
+        if self.comm is not None and self.comm.world_size > 1:
+            self.comm.all_reduce(self.flags, MAX)
 
     def read(self) -> tuple[float, float, bool, tuple[float, ...]]:
         """(loss, norm, applied, flags): waits for everything queued."""
@@ -124,9 +127,6 @@ class AdamW:
                 lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay if decay else 0.0,
                 step=step, grad_scale=scale, seed=(seed * 1000003 + step * 64 + i) & 0x7FFFFFFF, guard=guard)
 
-    def reduce_flags(self) -> None:
-        """Queues the ranks' flags' reduction (max); one rank has nothing to reduce."""
-
     def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float,
                      flags=()) -> tuple[float, float, bool]:
         """The whole update queued without the host waiting for the device in between: the grad norm, the clip
@@ -137,7 +137,6 @@ class AdamW:
         b = self.backend
         if flags:
             self.result.set_flags(flags)
-            self.reduce_flags()
         b.global_norm_squared(self.norm_buf, [self.grads.buf])
         b.step_guard(self.guard, self.loss_buf, self.norm_buf, self.cfg.grad_clip, max_loss, max_norm)
         if self.mark:

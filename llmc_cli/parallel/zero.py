@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from llmc_cli.kernels import AVG, BFLOAT16, FLOAT32, MAX, SUM, Backend, Communicator, clip_scale
+from llmc_cli.kernels import AVG, BFLOAT16, FLOAT32, SUM, Backend, Communicator, clip_scale
 from llmc_cli.optim import AdamW, AdamWConfig, StepResult
 from llmc_cli.parallel.comm import SingleProcess
 
@@ -35,15 +35,11 @@ class DataParallelAdamW(AdamW):
 
     def __init__(self, backend: Backend, params, grads, tensors, cfg: AdamWConfig, comm: Communicator):
         super().__init__(backend, params, grads, tensors, cfg)
-        self.comm = comm
+        self.comm = self.result.comm = comm  # (the step's flags are reduced over the ranks too)
 
     def reduce_grads(self) -> None:
         if self.comm.world_size > 1:
             self.comm.all_reduce(self.grads.buf, AVG)
-
-    def reduce_flags(self) -> None:
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(self.result.flags, MAX)
 
     def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float,
                      flags=()) -> tuple[float, float, bool]:
@@ -91,7 +87,7 @@ class ShardedAdamW:
             (lambda lo, l0, n: backend.view(shard, l0, n))
         self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
         self.loss_buf = backend.alloc(1, FLOAT32, tag="optimizer")   # the step's mean loss (loss_sum)
-        self.result = StepResult(backend)
+        self.result = StepResult(backend, comm)
         self.guard = self.result.guard  # [loss, norm, scale, apply] (step_guard)
         self.flags: tuple[float, ...] = ()  # the last guarded step's flags, the largest over the ranks
         self.step_count = 0
@@ -186,11 +182,6 @@ class ShardedAdamW:
         self._updates(lr, self.step_count, clip_scale(grad_norm, self.cfg.grad_clip), seed, None)
         self._share_params()
 
-    def reduce_flags(self) -> None:
-        """Queues the ranks' flags' reduction (max), as DataParallelAdamW's."""
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(self.result.flags, MAX)
-
     def guarded_step(self, lr: float, seed: int, max_loss: float, max_norm: float,
                      flags=()) -> tuple[float, float, bool]:
         """The step with no host read before its end, as AdamW.guarded_step: the squared norm summed and the loss
@@ -200,7 +191,6 @@ class ShardedAdamW:
         b = self.backend
         if flags:
             self.result.set_flags(flags)
-            self.reduce_flags()
         b.global_norm_squared(self.norm_buf, self._norm_parts())
         if self.comm.world_size > 1:
             self.comm.all_reduce(self.norm_buf, SUM)
