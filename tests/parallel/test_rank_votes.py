@@ -13,6 +13,7 @@ from llmc_test_support import phrase_tokens
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.kernels import AVG, MAX
 from llmc_cli.registry import create_backend
+from llmc_cli.training import trainer as trainer_mod
 from llmc_cli.training.trainer import TrainArgs, Trainer
 
 W = 2
@@ -146,7 +147,6 @@ def test_a_request_made_after_the_steps_vote_stops_after_the_next_step_or_this_o
     run() looks) is voted on with the next step. Where the steps are slow (SLOW_STEP_S), a second vote after each
     step stops after this one, as one process would: a scheduler's grace before SIGKILL must not wait two long
     steps."""
-    from llmc_cli.training import trainer as trainer_mod
     for slow, stop_after, host_votes in ((False, 4, 0), (True, 3, 3)):
         monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 0.0 if slow else 1e9)
         run = tmp_path / f"run{slow}"
@@ -173,7 +173,6 @@ def test_a_request_made_after_the_steps_vote_stops_before_a_checkpoint_or_valida
     """Steps under SLOW_STEP_S, but the next iteration checkpoints (or validates, samples, evaluates) before it
     trains: waiting for the next step's vote put that work, which may outlast many steps, between the request and
     the stop, and wrote two checkpoints. The ranks vote once more after such a step and stop after it."""
-    from llmc_cli.training import trainer as trainer_mod
     monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 1e9)
     run = tmp_path / "run"
     a = _args(tmp_path, steps=50, out=str(run), checkpoint_every=4, keep=10)
@@ -207,7 +206,8 @@ def test_rank_0s_checkpoint_clock_decides_for_every_rank(tmp_path):
         assert got == expect, (clock_of, got)
 
 
-def test_no_host_collective_between_steps(tmp_path):
+def test_no_host_collective_between_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 1e9)  # (a loaded machine's step may take a second: not the case here)
     a = _args(tmp_path, steps=6)
     for zero in (0, 1):
         (t0, t1), shared = run_ranks(
