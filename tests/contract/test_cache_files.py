@@ -186,39 +186,90 @@ def test_opencl_tuner_takes_only_its_own_candidates_from_the_cache(tmp_path, mon
         assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
 
 
-def test_cublaslt_decision_of_the_wrong_type_is_raced_again(monkeypatch):
-    """cuBLASLt's decisions cache (plan key -> the chosen candidate's config) with a number, a string or a dict
-    where a list belongs: the plan is raced again, not a TypeError in the first matmul. (nvmath stands in here,
-    as no GPU is needed to read a decision.)"""
+def _cublaslt_module(monkeypatch):
+    """llmc_cuda.cublaslt imported over a stand-in nvmath (no GPU is needed to read or keep a decision); the module
+    is not left in sys.modules with the stand-in in it."""
     from unittest.mock import MagicMock
     for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublasLt"):
         monkeypatch.setitem(sys.modules, name, MagicMock())
     monkeypatch.delitem(sys.modules, "llmc_cuda.cublaslt", raising=False)
     try:
-        from llmc_cuda.cublaslt import CublasLt
+        import llmc_cuda.cublaslt as m
     except ImportError as e:
         pytest.skip(f"llmc_cuda.cublaslt does not import here: {e}")
     finally:
-        sys.modules.pop("llmc_cuda.cublaslt", None)  # (not kept with the stub in it)
+        sys.modules.pop("llmc_cuda.cublaslt", None)
+    return m
 
+
+def _fake_plan(m, configs):
     class Plan:
-        key, count, chosen = ("k",), 2, None
+        key, count, chosen, trials = ("k",), len(configs), None, None
+        only = m.Plan.only
 
         def config(self, i):
-            return (i, 7)
+            return configs[i]
 
         def choose(self, i):
             self.chosen = i
+    return Plan()
 
+
+def test_cublaslt_decision_of_the_wrong_type_is_raced_again(monkeypatch):
+    """cuBLASLt's decisions cache (plan key -> the chosen candidate's config) with a number, a string or a dict
+    where a list belongs: the plan is raced again, not a TypeError in the first matmul."""
+    m = _cublaslt_module(monkeypatch)
     for want in (5, 1.5, True, {"a": 1}, "ab"):
-        lt = types.SimpleNamespace(tune=True, decisions={repr(Plan.key): want}, tuning={})
-        p = Plan()
-        CublasLt._decided(lt, p)
+        lt = types.SimpleNamespace(tune=True, decisions={"('k',)": want}, tuning={})
+        p = _fake_plan(m, [(0, 7), (1, 7)])
+        m.CublasLt._decided(lt, p)
         assert p.chosen is None, want
-    lt = types.SimpleNamespace(tune=True, decisions={repr(Plan.key): [1, 7]}, tuning={})
-    p = Plan()
-    CublasLt._decided(lt, p)
+    lt = types.SimpleNamespace(tune=True, decisions={"('k',)": [1, 7]}, tuning={})
+    p = _fake_plan(m, [(0, 7), (1, 7)])
+    m.CublasLt._decided(lt, p)
     assert p.chosen == 1
+
+
+def test_cublaslt_reads_each_config_attribute_at_its_own_size(monkeypatch):
+    """cuBLASLt answers an algorithm's config attribute only into a buffer of the attribute's exact size (int32,
+    uint32, uint16); read with one size for all, every attribute failed and every candidate's config was the same
+    list of -1s, so a kept decision brought back the heuristic's first candidate in every later run (1-1.3 % of a
+    GPT-2 d12 step on an H200)."""
+    import ctypes
+    m = _cublaslt_module(monkeypatch)
+    sizes = dict(zip(m._CONFIG, (4, 4, 4, 4, 4, 4, 4, 2, 2)))  # ID .. CTA_SWIZZLING, CUSTOM, CLUSTER, INNER
+
+    def get_attribute(algo, attr, buf, size, written):
+        if size != sizes[attr]:
+            raise RuntimeError("CUBLAS_STATUS_INVALID_VALUE")
+        value = 1000 * m._CONFIG.index(attr) + algo  # each candidate's value, this attribute's
+        ctypes.memmove(buf, value.to_bytes(size, "little"), size)
+        ctypes.c_uint64.from_address(written).value = size
+
+    monkeypatch.setattr(m.lt, "matmul_algo_config_get_attribute", get_attribute)
+    plan = types.SimpleNamespace(_algo=lambda i: 40 + i)
+    for i in range(3):
+        assert m.Plan.config(plan, i) == tuple(1000 * a + 40 + i for a in range(len(m._CONFIG)))
+
+
+def test_cublaslt_keeps_and_takes_only_a_decision_that_names_one_candidate(monkeypatch):
+    """A config two candidates share (or one unreadable for all) cannot carry the race's pick to a later run: it is
+    not written, and an entry matching several candidates is raced again, not taken as the first of them."""
+    m = _cublaslt_module(monkeypatch)
+    kept = []
+    lt = types.SimpleNamespace(tune=True, decisions={}, tuning={}, on_decided=lambda: kept.append(1))
+    alike = _fake_plan(m, [(-1, -1)] * 3)
+    m.CublasLt._settle(lt, alike, None, 0, 0, {0: 1.0, 1: 0.5, 2: 0.9})
+    assert alike.chosen == 1 and lt.decisions == {} and kept == []  # (the run itself keeps its pick)
+    m.CublasLt._decided(types.SimpleNamespace(tune=True, decisions={"('k',)": [-1, -1]}, tuning={}),
+                        p := _fake_plan(m, [(-1, -1)] * 3))
+    assert p.chosen is None
+    distinct = _fake_plan(m, [(5, 1), (6, 1), (5, 2)])
+    m.CublasLt._settle(lt, distinct, None, 0, 0, {0: 1.0, 1: 0.5, 2: 0.9})
+    assert lt.decisions == {"('k',)": [6, 1]} and kept == [1]
+    again = _fake_plan(m, [(5, 1), (6, 1), (5, 2)])
+    m.CublasLt._decided(lt, again)
+    assert again.chosen == 1
 
 
 def test_a_users_file_named_as_a_cache_stays_and_a_damaged_cache_is_rebuilt(tmp_path, monkeypatch):

@@ -22,7 +22,9 @@ heuristic's first).
 
 The bit-identity checks are spaced (CHECK_SPACING calls apart), so a fresh run spreads them over its first steps,
 and each decision is kept on disk (`decisions`, saved by the backend under llmc's cache directory, per GPU and
-cuBLASLt version): a later run with the same problems takes them at once and never races.
+cuBLASLt version): a later run with the same problems takes them at once and never races. A decision is the
+picked candidate's algorithm config, and it is kept and taken only where that config names one candidate alone
+(configs that all read alike once brought every run after the first back to the heuristic's first, 1-1.3 % slower).
 """
 
 from __future__ import annotations
@@ -133,15 +135,28 @@ class Plan:
         """Candidate i's algorithm as (id, tile, stages, split-k, reduction, swizzle, custom, cluster, inner)."""
         algo = self._algo(i)
         out = []
+        v = np.zeros(1, dtype=np.uint64)
+        written = np.zeros(1, dtype=np.uint64)
         for attr in _CONFIG:
-            v = np.zeros(1, dtype=np.uint64)  # zeroed, so a 2- or 4-byte attribute reads right (little-endian)
-            written = np.zeros(1, dtype=np.uint64)
-            try:
-                lt.matmul_algo_config_get_attribute(algo, attr, v.ctypes.data, v.nbytes, written.ctypes.data)
-                out.append(int(v[0]))
-            except Exception:  # attribute unknown to this cuBLASLt
+            # cuBLASLt answers only a buffer of the attribute's exact size (2, 4 or 8 bytes; a wrong size is
+            # INVALID_VALUE), so each size is tried; the buffer is zeroed and little-endian, so any of them reads right
+            for size in (4, 2, 8):
+                v[0] = 0
+                try:
+                    lt.matmul_algo_config_get_attribute(algo, attr, v.ctypes.data, size, written.ctypes.data)
+                    out.append(int(v[0]))
+                    break
+                except Exception:  # noqa: BLE001  (the wrong size, or an attribute unknown to this cuBLASLt)
+                    continue
+            else:
                 out.append(-1)
         return tuple(out)
+
+    def only(self, config) -> int | None:
+        """The candidate whose config is `config`, or None where no candidate or several have it: a config that does
+        not name exactly one candidate cannot carry a decision from one run to the next."""
+        hits = [i for i in range(self.count) if list(self.config(i)) == list(config)]
+        return hits[0] if len(hits) == 1 else None
 
     def _algo(self, i: int) -> int:
         """Pointer to candidate i's algorithm (the first field of its heuristic result)."""
@@ -205,12 +220,11 @@ class CublasLt:
         want = self.decisions.get(repr(p.key)) if self.tune else None
         if not isinstance(want, list):  # none yet, or a damaged cache's entry (a number, a string): raced again
             return
-        for i in range(p.count):
-            if list(p.config(i)) == list(want):
-                p.choose(i)
-                p.tuned = True
-                self.tuning[p.key] = [(i, p.config(i), True, None)]
-                return
+        i = p.only(want)
+        if i is not None:  # (else raced again: the candidates changed, or the entry names none of them alone)
+            p.choose(i)
+            p.tuned = True
+            self.tuning[p.key] = [(i, p.config(i), True, None)]
 
     def matmul(self, plan: Plan, a, b, d, stream, accumulate=False, bias=0, aux=0, outputs=()):
         """D = op(A) op(B) [+ D]; `outputs`: the epilogue's other outputs as (pointer, bytes), for the tuner."""
@@ -294,7 +308,9 @@ class CublasLt:
         plan.choose(pick)
         plan.tuned = True
         self.tuning[plan.key] = [(i, plan.config(i), i in (plan.trials or [0]), ms.get(i)) for i in range(plan.count)]
-        if ms or plan.trials is not None:  # a race was run (settle_all before any: nothing learned to keep)
+        # kept where a race was run (settle_all before any: nothing learned) and the pick's config names it alone:
+        # a config shared by two candidates (or unreadable) would bring back the first of them, not the pick
+        if (ms or plan.trials is not None) and plan.only(plan.config(pick)) == pick:
             self.decisions[repr(plan.key)] = list(plan.config(pick))
             if self.on_decided is not None:
                 self.on_decided()
