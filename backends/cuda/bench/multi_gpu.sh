@@ -10,6 +10,12 @@
 #   PAIR=1 ...             also two 1-GPU runs at once, on GPUs 0 and 1 (no communication): what sharing the host
 #                          and its power costs a GPU, apart from the reduction
 #   WARMUP=0 ...           no uncounted N-GPU run before round 1 (default: one, so that round 1 starts warm too)
+#   FRESH=1 ...            also a 1-GPU run on GPU 0 with an empty llmc cache (its own tuner race, kernels compiled
+#                          afresh), named _1gpu_fresh; VARIANTS=fresh is the N-GPU run so
+#   CLOCKS=1 ...           nvidia-smi samples every GPU each 200 ms during every run: median SM clock, power and
+#                          temperature over the busy samples, per run and GPU, in clocks.log
+#   PEER=1 ...             also a 1-GPU run on GPU 0 whose process first enables peer access to GPU 1 (idle), named
+#                          _1gpu_peer: does a peer mapping alone slow the GPU's own kernels?
 #   PHASES=1 ...           every run writes where its steps' time goes, rank by rank (LLMC_STEP_PHASES), summarized
 #                          by bench/step_phases.py into phases.log
 set -u
@@ -26,8 +32,30 @@ LOGS=/tmp/multi_gpu_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 run() {  # run NAME ARGS...: one llmc train, its median line appended to medians.log
   local name=$1; shift
   local ph=""; [ -n "${PHASES:-}" ] && ph="LLMC_STEP_PHASES=$LOGS/phases/$name"
-  (cd /tmp/runs && env $ENVS $ph timeout 240 $LLMC train "$@" --steps "$STEPS" --val-every 0 --sample-every 0 \
+  local smi=""
+  if [ -n "${CLOCKS:-}" ]; then
+    nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 200 \
+      > "$LOGS/$name.smi.csv" 2>/dev/null & smi=$!
+  fi
+  (cd /tmp/runs && env $ENVS $ph timeout 240 ${CMD:-$LLMC} train "$@" --steps "$STEPS" --val-every 0 --sample-every 0 \
     --data '/tmp/llmc_data/synth_train_*.bin' > "$LOGS/$name.log" 2>&1) || { rc=1; tail -n 3 "$LOGS/$name.log"; }
+  if [ -n "$smi" ]; then  # the busy samples (over 300 W) of each GPU: median SM clock, power, temperature
+    kill "$smi"; wait "$smi" 2>/dev/null
+    $PY - "$LOGS/$name.smi.csv" "$name" <<'PYEOF' | tee -a "$OUT/clocks.log"
+import collections, statistics, sys
+rows = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    try:
+        g, clk, pwr, temp = (float(x) for x in line.split(","))
+    except ValueError:
+        continue
+    if pwr > 300:
+        rows[int(g)].append((clk, pwr, temp))
+for g, r in sorted(rows.items()):
+    med = [statistics.median(x[i] for x in r) for i in range(3)]
+    print(f"{sys.argv[2]} GPU {g}: {len(r)} busy samples, SM clock {med[0]:.0f} MHz, {med[1]:.0f} W, {med[2]:.0f} C")
+PYEOF
+  fi
   $PY "$HERE/bench/train_median.py" --skip 5 "$LOGS/$name.log" | tee -a "$OUT/medians.log"
 }
 losses() { grep -oE "step +[0-9]+/[0-9]+ \| loss [0-9.]+ \| norm [0-9.]+" "$1"; }
@@ -45,6 +73,7 @@ variant() {
     nccloverlap) V="$V --overlap --backend-opt p2p_copies=off" ;;
     shm) ENVS="NCCL_P2P_DISABLE=1"; V="$V --no-overlap --backend-opt p2p=off" ;;
     plain) V="$V --no-overlap" ;;
+    fresh) ENVS="LLMC_CACHE_DIR=$(mktemp -d)"; V="$V --no-overlap" ;;  # (the cuBLASLt race of its own, as a first run)
     nccl) V="$V --no-overlap --backend-opt p2p=off" ;;
     reduce) V="$V --no-overlap --backend-opt p2p_reduce=on" ;;
     z0overlap) V="--zero 0 --overlap" ;;
@@ -63,6 +92,13 @@ for model in ${MODELS:-d12 d48}; do
     for g in ${ONE_GPU_ON:-0}; do  # (GPU 0's runs are the baseline; another GPU's are named _1gpu_g<N>)
       ENVS="CUDA_VISIBLE_DEVICES=$g"; run "${model}_1gpu$([ "$g" = 0 ] || echo _g$g)_$r" $A --zero "${ZERO:-1}"
     done
+    if [ -n "${PEER:-}" ]; then
+      ENVS="CUDA_VISIBLE_DEVICES=0,1" CMD="$PY $HERE/backends/cuda/bench/with_peer_access.py"
+      run "${model}_1gpu_peer_$r" $A --zero "${ZERO:-1}"; CMD=""
+    fi
+    if [ -n "${FRESH:-}" ]; then
+      ENVS="CUDA_VISIBLE_DEVICES=0 LLMC_CACHE_DIR=$(mktemp -d)"; run "${model}_1gpu_fresh_$r" $A --zero "${ZERO:-1}"
+    fi
     if [ -n "${PAIR:-}" ]; then
       (ENVS="CUDA_VISIBLE_DEVICES=1"; run "${model}_1gpu_paired1_$r" $A --zero "${ZERO:-1}" > /dev/null) &
       ENVS="CUDA_VISIBLE_DEVICES=0"; run "${model}_1gpu_paired0_$r" $A --zero "${ZERO:-1}"
