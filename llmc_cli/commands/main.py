@@ -107,8 +107,11 @@ class _Main(click.Group):
 
     def invoke(self, ctx):
         import sys
+
+        from llmc_cli.commands import interrupts
         _tolerant_streams()
         _guard_stdout()
+        interrupts.install()
         try:
             try:
                 rv = super().invoke(ctx)
@@ -127,8 +130,9 @@ class _Main(click.Group):
             fail(missing_package_message(e))
         except MemoryError as e:
             fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
-        except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops gracefully on its own)
-            fail("interrupted", code=130)
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP outside a training loop (which stops on its own)
+            line = interrupts.interrupted_line(e)
+            interrupts.say_once(lambda: fail(line, code=interrupts.INTERRUPTED_EXIT))
         except OSError as e:  # a full disk, a read-only file system, no permission: the path and the reason
             fail(one_line(e))
 

@@ -57,7 +57,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 sig = getattr(signal, name, None)
-                if sig is not None:
+                if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
                     self._old[sig] = signal.signal(sig, self._handler)
         return self
 
