@@ -426,6 +426,8 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
         msg = one_line(e)
         if trainer.rescued is not None:
             msg += f"; checkpoint {trainer.rescued} written (the last completed step), resume with: {how}"
+        elif trainer.rescue_error == msg:  # (the failed write was that checkpoint: its second try, said once)
+            msg += "; a second try at that checkpoint failed the same way"
         elif trainer.rescue_error:
             msg += f"; the checkpoint of the last completed step could not be written either ({trainer.rescue_error})"
         fail(msg + ("" if trainer.rescued is not None else trainer.last_good()))

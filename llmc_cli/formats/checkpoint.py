@@ -144,8 +144,9 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not stay full of a half checkpoint
         if isinstance(e, OSError):
             where = e.filename or tmp
-            raise CheckpointError(f"cannot write the checkpoint {final}: {where}: {e.strerror or e}; "
-                                  "the earlier checkpoints are untouched") from None
+            earlier = ("the earlier checkpoints are untouched" if any(p.name != final.name for p in _complete_steps(run_dir))
+                       else "the run has no earlier checkpoint")
+            raise CheckpointError(f"cannot write the checkpoint {final}: {where}: {e.strerror or e}; {earlier}") from None
         raise
     fault_delay("latest")
     try:

@@ -47,7 +47,8 @@ def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
         raise ckpt.CheckpointError(f"{dst} is inside the checkpoint {step}: llmc writes there only when training")
     if is_run_dir(dst) or (dst.parent.is_dir() and is_run_dir(dst.parent) and dst.name in ("latest", ".lock")):
         raise ckpt.CheckpointError(f"{dst} belongs to a run directory, not an empty directory: llmc writes there "
-                                   "only when training")
+                                   "only when training (not even with --force: a run holds its checkpoints); remove "
+                                   "it or give another destination; nothing was changed")
     if not dst.exists() and not dst.is_symlink():
         return
     if not force:

@@ -68,7 +68,11 @@ def check_out(out: str | Path, resume: bool) -> None:
                           "checkpoint folder); leave out --resume to start a new run there")
     if not resume and is_run_dir(out):
         held = step_dirs(out)
-        raise RunDirError(f"--out {out} already holds a run (checkpoints up to {held[-1].name if held else '?'}); "
+        if not held:  # ('latest' alone: a pointer to no checkpoint, perhaps not llmc's at all)
+            raise RunDirError(f"--out {out} holds a file named 'latest' (where llmc points at a run's newest "
+                              "checkpoint) but no step_NNNNNNNN checkpoint folder; move it, or give another --out; "
+                              "nothing was changed")
+        raise RunDirError(f"--out {out} already holds a run (checkpoints up to {held[-1].name}); "
                           "add --resume to continue it, or give another --out; nothing was changed")
 
 

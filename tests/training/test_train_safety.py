@@ -141,6 +141,19 @@ def test_a_fresh_run_that_fails_leaves_no_directory(tmp_path):
 
 
 # ---- a run directory is any directory with step folders -------------------------------------------------------
+def test_a_lone_latest_file_is_named_as_such(shards, tmp_path):
+    """A directory whose only llmc-like file is 'latest' (a user's, or a run's pointer whose checkpoints are gone) was
+    refused as "already holds a run (checkpoints up to ?)"."""
+    d = tmp_path / "notes"
+    d.mkdir()
+    (d / "latest").write_text("my latest notes\n")
+    before = tree(d)
+    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 1, "--out", d, ok=False)
+    msg = one_line_error(r)
+    assert "holds a file named 'latest'" in msg and "no step_NNNNNNNN checkpoint folder" in msg and "?" not in msg, msg
+    assert tree(d) == before
+
+
 def test_run_without_latest_is_a_run(shards, tmp_path):
     rd = tmp_path / "r"
     log = tmp_path / "log.jsonl"
@@ -169,8 +182,16 @@ def test_disk_full_during_a_checkpoint(shards, tmp_path, monkeypatch):
     r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--out", rd, "--resume", ok=False)
     msg = one_line_error(r, mid_run=True)
     assert "cannot write the checkpoint" in msg and "No space left on device" in msg and "step_00000002" in msg
+    # (the error said once: the rescue's second try at the same checkpoint had repeated the whole line)
+    assert msg.count("cannot write") == 1 and "the earlier checkpoints are untouched" in msg, msg
     assert sorted(p.name for p in rd.iterdir()) == ["config.toml", "latest", "log.jsonl", "step_00000001"]  # no temp dir
     assert tree(rd / "step_00000001") == kept and (rd / "latest").read_text().strip() == "step_00000001"
+    # the run's first checkpoint: no "earlier checkpoints" to speak of
+    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--checkpoint-every", 1, "--out", tmp_path / "n",
+            ok=False)
+    msg = one_line_error(r, mid_run=True)
+    assert msg.count("cannot write") == 1 and "the run has no earlier checkpoint" in msg, msg
+    assert "untouched" not in msg, msg
 
 
 def test_file_size_limit_is_one_line(shards, tmp_path):
