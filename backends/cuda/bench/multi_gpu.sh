@@ -5,6 +5,7 @@
 # (--overlap) and after it (--no-overlap, the default), runs alternated; medians of steps after the first 5; the overlapped and
 # the plain N-GPU runs must log the same losses (with 2 ranks the two reductions add the same pairs).
 #   bash backends/cuda/bench/multi_gpu.sh [N=all GPUs] [STEPS=30]     (logs under $OUT or ./multi_gpu_out)
+#   (30 steps of d12 are 3.5 s, inside the GPUs' heat-up: 200 gave the steadier figures on 2x H200, 2026-11-26)
 #   MODELS="d12 d48" ROUNDS=2 ZERO=1 VARIANTS="overlap plain z0overlap z0plain" ...
 #   ONE_GPU_ON="0 1" ...   the 1-GPU baseline on each of these GPUs (default 0): is one GPU slower than the other?
 #   PAIR=1 ...             also two 1-GPU runs at once, on GPUs 0 and 1 (no communication): what sharing the host
