@@ -6,7 +6,8 @@ import sys
 
 def run() -> None:
     try:
-        from llmc_cli.commands import main
+        from llmc_cli.commands import interrupts, main
+        interrupts.own_process()
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)

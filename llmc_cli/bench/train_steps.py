@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -17,6 +16,7 @@ from llmc_cli.bench.backends import BenchError
 from llmc_cli.bench.kernel_cases import _cfg_dict, _spread
 from llmc_cli.bench.torch_gpt2 import build_torch_gpt2
 from llmc_cli.bench.torch_llama3 import build_torch_llama3, sdpa_enable_gqa
+from llmc_cli.formats.files import temporary_directory
 from llmc_cli.kernels import (
     BFLOAT16,
     FLOAT32,
@@ -240,7 +240,7 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
     if torch_dtype is None:
         torch_dtype = torch_dtype_for(backends)
     results, notes = [], []
-    with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
+    with temporary_directory("llmc-bench-") as tmp:
         if data is None:
             # every step its own tokens, up to RANDOM_SHARD_TOKENS: past that the loader starts the shard again (a
             # step costs the same), so --steps 2147483647 is not a 128 GiB array of token ids

@@ -16,7 +16,8 @@ import threading
 
 INTERRUPTED_EXIT = 130
 
-_STATE: dict = {"pid": None, "signame": None, "said": False, "saying": False, "deferred": False}
+_STATE: dict = {"pid": None, "signame": None, "said": False, "saying": False, "deferred": False, "old": {}}
+_OWNED = []  # set by the `llmc` entry point: the process is llmc's, and the handlers stay until it exits
 
 
 class Interrupted(KeyboardInterrupt):
@@ -47,29 +48,68 @@ def _handler(signum, frame) -> None:
                 os.write(2, f"error: {interrupted_line()}\n".encode())
             except OSError:
                 pass
-        os._exit(INTERRUPTED_EXIT)
+        _forced_exit()
     _STATE["signame"] = signal.Signals(signum).name
     raise Interrupted(_STATE["signame"])
+
+
+def _forced_exit() -> None:
+    """End the process now: what must not outlive it (files.temporary_directory's, the worker processes, which would
+    print tracebacks into a closed pipe) goes first, as well as can be done in a hurry."""
+    import shutil
+    import sys
+    from llmc_cli.formats.files import FORCED_EXIT_REMOVALS
+    for path in list(FORCED_EXIT_REMOVALS):
+        shutil.rmtree(path, ignore_errors=True)
+    mp = sys.modules.get("multiprocessing")
+    if mp is not None:
+        try:
+            for child in mp.active_children():
+                child.kill()
+        except Exception:  # noqa: BLE001  (a forced exit goes on whatever is left)
+            pass
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(INTERRUPTED_EXIT)
+
+
+def own_process() -> None:
+    """The `llmc` command itself runs here: the handlers stay until the process exits (a signal during the
+    interpreter's exit is still this command's)."""
+    _OWNED.append(True)
+
+
+def uninstall() -> None:
+    """Give back the handlers install took and forget this command's state, where llmc runs inside another
+    program (click's CliRunner, a test): its next signal is that program's again."""
+    if _OWNED or threading.current_thread() is not threading.main_thread():
+        return
+    for sig, old in _STATE["old"].items():
+        if signal.getsignal(sig) is _handler:
+            signal.signal(sig, old)
+    _STATE.update(pid=None, signame=None, said=False, saying=False, deferred=False, old={})
 
 
 def install() -> None:
     """Take SIGINT, SIGTERM and SIGHUP for this process (the main thread's only), where they are at their
     defaults."""
+    _STATE.update(signame=None, said=False, saying=False, deferred=False)
     if threading.current_thread() is not threading.main_thread():
         return
-    _STATE.update(pid=os.getpid(), signame=None, said=False, saying=False, deferred=False)
+    _STATE.update(pid=os.getpid(), old={})
     for name, default in (("SIGINT", signal.default_int_handler), ("SIGTERM", signal.SIG_DFL),
                           ("SIGHUP", signal.SIG_DFL)):
         sig = getattr(signal, name, None)
         if sig is not None and signal.getsignal(sig) is default:
-            signal.signal(sig, _handler)
+            _STATE["old"][sig] = signal.signal(sig, _handler)
 
 
 def say_once(say) -> None:
     """`say()` the interruption's line, which a second signal arriving meanwhile does not say again: that signal ends
     the process once the line is out. (A signal mask would not do: any thread of the process, OpenBLAS's among them,
     may take a signal that the main thread blocks, and Python then runs the handler in the main thread anyway.)"""
-    import sys
     if _STATE["said"]:
         return
     _STATE["said"] = _STATE["saying"] = True
@@ -80,8 +120,4 @@ def say_once(say) -> None:
     finally:
         _STATE["saying"] = False
         if _STATE["deferred"]:
-            try:
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
-            os._exit(INTERRUPTED_EXIT)
+            _forced_exit()

@@ -106,12 +106,19 @@ class _Main(click.Group):
     """Last line of defence: a missing optional package or exhausted memory is one line, not a traceback."""
 
     def invoke(self, ctx):
-        import sys
-
         from llmc_cli.commands import interrupts
         _tolerant_streams()
         _guard_stdout()
         interrupts.install()
+        try:
+            return self._invoke(ctx)
+        finally:
+            interrupts.uninstall()  # (in-process use only: the `llmc` command keeps them until it exits)
+
+    def _invoke(self, ctx):
+        import sys
+
+        from llmc_cli.commands import interrupts
         try:
             try:
                 rv = super().invoke(ctx)

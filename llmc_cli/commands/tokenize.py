@@ -24,6 +24,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from llmc_cli.commands import interrupts
 from llmc_cli.commands.options import Int, Real
 from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
 from llmc_cli.formats.evalfile import write_evalfile
@@ -132,8 +133,9 @@ def _friendly(fn):
         except OSError as e:  # disk full, read-only, no permission (finished shards stay; the command resumes)
             where = e.filename or kw.get("out_dir") or kw.get("out") or "the output directory"
             fail(f"{where}: {e.strerror or e}")
-        except KeyboardInterrupt:
-            fail("interrupted; run the same command again to resume after the last finished shard", code=130)
+        except KeyboardInterrupt as e:
+            line = f"{interrupts.interrupted_line(e)}; run the same command again to resume after the last finished shard"
+            interrupts.say_once(lambda: fail(line, code=interrupts.INTERRUPTED_EXIT))
 
     return wrapper
 

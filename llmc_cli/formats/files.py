@@ -162,6 +162,21 @@ class DirectoryLock:
         self.release()
 
 
+FORCED_EXIT_REMOVALS: list = []  # what a forced exit (a second signal: commands/interrupts.py) removes on its way out
+
+
+@contextmanager
+def temporary_directory(prefix: str):
+    """tempfile.TemporaryDirectory that a forced exit removes too (it skips the unwinding that removes the other)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        FORCED_EXIT_REMOVALS.append(tmp)
+        try:
+            yield tmp
+        finally:
+            FORCED_EXIT_REMOVALS.remove(tmp)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
     """Write ``data`` to ``path`` atomically (see atomic_file)."""
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data

@@ -33,6 +33,12 @@ STOPPED = 75  # a rank's exit status after a graceful stop with a checkpoint (ll
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def _take_forwarded(handler) -> dict:
+    """`handler` for FORWARDED, except a signal the user ignored (nohup's SIGHUP stays ignored, and so does the
+    ranks'); returns the handlers it replaced."""
+    return {s: signal.signal(s, handler) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
+
+
 def _tree(pids: list[int]) -> list[int]:
     """`pids` and every process descended from them (Linux's /proc; elsewhere `pids` alone)."""
     children: dict[int, list[int]] = {}
@@ -137,7 +143,7 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
                 except ProcessLookupError:
                     pass
 
-    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    old = _take_forwarded(forward)
     try:
         with job_control(lambda: [p.pid for p in procs if p.poll() is None]):
             return _run_ranks(procs, logs, cmds, envs, logdir, grace, describe, say)
@@ -286,18 +292,33 @@ def launch_mpi(args: list[str], n: int, say: Say = stderr_say) -> int:
     # N ranks share this machine's cores: without a limit each one's BLAS would start a thread per core
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     sys.stdout.flush()
-    proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, "-m", "llmc_cli", *args], env=env,
-                            stdout=subprocess.PIPE, start_new_session=True)
-    relay = threading.Thread(target=_relay_stdout, args=(proc,), daemon=True)
-    relay.start()
+    started, early = [], []
 
     def forward(signum, frame):  # mpiexec passes it on to the ranks, which checkpoint and exit 75
+        if not started:  # (before mpiexec runs: passed on as soon as it does)
+            early.append(signum)
+            return
         try:  # (MPICH's mpiexec dies of a SIGHUP, passing nothing on: the ranks are told SIGTERM)
-            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+            started[0].send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
         except ProcessLookupError:
             pass
+    # taken before mpiexec starts: a signal in between ended the launcher alone, and mpiexec, its output's reader
+    # gone, took the ranks down with no checkpoint
     main = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, forward) for s in FORWARDED} if main else {}
+    old = _take_forwarded(forward) if main else {}
+    try:
+        proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, "-m", "llmc_cli", *args], env=env,
+                                stdout=subprocess.PIPE, start_new_session=True)
+    except BaseException:
+        for s, h in old.items():
+            signal.signal(s, h)
+        shutil.rmtree(faildir, ignore_errors=True)
+        raise
+    started.append(proc)
+    for signum in early:
+        forward(signum, None)
+    relay = threading.Thread(target=_relay_stdout, args=(proc,), daemon=True)
+    relay.start()
     try:
         with job_control(lambda: [proc.pid] if proc.poll() is None else []):
             rc = proc.wait()

@@ -33,10 +33,13 @@ _WORKER_TOK = None
 
 def _worker_init(name: str, path: str | None, child: bool = False) -> None:
     global _WORKER_TOK
-    if child:  # Ctrl-C is handled once, in the parent (which then stops the pool)
+    if child:
         import signal
 
+        # a terminal's Ctrl-C and hang-up reach the whole group: handled once, in the parent, which then ends the
+        # pool (a worker that the signal ended could die holding the task queue's lock, which terminate() waits for)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _WORKER_TOK = load_tokenizer(name, path)
 
 
@@ -83,10 +86,21 @@ def _encoded(batches, workers: int, tok) -> Iterator[tuple[list, list, np.ndarra
             pending.append((idx, splits, pool.apply_async(_encode_batch, (texts,))))
             if len(pending) >= 2 * workers:
                 i, s, r = pending.popleft()
-                yield (i, s, *r.get())
+                yield (i, s, *_result(r))
         while pending:
             i, s, r = pending.popleft()
-            yield (i, s, *r.get())
+            yield (i, s, *_result(r))
+
+
+def _result(r):
+    """A worker's result, waited for in short slices: a signal that one of the pool's own threads took runs its
+    handler only when the main thread comes back to Python (a plain get() would wait for ever for the result of a
+    worker that the same signal ended)."""
+    while True:
+        try:
+            return r.get(timeout=0.2)
+        except multiprocessing.TimeoutError:
+            continue
 
 
 # ----------------------------------------------------------------------------------------------

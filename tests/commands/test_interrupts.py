@@ -64,6 +64,16 @@ _PROBE = textwrap.dedent(r'''
                                          interrupts.interrupted_line(e), file=sys.stderr, flush=True)))
             wait(5)
             print("not ended")
+    elif case == "forced":  # a second signal skips the unwinding: the temporary directory goes all the same
+        from llmc_cli.formats.files import temporary_directory
+        with temporary_directory("llmc-probe-") as d:
+            print(d, flush=True)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                wait(5)
+            except KeyboardInterrupt:
+                os.kill(os.getpid(), signal.SIGINT)
+                wait(5)
     elif case == "child":
         pid = os.fork()
         if pid == 0:
@@ -107,3 +117,63 @@ def test_training_leaves_an_ignored_hangup_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, old)
+
+
+def test_a_forced_exit_still_removes_the_temporary_directories(tmp_path):
+    import os
+    r = _probe(tmp_path, "forced")
+    assert (r.returncode, r.stderr) == (130, "error: interrupted by SIGTERM\n")
+    assert not os.path.exists(r.stdout.strip()), r.stdout
+
+
+def test_in_process_use_gives_the_handlers_back(monkeypatch):
+    """click's CliRunner (or any program calling main) keeps its own signals after llmc returns, and a command that
+    ended interrupted leaves no state behind (the host's next Ctrl-C was taken as a second signal: a silent exit)."""
+    import click
+    from click.testing import CliRunner
+
+    from llmc_cli.commands import interrupts, main
+
+    def interrupted(self, ctx):
+        raise interrupts.Interrupted("SIGTERM")
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    monkeypatch.setattr(click.Group, "invoke", interrupted)
+    r = CliRunner().invoke(main, ["plot", "nothing"])
+    assert r.exit_code == 130 and "interrupted by SIGTERM" in r.output, r.output
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert interrupts._STATE["signame"] is None and not interrupts._STATE["said"]
+
+
+def test_tokenize_names_the_signal_and_says_its_line_once(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from llmc_cli.commands import interrupts, main
+
+    def stopped(*a, **k):
+        raise interrupts.Interrupted("SIGHUP")
+    src = tmp_path / "a.txt"
+    src.write_text("hello world\n" * 10)
+    import llmc_cli.tokenizing.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "_encoded", stopped)
+    r = CliRunner().invoke(main, ["tokenize", "text", str(src), "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 130, r.output
+    lines = [x for x in r.output.splitlines() if x.startswith("error")]
+    assert lines == ["error: interrupted by SIGHUP; run the same command again to resume after the last finished "
+                     "shard"], r.output
+
+
+def test_launchers_leave_an_ignored_hangup_ignored():
+    from llmc_cli.parallel.launch import _take_forwarded
+
+    def forward(signum, frame):
+        pass
+    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        old = _take_forwarded(forward)
+        try:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is forward
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    finally:
+        signal.signal(signal.SIGHUP, old_hup)
