@@ -106,6 +106,13 @@ def install() -> None:
             _STATE["old"][sig] = signal.signal(sig, _handler)
 
 
+def fail_interrupted(e: BaseException, then: str = "") -> None:
+    """A command's line for interruption `e` (`interrupted_line`, followed by `then`), said once; exit 130."""
+    from llmc_cli.commands.console import fail
+    line = interrupted_line(e) + then
+    say_once(lambda: fail(line, code=INTERRUPTED_EXIT))
+
+
 def say_once(say) -> None:
     """`say()` the interruption's line, which a second signal arriving meanwhile does not say again: that signal ends
     the process once the line is out. (A signal mask would not do: any thread of the process, OpenBLAS's among them,

@@ -138,8 +138,7 @@ class _Main(click.Group):
         except MemoryError as e:
             fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP outside a training loop (which stops on its own)
-            line = interrupts.interrupted_line(e)
-            interrupts.say_once(lambda: fail(line, code=interrupts.INTERRUPTED_EXIT))
+            interrupts.fail_interrupted(e)
         except OSError as e:  # a full disk, a read-only file system, no permission: the path and the reason
             fail(one_line(e))
 

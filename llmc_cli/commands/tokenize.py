@@ -134,8 +134,7 @@ def _friendly(fn):
             where = e.filename or kw.get("out_dir") or kw.get("out") or "the output directory"
             fail(f"{where}: {e.strerror or e}")
         except KeyboardInterrupt as e:
-            line = f"{interrupts.interrupted_line(e)}; run the same command again to resume after the last finished shard"
-            interrupts.say_once(lambda: fail(line, code=interrupts.INTERRUPTED_EXIT))
+            interrupts.fail_interrupted(e, "; run the same command again to resume after the last finished shard")
 
     return wrapper
 

@@ -33,10 +33,16 @@ STOPPED = 75  # a rank's exit status after a graceful stop with a checkpoint (ll
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _take_forwarded(handler) -> dict:
-    """`handler` for FORWARDED, except a signal the user ignored (nohup's SIGHUP stays ignored, and so does the
-    ranks'); returns the handlers it replaced."""
-    return {s: signal.signal(s, handler) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
+@contextlib.contextmanager
+def _forwarding(handler):
+    """`handler` for FORWARDED while the block runs, except a signal the user ignored (nohup's SIGHUP stays ignored,
+    and so does the ranks'); the handlers it replaced come back after."""
+    old = {s: signal.signal(s, handler) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _tree(pids: list[int]) -> list[int]:
@@ -143,13 +149,8 @@ def supervise(cmds: list[list[str]], envs: list[dict], logdir: Path, grace: floa
                 except ProcessLookupError:
                     pass
 
-    old = _take_forwarded(forward)
-    try:
-        with job_control(lambda: [p.pid for p in procs if p.poll() is None]):
-            return _run_ranks(procs, logs, cmds, envs, logdir, grace, describe, say)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    with _forwarding(forward), job_control(lambda: [p.pid for p in procs if p.poll() is None]):
+        return _run_ranks(procs, logs, cmds, envs, logdir, grace, describe, say)
 
 
 def _run_ranks(procs: list, logs: list, cmds, envs, logdir: Path, grace: float, describe, say: Say) -> int:
@@ -305,26 +306,20 @@ def launch_mpi(args: list[str], n: int, say: Say = stderr_say) -> int:
     # taken before mpiexec starts: a signal in between ended the launcher alone, and mpiexec, its output's reader
     # gone, took the ranks down with no checkpoint
     main = threading.current_thread() is threading.main_thread()
-    old = _take_forwarded(forward) if main else {}
-    try:
-        proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, "-m", "llmc_cli", *args], env=env,
-                                stdout=subprocess.PIPE, start_new_session=True)
-    except BaseException:
-        for s, h in old.items():
-            signal.signal(s, h)
-        shutil.rmtree(faildir, ignore_errors=True)
-        raise
-    started.append(proc)
-    for signum in early:
-        forward(signum, None)
-    relay = threading.Thread(target=_relay_stdout, args=(proc,), daemon=True)
-    relay.start()
-    try:
+    with _forwarding(forward) if main else contextlib.nullcontext():
+        try:
+            proc = subprocess.Popen([mpiexec, "-n", str(n), sys.executable, "-m", "llmc_cli", *args], env=env,
+                                    stdout=subprocess.PIPE, start_new_session=True)
+        except BaseException:
+            shutil.rmtree(faildir, ignore_errors=True)
+            raise
+        started.append(proc)
+        for signum in early:
+            forward(signum, None)
+        relay = threading.Thread(target=_relay_stdout, args=(proc,), daemon=True)
+        relay.start()
         with job_control(lambda: [proc.pid] if proc.poll() is None else []):
             rc = proc.wait()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
     relay.join(timeout=5)
     notes = sorted(faildir.glob("rank*.failed"))
     if rc == STOPPED:

@@ -163,17 +163,15 @@ def test_tokenize_names_the_signal_and_says_its_line_once(tmp_path, monkeypatch)
 
 
 def test_launchers_leave_an_ignored_hangup_ignored():
-    from llmc_cli.parallel.launch import _take_forwarded
+    from llmc_cli.parallel.launch import _forwarding
 
     def forward(signum, frame):
         pass
     old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    old_term = signal.getsignal(signal.SIGTERM)
     try:
-        old = _take_forwarded(forward)
-        try:
+        with _forwarding(forward):
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is forward
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+        assert signal.getsignal(signal.SIGTERM) is old_term
     finally:
         signal.signal(signal.SIGHUP, old_hup)
