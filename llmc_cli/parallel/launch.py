@@ -232,7 +232,7 @@ def launch_gpus(args: list[str], n: int, env: dict | None = None, say: Say = std
         envs.append(e)
     say(f"{n} ranks on GPUs {','.join(devices)}; rank 0's output follows, the others log to {logdir}")
     rc = supervise([cmd] * n, envs, logdir, describe=lambda r: f"rank {r} (GPU {devices[r]})", say=say)
-    if rc == 0:
+    if rc in (0, STOPPED):  # (a failure keeps the logs its lines point to)
         shutil.rmtree(logdir, ignore_errors=True)
     return rc
 

@@ -213,3 +213,16 @@ def test_a_second_signal_aborts_a_rank_waiting_for_rank_0s_checkpoint(data, tmp_
     assert took < 6, took  # (rank 0's checkpoint would take 12 s)
     # (the run had no checkpoint yet: it used to say that it kept its last complete one, and how to resume it)
     assert "holds no complete checkpoint yet" in err and "--resume" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("rc, kept", [(0, False), (75, False), (1, True)])
+def test_gpus_launcher_keeps_the_rank_logs_only_after_a_failure(tmp_path, monkeypatch, rc, kept):
+    """A run stopped with its checkpoint (exit 75) is no failure: its ranks' log directory went to $TMPDIR for good,
+    one per stop."""
+    import tempfile
+
+    from llmc_cli.parallel import launch
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(launch, "supervise", lambda *a, **k: rc)
+    assert launch.launch_gpus(["train"], 2, env={"CUDA_VISIBLE_DEVICES": "0,1"}, say=lambda m: None) == rc
+    assert bool(list(tmp_path.glob("llmc-ranks-*"))) == kept
