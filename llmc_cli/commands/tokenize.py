@@ -41,6 +41,7 @@ from llmc_cli.tokenizing.sources import (
     tinyshakespeare_source,
     tinystories_source,
 )
+from llmc_cli.tokenizing.workers import WorkerDied
 
 # ----------------------------------------------------------------------------------------------
 # progress
@@ -133,6 +134,8 @@ def _friendly(fn):
         except OSError as e:  # disk full, read-only, no permission (finished shards stay; the command resumes)
             where = e.filename or kw.get("out_dir") or kw.get("out") or "the output directory"
             fail(f"{where}: {e.strerror or e}")
+        except WorkerDied as e:  # (killed from outside, the OOM killer say: not the input's fault)
+            fail(str(e), 1)
         except KeyboardInterrupt as e:
             interrupts.fail_interrupted(e, "; run the same command again to resume after the last finished shard")
 

@@ -112,6 +112,14 @@ class Tokenizer:
         """Text -> ids, special-token text encoded as plain text (what documents in shards use)."""
         return self.enc.encode_ordinary(text)
 
+    def encode_ordinary_array(self, text: str) -> np.ndarray:
+        """encode_ordinary's ids as a uint32 array: 4 bytes a token where a list of Python ints takes over 30 (one
+        62 MB text file, 19.4M tokens: a peak of 974 MB tokenized to a list, 341 MB to an array)."""
+        to_numpy = getattr(self.enc, "encode_to_numpy", None)  # (tiktoken 0.8 and later)
+        if to_numpy is None:
+            return np.asarray(self.enc.encode_ordinary(text), dtype=np.uint32)
+        return to_numpy(text, allowed_special=set(), disallowed_special=())  # (no special: all of it is text)
+
     def encode_document(self, text: str) -> list[int]:
         """A document as it goes into a shard: ``doc_prefix`` then its ordinary encoding."""
         return self.doc_prefix + self.enc.encode_ordinary(text)

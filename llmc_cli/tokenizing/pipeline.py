@@ -1,13 +1,12 @@
-"""The shard pipeline: documents -> tokens (a pool of worker processes) -> llm.c shards, resumable through a
-manifest, with llm.c's val split."""
+"""The shard pipeline: documents -> tokens (tokenizer worker processes, workers.py) -> llm.c shards, resumable
+through a manifest, with llm.c's val split."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
-import multiprocessing
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,49 +14,14 @@ from typing import Iterator
 
 import numpy as np
 
-from llmc_cli.data.tokenizer import load_tokenizer
 from llmc_cli.formats.files import DataError, DirectoryLock, atomic_write_bytes, read_at_most
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 from llmc_cli.tokenizing.sources import Source
+from llmc_cli.tokenizing.workers import encoded
 
 BATCH_BYTES = 1 << 20  # text handed to a worker per task
 BATCH_DOCS = 1024
-
-
-# ----------------------------------------------------------------------------------------------
-# tokenization workers
-
-_WORKER_TOK = None
-
-
-def _worker_init(name: str, path: str | None, child: bool = False) -> None:
-    global _WORKER_TOK
-    if child:
-        import signal
-
-        # a terminal's Ctrl-C and hang-up reach the whole group: handled once, in the parent, which then ends the
-        # pool (a worker that the signal ended could die holding the task queue's lock, which terminate() waits for)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _WORKER_TOK = load_tokenizer(name, path)
-
-
-def _encode_batch(texts: list[str]):
-    """Worker: documents -> (concatenated ids with a doc prefix each, per-doc lengths, utf-8 bytes)."""
-    tok = _WORKER_TOK
-    fmt = shard_format(tok.name)
-    prefix = tok.doc_prefix
-    out: list[int] = []
-    lens = []
-    nbytes = 0
-    for t in texts:
-        ids = tok.enc.encode_ordinary(t)
-        out += prefix
-        out += ids
-        lens.append(len(prefix) + len(ids))
-        nbytes += len(t.encode("utf-8"))
-    return np.asarray(out, dtype=fmt.dtype), np.asarray(lens, dtype=np.int64), nbytes
 
 
 def _batches(docs: Iterator[tuple[int, str | None, str]]):
@@ -70,37 +34,6 @@ def _batches(docs: Iterator[tuple[int, str | None, str]]):
             idx, splits, texts, size = [], [], [], 0
     if texts:
         yield idx, splits, texts
-
-
-def _encoded(batches, workers: int, tok) -> Iterator[tuple[list, list, np.ndarray, np.ndarray, int]]:
-    """Tokenize batches in order, with at most ~2 tasks per worker in flight (bounded memory)."""
-    if workers <= 1:
-        _worker_init(tok.name, tok.path)
-        for idx, splits, texts in batches:
-            yield (idx, splits, *_encode_batch(texts))
-        return
-    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.name, tok.path, True)) as pool:
-        pending: collections.deque = collections.deque()
-        for idx, splits, texts in batches:
-            pending.append((idx, splits, pool.apply_async(_encode_batch, (texts,))))
-            if len(pending) >= 2 * workers:
-                i, s, r = pending.popleft()
-                yield (i, s, *_result(r))
-        while pending:
-            i, s, r = pending.popleft()
-            yield (i, s, *_result(r))
-
-
-def _result(r):
-    """A worker's result, waited for in short slices: a signal that one of the pool's own threads took runs its
-    handler only when the main thread comes back to Python (a plain get() would wait for ever for the result of a
-    worker that the same signal ended)."""
-    while True:
-        try:
-            return r.get(timeout=0.2)
-        except multiprocessing.TimeoutError:
-            continue
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,12 +303,13 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
     task = None
     workers = max(1, int(workers))
     total = src.total_bytes
-    with progress(False) as prog:
+    with progress(False) as prog, contextlib.ExitStack() as stack:  # (the stack ends the workers)
         task = prog.add_task(f"tokenize {src.name}", total=total if not done else None,
                              tokens=0, tok_s=0.0, shard=k)
         ntok = 0
         try:
-            for idx, splits, arr, lens, nbytes in _encoded(_batches(doc_stream()), workers, tok):
+            stream = stack.enter_context(contextlib.closing(encoded(_batches(doc_stream()), workers, tok)))
+            for idx, splits, arr, lens, nbytes in stream:
                 off = 0
                 for i, s, ln in zip(idx, splits, lens.tolist()):
                     a = arr[off: off + ln]

@@ -154,7 +154,7 @@ def test_tokenize_names_the_signal_and_says_its_line_once(tmp_path, monkeypatch)
     src = tmp_path / "a.txt"
     src.write_text("hello world\n" * 10)
     import llmc_cli.tokenizing.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "_encoded", stopped)
+    monkeypatch.setattr(pipeline, "encoded", stopped)
     r = CliRunner().invoke(main, ["tokenize", "text", str(src), "--out-dir", str(tmp_path / "out")])
     assert r.exit_code == 130, r.output
     lines = [x for x in r.output.splitlines() if x.startswith("error")]

@@ -1,0 +1,186 @@
+"""Tokenizer worker processes: each holds the tokenizer and takes batches of documents through a pipe of its own;
+the parent hands batches out in turn and reads the results back in the same order.
+
+Why not multiprocessing.Pool: its workers share one task queue behind one lock, held by whichever idle worker
+waits on it. A worker that a signal or the OOM killer ends while holding it takes the lock along, and the pool's
+shutdown waits for that lock for ever; a worker killed mid-task loses the task, whose result the pool then waits
+for for ever. Here nothing is shared: a worker that dies is seen at once (its process sentinel), named in one line,
+and the others are killed without waiting on anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import multiprocessing.connection
+import queue
+import signal
+import sys
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from llmc_cli.data.tokenizer import load_tokenizer
+from llmc_cli.formats.shards import shard_format
+
+_TOK = None  # the worker's tokenizer (the parent's own when it tokenizes alone)
+
+
+class WorkerDied(RuntimeError):
+    """A tokenizer process ended before it returned its batch."""
+
+
+def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Documents -> (concatenated ids with a doc prefix each, per-doc lengths, utf-8 bytes)."""
+    tok = _TOK
+    dtype = shard_format(tok.name).dtype
+    prefix = np.asarray(tok.doc_prefix, dtype=dtype)
+    parts, lens = [], []
+    nbytes = 0
+    for t in texts:
+        ids = tok.encode_ordinary_array(t)
+        parts += [prefix, ids.astype(dtype, copy=False)]
+        lens.append(prefix.size + ids.size)
+        nbytes += len(t.encode("utf-8"))
+    out = np.concatenate(parts) if parts else np.zeros(0, dtype)
+    return out, np.asarray(lens, dtype=np.int64), nbytes
+
+
+def encoded(batches, workers: int, tok) -> Iterator[tuple[list, list, np.ndarray, np.ndarray, int]]:
+    """Tokenize (doc indices, splits, texts) batches in order, with at most 2 batches per worker handed out
+    (bounded memory). Close the iterator (or exhaust it) to end the workers."""
+    global _TOK
+    if workers <= 1:
+        _TOK = tok
+        for idx, splits, texts in batches:
+            yield (idx, splits, *encode_batch(texts))
+        return
+    pool = _Workers(workers, tok)
+    try:
+        pending: collections.deque = collections.deque()
+        for n, (idx, splits, texts) in enumerate(batches):
+            k = n % workers  # (in turn: each worker's results come back in the order its batches went out)
+            pool.send(k, texts)
+            pending.append((idx, splits, k))
+            if len(pending) >= 2 * workers:
+                i, s, k = pending.popleft()
+                yield (i, s, *pool.receive(k))
+        while pending:
+            i, s, k = pending.popleft()
+            yield (i, s, *pool.receive(k))
+    finally:
+        pool.close()
+
+
+class _Workers:
+    def __init__(self, n: int, tok):
+        fork = sys.platform.startswith("linux")
+        ctx = multiprocessing.get_context("fork" if fork else "spawn")
+        self.conns, self.procs = [], []
+        try:
+            for k in range(n):
+                mine, theirs = ctx.Pipe()
+                # a forked worker holds copies of the parent's ends made before it: closed there, so that every
+                # worker sees its pipe's end when the parent goes, however it goes
+                inherited = self.conns + [mine] if fork else []
+                p = ctx.Process(target=_serve, args=(tok.name, tok.path, theirs, inherited),
+                                name=f"llmc-tokenize-{k + 1}", daemon=True)
+                p.start()
+                theirs.close()
+                self.conns.append(mine)
+                self.procs.append(p)
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, k: int, texts: list[str]) -> None:
+        try:
+            self.conns[k].send(texts)
+        except (BrokenPipeError, ConnectionResetError):
+            self._died(k)
+
+    def receive(self, k: int):
+        conn, proc = self.conns[k], self.procs[k]
+        while True:
+            # (a signal for this process interrupts the wait and its handler runs: Ctrl-C is not held up here)
+            ready = multiprocessing.connection.wait([conn, proc.sentinel])
+            if conn in ready:
+                try:
+                    kind, value = conn.recv()
+                except (EOFError, OSError):  # (OSError: the pipe ended inside a message)
+                    self._died(k)
+                if kind == "error":
+                    raise value
+                return value
+            if proc.sentinel in ready:
+                self._died(k)
+
+    def _died(self, k: int):
+        p = self.procs[k]
+        p.join(timeout=5)
+        code = p.exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = f"was killed by {name}" + (" (the system may have run out of memory)" if -code == signal.SIGKILL
+                                             else "")
+        else:
+            how = f"ended with exit status {code}" if code is not None else "closed its pipe"
+        raise WorkerDied(f"tokenizer worker {k + 1} of {len(self.procs)} (pid {p.pid}) {how} before returning its "
+                         "batch; finished shards stay: run the same command again to resume (fewer --workers take "
+                         "less memory)")
+
+    def close(self) -> None:
+        """End every worker now: the results still wanted have been read, or are no longer wanted."""
+        for c in self.conns:
+            c.close()
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join()
+        self.conns, self.procs = [], []
+
+
+def _serve(name: str, path: str | None, conn, inherited: list) -> None:
+    """A worker: batches in, results out, until the parent's end of the pipe goes or says stop."""
+    global _TOK
+    for c in inherited:
+        c.close()
+    # a terminal's Ctrl-C, a hang-up or a group SIGTERM reaches every process of the group: the parent alone
+    # answers it (one line, the shards finished so far kept) and then kills the workers
+    for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    failed = None
+    try:
+        _TOK = load_tokenizer(name, path)
+    except Exception as e:  # noqa: BLE001  (said in answer to the first batch, by the parent)
+        failed = e
+    tasks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def take():  # batches are always taken off the pipe, so the parent never blocks sending while we send
+        try:
+            while True:
+                tasks.put(conn.recv())
+        except (EOFError, OSError):
+            tasks.put(None)
+    threading.Thread(target=take, daemon=True).start()
+    while (texts := tasks.get()) is not None:
+        try:
+            if failed is not None:
+                raise failed
+            out = ("ok", encode_batch(texts))
+        except Exception as e:  # noqa: BLE001  (raised again in the parent)
+            out = ("error", e)
+        try:
+            try:
+                conn.send(out)
+            except Exception:  # noqa: BLE001  (an exception that does not pickle: its text)
+                if out[0] != "error":
+                    raise
+                conn.send(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            return

@@ -1,0 +1,166 @@
+"""The tokenizer worker processes: results in order and equal to one process's, a worker that dies or fails named in
+one line, a signal to the whole group answered by the parent alone, and no worker outliving its parent."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from llmc_cli.data.tokenizer import load_tokenizer
+from llmc_cli.tokenizing import workers
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("gpt2", None)
+
+
+def batches(n: int, docs: int = 3):
+    for b in range(n):
+        yield ([b * docs + i for i in range(docs)], [None] * docs,
+               [f"batch {b} doc {i} " + "the quick brown fox " * (7 * i + b % 5) for i in range(docs)])
+
+
+def flat(results):
+    return [(idx, arr.tolist(), lens.tolist(), nbytes) for idx, _, arr, lens, nbytes in results]
+
+
+def ours() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("llmc-tokenize-")]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_workers_give_one_process_results_in_order(tok, n):
+    one = flat(workers.encoded(batches(17), 1, tok))
+    many = flat(workers.encoded(batches(17), n, tok))
+    assert many == one and [r[0][0] for r in many] == [3 * b for b in range(17)]
+    assert not ours()
+
+
+def test_a_killed_worker_is_named_and_the_others_end(tok):
+    stream = workers.encoded(batches(40), 3, tok)
+    next(stream)  # (worker 1's first batch; worker 2's is the next one wanted)
+    (victim,) = [p for p in ours() if p.name == "llmc-tokenize-2"]
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(workers.WorkerDied, match=r"worker 2 of 3 \(pid \d+\) was killed by SIGKILL .*resume"):
+        for _ in stream:
+            pass
+    assert not ours()
+
+
+def test_an_error_in_a_worker_is_raised_in_the_parent(tok):
+    bad = iter([([0], [None], ["fine"]), ([1], [None], [None])])  # (None is no text: the worker's encoder fails)
+    with pytest.raises(TypeError):
+        list(workers.encoded(bad, 2, tok))
+    assert not ours()
+
+
+def test_closing_early_ends_the_workers(tok):
+    stream = workers.encoded(batches(40), 3, tok)
+    next(stream)
+    assert len(ours()) == 3
+    stream.close()
+    assert not ours()
+
+
+def test_workers_leave_with_their_parent(tmp_path):
+    """The parent killed outright (no clean-up of its own): every worker sees its pipe end and exits, so none is
+    left holding the output directory's lock."""
+    script = textwrap.dedent("""
+        import sys
+        from llmc_cli.data.tokenizer import load_tokenizer
+        from llmc_cli.tokenizing import workers
+        texts = ["the quick brown fox " * 20000] * 4
+        stream = workers.encoded((([i] * 4, [None] * 4, texts) for i in range(10**6)), 3, load_tokenizer("gpt2", None))
+        next(stream)
+        print(" ".join(str(p.pid) for p in workers.multiprocessing.active_children()), flush=True)
+        import time; time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert len(pids) == 3
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(q) for q in pids):
+        time.sleep(0.1)
+    assert not [q for q in pids if _alive(q)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # (a zombie has exited: only its parent's reaping is left)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process table from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_whole_group_gets_one_line_and_leaves_no_process(tmp_path, sig):
+    """A terminal's Ctrl-C (or a hang-up, or a job scheduler's SIGTERM) reaches the parent and every worker at once:
+    the parent alone answers, and ends them. (With multiprocessing.Pool, a worker that the signal ended while holding
+    the task queue's lock could hang the shutdown.)"""
+    src = tmp_path / "docs.jsonl"
+    line = "the quick brown fox jumps over the lazy dog " * 40
+    src.write_text("".join(json.dumps({"text": f"{i} {line}"}) + "\n" for i in range(8_000)))
+    cmd = [sys.executable, "-m", "llmc_cli", "tokenize", "text", str(src), "--out-dir", str(tmp_path / "out"),
+           "--workers", "2", "--shard-size", "100K"]
+    p = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_children(p.pid)) < 2 and p.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)  # (batches handed out)
+    kids = _children(p.pid)
+    assert p.poll() is None and len(kids) == 2, "tokenize ended before the signal: the input is too small"
+    os.killpg(p.pid, sig)
+    try:
+        _, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError("tokenize hung after a signal to its process group") from None
+    assert p.returncode == 130, err
+    lines = [x for x in err.splitlines() if x.startswith("error")]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted") and "resume" in lines[0], err
+    assert not [q for q in kids if _alive(q)]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_one_process_needs_no_worker(tok):
+    out = list(workers.encoded(batches(3), 1, tok))
+    assert not ours() and all(isinstance(r[2], np.ndarray) for r in out)
+
+
+@pytest.mark.parametrize("numpy_path", [True, False])
+def test_the_array_encoding_is_encode_ordinary(tok, monkeypatch, numpy_path):
+    """Shards take ids as arrays (a list of Python ints cost over 30 bytes a token); special-token text stays text,
+    with tiktoken's own array encoder and without it (tiktoken before 0.8)."""
+    text = "a <|endoftext|> b <|begin_of_text|>\n\n  café 中文 \U0001F600 " * 5
+    if not numpy_path:
+        class Plain:  # (tiktoken's Encoding is a plain class: this hides one method)
+            def __init__(self, enc):
+                self._enc = enc
+
+            def __getattr__(self, name):
+                if name == "encode_to_numpy":
+                    raise AttributeError(name)
+                return getattr(self._enc, name)
+        monkeypatch.setattr(tok, "enc", Plain(tok.enc))
+    got = tok.encode_ordinary_array(text)
+    assert got.dtype == np.uint32 and got.tolist() == tok.encode_ordinary(text)
+    assert 50256 not in got.tolist()
