@@ -11,6 +11,7 @@ and the others are killed without waiting on anything.
 from __future__ import annotations
 
 import collections
+import errno
 import multiprocessing
 import multiprocessing.connection
 import queue
@@ -22,6 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from llmc_cli.data.tokenizer import load_tokenizer
+from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import shard_format
 
 _TOK = None  # the worker's tokenizer (the parent's own when it tokenizes alone)
@@ -90,6 +92,12 @@ class _Workers:
                 theirs.close()
                 self.conns.append(mine)
                 self.procs.append(p)
+        except OSError as e:  # (out of file descriptors or processes: each worker holds a pipe and is a process)
+            started = len(self.procs)
+            self.close()
+            raise DataError(f"--workers {n}: worker {started + 1} could not start ({e.strerror or e}); pass "
+                            "fewer --workers" + (" or raise the open-file limit (ulimit -n)" if e.errno == errno.EMFILE
+                                                 else "")) from None
         except BaseException:
             self.close()
             raise

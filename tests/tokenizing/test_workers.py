@@ -164,3 +164,18 @@ def test_the_array_encoding_is_encode_ordinary(tok, monkeypatch, numpy_path):
     got = tok.encode_ordinary_array(text)
     assert got.dtype == np.uint32 and got.tolist() == tok.encode_ordinary(text)
     assert 50256 not in got.tolist()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sets the open-file limit of a child")
+def test_more_workers_than_file_descriptors_is_one_line(tmp_path):
+    """Each worker holds pipes in the parent: past the open-file limit the answer names --workers (it named the
+    output directory: `error: out: Too many open files`)."""
+    import resource
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(100)))
+    r = subprocess.run([sys.executable, "-m", "llmc_cli", "tokenize", "text", str(src), "--out-dir",
+                        str(tmp_path / "out"), "--workers", "60"], capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: --workers 60: worker ") and "ulimit -n" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
