@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import sys
 
 from rich.console import Console
 
+
+
+class _Stderr:
+    """sys.stderr, whichever it is at the moment, for rich's consoles: once its reader is gone (`2>&1 | head`, a
+    closed terminal: EPIPE or EIO), what follows goes to /dev/null. rich would otherwise end the command with exit 1
+    where its own status was due (and point standard output at /dev/null), and a tokenize run that had written
+    every shard left its manifest unfinished."""
+
+    def _retry(self, op: str, *a):
+        try:
+            return getattr(sys.stderr, op)(*a)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            try:
+                fd = sys.stderr.fileno()
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+            except (OSError, ValueError, AttributeError):
+                return None
+            return getattr(sys.stderr, op)(*a)
+
+    def write(self, text: str):
+        return self._retry("write", text)
+
+    def flush(self) -> None:
+        self._retry("flush")
+
+    def __getattr__(self, name: str):  # (isatty, fileno, encoding: rich asks)
+        return getattr(sys.stderr, name)
+
+
+STDERR = _Stderr()
 console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(file=STDERR, highlight=False)
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8", "auto": None}  # fp8: bf16 with FP8 matmuls
 

@@ -123,10 +123,11 @@ class _Main(click.Group):
             try:
                 rv = super().invoke(ctx)
             except (SystemExit, click.exceptions.Exit) as e:
-                if (e.code if isinstance(e, SystemExit) else e.exit_code) in (0, None):
+                if (e.code if isinstance(e, SystemExit) else e.exit_code) in (0, None) and sys.stdout is not None:
                     sys.stdout.flush()  # (a success whose output cannot be written is no success)
                 raise
-            sys.stdout.flush()  # output held back (a pipe, a file) meets its write error here, not at exit
+            if sys.stdout is not None:  # (None: started with standard output closed, `>&-`)
+                sys.stdout.flush()  # output held back (a pipe, a file) meets its write error here, not at exit
             return rv
         except StdoutClosed:
             sys.exit(BROKEN_PIPE_EXIT)
@@ -136,7 +137,7 @@ class _Main(click.Group):
             from llmc_cli.commands.console import missing_package_message
             fail(missing_package_message(e))
         except MemoryError as e:
-            fail(f"out of host memory ({e or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
+            fail(f"out of host memory ({str(e) or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP outside a training loop (which stops on its own)
             interrupts.fail_interrupted(e)
         except OSError as e:  # a full disk, a read-only file system, no permission: the path and the reason

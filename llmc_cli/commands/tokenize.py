@@ -48,7 +48,8 @@ from llmc_cli.tokenizing.workers import WorkerDied
 
 
 def _console() -> Console:
-    return Console(stderr=True)
+    from llmc_cli.commands.console import STDERR
+    return Console(file=STDERR)
 
 
 class _Display(Progress):
@@ -136,6 +137,9 @@ def _friendly(fn):
             fail(f"{where}: {e.strerror or e}")
         except WorkerDied as e:  # (killed from outside, the OOM killer say: not the input's fault)
             fail(str(e), 1)
+        except MemoryError:  # (main's line would advise the training options)
+            fail("out of memory while tokenizing; pass fewer --workers (each holds its batches and a tokenizer), or "
+                 "split a very large .txt file, which is one document", 1)
         except KeyboardInterrupt as e:
             interrupts.fail_interrupted(e, "; run the same command again to resume after the last finished shard")
 

@@ -337,9 +337,9 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
         except BaseException:  # the error line alone then says what happened (and how to resume)
             prog.discard()
             raise
-    state["complete"] = True
-    state["val_size"] = val_size
-    save_manifest()
+        state["complete"] = True  # (before the display ends: its last write is the one a closed stderr fails)
+        state["val_size"] = val_size
+        save_manifest()
     summary.shards = state["shards"]
     summary.seconds = time.perf_counter() - t0
     return summary

@@ -14,6 +14,7 @@ import collections
 import errno
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import signal
 import sys
@@ -59,7 +60,7 @@ def encoded(batches, workers: int, tok) -> Iterator[tuple[list, list, np.ndarray
             yield (idx, splits, *encode_batch(texts))
         return
     pool = _Workers(workers, tok)
-    try:
+    try:  # (the workers start as their first batches go out)
         pending: collections.deque = collections.deque()
         for n, (idx, splits, texts) in enumerate(batches):
             k = n % workers  # (in turn: each worker's results come back in the order its batches went out)
@@ -75,34 +76,52 @@ def encoded(batches, workers: int, tok) -> Iterator[tuple[list, list, np.ndarray
         pool.close()
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_NO_THREAD = 3  # a worker's exit status when it could not start its reading thread (a process or thread limit)
+
+
 class _Workers:
+    """Up to `n` workers, each started when its first batch goes out (a small input needs few: each worker holds a
+    tokenizer, tens of MB)."""
+
     def __init__(self, n: int, tok):
-        fork = sys.platform.startswith("linux")
-        ctx = multiprocessing.get_context("fork" if fork else "spawn")
+        self.n, self.tok = n, tok
+        self.fork = sys.platform.startswith("linux")
+        self.ctx = multiprocessing.get_context("fork" if self.fork else "spawn")
         self.conns, self.procs = [], []
+
+    def _start(self) -> None:
+        k, ctx = len(self.procs), self.ctx
+        # the stop signals held back over the fork: one that landed in between was lost (raised inside the fork's
+        # after-hooks, where Python only prints it) or ended the new worker before it ignores them; let through
+        # once the worker is on the list that close() ends
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         try:
-            for k in range(n):
-                mine, theirs = ctx.Pipe()
+            mine, theirs = ctx.Pipe()
+            try:
                 # a forked worker holds copies of the parent's ends made before it: closed there, so that every
-                # worker sees its pipe's end when the parent goes, however it goes
-                inherited = self.conns + [mine] if fork else []
-                p = ctx.Process(target=_serve, args=(tok.name, tok.path, theirs, inherited),
+                # worker sees its pipe's end when the parent goes
+                inherited = self.conns + [mine] if self.fork else []
+                p = ctx.Process(target=_serve, args=(self.tok.name, self.tok.path, theirs, inherited, os.getpid()),
                                 name=f"llmc-tokenize-{k + 1}", daemon=True)
                 p.start()
+            except BaseException:
+                mine.close()
+                raise
+            finally:
                 theirs.close()
-                self.conns.append(mine)
-                self.procs.append(p)
+            self.conns.append(mine)
+            self.procs.append(p)
         except OSError as e:  # (out of file descriptors or processes: each worker holds a pipe and is a process)
-            started = len(self.procs)
-            self.close()
-            raise DataError(f"--workers {n}: worker {started + 1} could not start ({e.strerror or e}); pass "
-                            "fewer --workers" + (" or raise the open-file limit (ulimit -n)" if e.errno == errno.EMFILE
-                                                 else "")) from None
-        except BaseException:
-            self.close()
-            raise
+            raise DataError(f"--workers {self.n}: worker {k + 1} could not start ({e.strerror or e}); pass fewer "
+                            "--workers" + (" or raise the open-file limit (ulimit -n)" if e.errno == errno.EMFILE
+                                           else "")) from None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # (a signal held back is handled here)
 
     def send(self, k: int, texts: list[str]) -> None:
+        while len(self.procs) <= k:
+            self._start()
         try:
             self.conns[k].send(texts)
         except (BrokenPipeError, ConnectionResetError):
@@ -128,18 +147,23 @@ class _Workers:
         p = self.procs[k]
         p.join(timeout=5)
         code = p.exitcode
+        hint = ""
         if code is not None and code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            how = f"was killed by {name}" + (" (the system may have run out of memory)" if -code == signal.SIGKILL
-                                             else "")
+            how = f"was killed by {name}"
+            if -code == signal.SIGKILL:
+                how += " (the system may have run out of memory)"
+                hint = " (fewer --workers take less memory)"
+        elif code == _NO_THREAD:
+            how = "could not start a thread (the process or thread limit: ulimit -u, a container's pids limit)"
+            hint = " with fewer --workers"
         else:
             how = f"ended with exit status {code}" if code is not None else "closed its pipe"
-        raise WorkerDied(f"tokenizer worker {k + 1} of {len(self.procs)} (pid {p.pid}) {how} before returning its "
-                         "batch; finished shards stay: run the same command again to resume (fewer --workers take "
-                         "less memory)")
+        raise WorkerDied(f"tokenizer worker {k + 1} of {self.n} (pid {p.pid}) {how} before returning its batch; "
+                         f"finished shards stay: run the same command again{hint} to resume")
 
     def close(self) -> None:
         """End every worker now: the results still wanted have been read, or are no longer wanted."""
@@ -153,15 +177,18 @@ class _Workers:
         self.conns, self.procs = [], []
 
 
-def _serve(name: str, path: str | None, conn, inherited: list) -> None:
+def _serve(name: str, path: str | None, conn, inherited: list, parent: int) -> None:
     """A worker: batches in, results out, until the parent's end of the pipe goes or says stop."""
     global _TOK
+    # a terminal's Ctrl-C, a hang-up or a group SIGTERM reaches every process of the group: the parent alone
+    # answers it (one line, the shards finished so far kept) and then kills the workers (the parent held these
+    # signals back over the fork: ignored before they are let through)
+    for s in _SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    _die_with(parent)
     for c in inherited:
         c.close()
-    # a terminal's Ctrl-C, a hang-up or a group SIGTERM reaches every process of the group: the parent alone
-    # answers it (one line, the shards finished so far kept) and then kills the workers
-    for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)
     failed = None
     try:
         _TOK = load_tokenizer(name, path)
@@ -175,20 +202,52 @@ def _serve(name: str, path: str | None, conn, inherited: list) -> None:
                 tasks.put(conn.recv())
         except (EOFError, OSError):
             tasks.put(None)
-    threading.Thread(target=take, daemon=True).start()
+        except BaseException as e:  # noqa: BLE001  (out of memory for a batch, say: the parent must hear of it)
+            tasks.put(WorkerDied(f"a tokenizer worker could not take its batch ({type(e).__name__}: {e}); finished "
+                                 "shards stay: run the same command again with fewer --workers to resume"))
+    try:
+        threading.Thread(target=take, daemon=True).start()
+    except RuntimeError:  # (can't start a new thread: said by the parent, from this exit status)
+        os._exit(_NO_THREAD)
     while (texts := tasks.get()) is not None:
+        if isinstance(texts, WorkerDied):
+            _send(conn, ("error", texts))
+            return
         try:
             if failed is not None:
                 raise failed
             out = ("ok", encode_batch(texts))
         except Exception as e:  # noqa: BLE001  (raised again in the parent)
             out = ("error", e)
-        try:
-            try:
-                conn.send(out)
-            except Exception:  # noqa: BLE001  (an exception that does not pickle: its text)
-                if out[0] != "error":
-                    raise
-                conn.send(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
-        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        if not _send(conn, out):
             return
+
+
+def _send(conn, out) -> bool:
+    """Whether `out` reached the parent's end of the pipe."""
+    try:
+        try:
+            conn.send(out)
+        except Exception:  # noqa: BLE001  (an exception that does not pickle: its text)
+            if out[0] != "error":
+                raise
+            conn.send(("error", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        return False
+    return True
+
+
+def _die_with(parent: int) -> None:
+    """Linux: this process is killed when the parent goes, however it goes. A worker busy with a large batch (or
+    stopped by SIGSTOP) outlived a killed parent, holding the output directory's lock it inherited, and the rerun
+    was refused. (The pipe's end still ends a worker where this is unavailable, after its batch.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # (the parent went before the request was made)
+        os._exit(0)

@@ -164,3 +164,33 @@ def test_a_training_run_whose_stdout_closes_stops_with_a_checkpoint(tmp_path):
     assert code == 75, (code, err)
     assert "a closed standard output: finishing the current step" in err and "--resume" in err, err
     assert (tmp_path / "run" / "latest").is_file() and list((tmp_path / "run").glob("step_*"))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_tokenize_with_standard_error_gone_finishes_its_run(tmp_path, workers):
+    """`llmc tokenize ... 2>&1 | head -c 0`: rich's progress display met the closed pipe at its last write and
+    ended the command with exit 1 before the manifest was marked complete (and pointed standard output at
+    /dev/null). Now what is left for standard error is dropped; the run and its summary line are whole."""
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(3000)))
+    r, w = os.pipe()
+    os.close(r)  # (standard error's reader gone before the first write)
+    try:
+        p = subprocess.run([*LLMC, "tokenize", "text", str(src), "--out-dir", str(tmp_path / "out"), "--workers",
+                            workers, "--shard-size", "20K"], stdout=subprocess.PIPE, stderr=w, text=True,
+                           timeout=120)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and "shards" in p.stdout, (p.returncode, p.stdout)
+    assert json.loads((tmp_path / "out" / "a_manifest.json").read_text())["complete"] is True
+
+
+def test_commands_run_with_standard_output_closed(tmp_path):
+    """`llmc ... >&-`: Python's sys.stdout is then None, and llmc's flush after the command was a traceback."""
+    src = tmp_path / "a.txt"
+    src.write_text("some words to tokenize\n" * 50)
+    p = subprocess.run(" ".join([*LLMC, "tokenize", "text", str(src), "--out-dir", str(tmp_path / "out"),
+                                 "--workers", "1"]) + " >&-", shell=True, capture_output=False,
+                       stderr=subprocess.PIPE, text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert json.loads((tmp_path / "out" / "a_manifest.json").read_text())["complete"] is True

@@ -72,8 +72,8 @@ def test_closing_early_ends_the_workers(tok):
 
 
 def test_workers_leave_with_their_parent(tmp_path):
-    """The parent killed outright (no clean-up of its own): every worker sees its pipe end and exits, so none is
-    left holding the output directory's lock."""
+    """The parent killed outright (no clean-up of its own): every worker goes too, a stopped one included, so none
+    is left holding the output directory's lock (a rerun was refused while one lived on)."""
     script = textwrap.dedent("""
         import sys
         from llmc_cli.data.tokenizer import load_tokenizer
@@ -87,6 +87,7 @@ def test_workers_leave_with_their_parent(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pids = [int(x) for x in p.stdout.readline().split()]
     assert len(pids) == 3
+    os.kill(pids[0], signal.SIGSTOP)  # (a stopped worker never reads its pipe's end: it must die all the same)
     p.kill()
     p.wait()
     deadline = time.monotonic() + 30
@@ -172,10 +173,93 @@ def test_more_workers_than_file_descriptors_is_one_line(tmp_path):
     output directory: `error: out: Too many open files`)."""
     import resource
     src = tmp_path / "a.jsonl"
-    src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(100)))
+    src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(1024 * 61)))  # (61 batches)
     r = subprocess.run([sys.executable, "-m", "llmc_cli", "tokenize", "text", str(src), "--out-dir",
                         str(tmp_path / "out"), "--workers", "60"], capture_output=True, text=True, timeout=120,
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: --workers 60: worker ") and "ulimit -n" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_workers_start_as_batches_need_them(tok):
+    """Each worker holds a tokenizer (tens of MB): --workers 512 on three documents took 34 s and 10 GB."""
+    stream = workers.encoded(batches(2), 8, tok)
+    next(stream)
+    assert len(ours()) == 2
+    stream.close()
+    assert not ours()
+
+
+def _in_workers_only(monkeypatch, obj, name, exc):
+    """`obj.name` raises `exc` in the forked workers, and works in this process."""
+    parent, real = os.getpid(), getattr(obj, name)
+
+    def patched(*a, **k):
+        if os.getpid() != parent:
+            raise exc
+        return real(*a, **k)
+    monkeypatch.setattr(obj, name, patched)
+
+
+def test_a_worker_that_cannot_take_its_batch_is_named(tok, monkeypatch):
+    """A worker whose reading thread failed (out of memory for a batch) lived on without answering: a hang."""
+    import multiprocessing.connection as mc
+    _in_workers_only(monkeypatch, mc.Connection, "recv", MemoryError())
+    with pytest.raises(workers.WorkerDied, match="could not take its batch .MemoryError"):
+        list(workers.encoded(batches(6), 2, tok))
+    assert not ours()
+
+
+def test_a_worker_without_a_thread_is_named(tok, monkeypatch):
+    """Under a process or thread limit each worker printed a traceback, and the line blamed memory."""
+    import threading
+    _in_workers_only(monkeypatch, threading.Thread, "start", RuntimeError("can't start new thread"))
+    with pytest.raises(workers.WorkerDied, match=r"could not start a thread .*ulimit -u"):
+        list(workers.encoded(batches(6), 2, tok))
+    assert not ours()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a fork hook and signal masks")
+def test_a_signal_during_a_workers_fork_is_not_lost(tmp_path):
+    """A SIGTERM that landed while a worker was forked ran its handler inside the fork's after-hooks, where Python
+    prints an exception and drops it: the run went on and exited 0."""
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from llmc_cli.commands import interrupts
+        from llmc_cli.data.tokenizer import load_tokenizer
+        from llmc_cli.tokenizing import workers
+        interrupts.install()
+        armed = [True]
+        def hook():
+            if armed:
+                armed.clear()
+                os.kill(os.getpid(), signal.SIGTERM)
+        os.register_at_fork(after_in_parent=hook)
+        try:
+            for _ in workers.encoded((([i], [None], ["some text"]) for i in range(50)), 3,
+                                     load_tokenizer("gpt2", None)):
+                pass
+        except interrupts.Interrupted as e:
+            print("interrupted", len(workers.multiprocessing.active_children()))
+            sys.exit(0)
+        print("not interrupted")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "interrupted 0" and "Exception ignored" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_out_of_memory_while_tokenizing_advises_tokenize_options(tmp_path, monkeypatch):
+    """main's line for MemoryError advised the training options (-b/-t), with an empty `()`."""
+    from click.testing import CliRunner
+
+    from llmc_cli.commands import main
+    from llmc_cli.tokenizing import pipeline
+
+    def no_memory(*a, **k):
+        raise MemoryError()
+    monkeypatch.setattr(pipeline, "encoded", no_memory)
+    (tmp_path / "a.txt").write_text("words " * 10)
+    r = CliRunner().invoke(main, ["tokenize", "text", str(tmp_path / "a.txt"), "--out-dir", str(tmp_path / "out")])
+    assert r.exit_code == 1 and "--workers" in r.output and "--batch-size" not in r.output, r.output
+    assert not (tmp_path / "out").exists()
