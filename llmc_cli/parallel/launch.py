@@ -118,7 +118,9 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text[-lines:])
 
 
-def _status(rc: int) -> str:
+def exit_words(rc: int) -> str:
+    """How a child process ended, from its exit code (negative: the signal that killed it, as subprocess and
+    multiprocessing give it): 'was killed by SIGKILL', 'exited with status 1'."""
     if rc < 0:
         try:
             return f"was killed by {signal.Signals(-rc).name}"
@@ -186,7 +188,7 @@ def _run_ranks(procs: list, logs: list, cmds, envs, logdir: Path, grace: float, 
                     break
             if all(p.poll() is not None for p in procs):
                 return STOPPED
-        say(f"{describe(r)} {_status(rc)}; stopping the other {len(procs) - 1} rank(s)")
+        say(f"{describe(r)} {exit_words(rc)}; stopping the other {len(procs) - 1} rank(s)")
         if r != 0:
             tail = _tail(logdir / f"rank{r}.log")
             if tail:
@@ -326,6 +328,6 @@ def launch_mpi(args: list[str], n: int, say: Say = stderr_say) -> int:
         say(f"all {n} ranks stopped after writing a checkpoint: continue with the same command and --resume")
     elif rc != 0:
         who = "; ".join(p.read_text().strip() for p in notes) or "a rank failed (its own message above names it)"
-        say(f"mpiexec {_status(rc)}: {who}; all {n} ranks stopped")
+        say(f"mpiexec {exit_words(rc)}: {who}; all {n} ranks stopped")
     shutil.rmtree(faildir, ignore_errors=True)
     return rc

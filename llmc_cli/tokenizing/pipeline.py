@@ -303,12 +303,12 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
     task = None
     workers = max(1, int(workers))
     total = src.total_bytes
-    with progress(False) as prog, contextlib.ExitStack() as stack:  # (the stack ends the workers)
+    # (a generator: the workers start with its first batch, and closing it ends them)
+    with progress(False) as prog, contextlib.closing(encoded(_batches(doc_stream()), workers, tok)) as stream:
         task = prog.add_task(f"tokenize {src.name}", total=total if not done else None,
                              tokens=0, tok_s=0.0, shard=k)
         ntok = 0
         try:
-            stream = stack.enter_context(contextlib.closing(encoded(_batches(doc_stream()), workers, tok)))
             for idx, splits, arr, lens, nbytes in stream:
                 off = 0
                 for i, s, ln in zip(idx, splits, lens.tolist()):

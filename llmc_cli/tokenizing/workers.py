@@ -26,17 +26,14 @@ import numpy as np
 from llmc_cli.data.tokenizer import load_tokenizer
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import shard_format
-
-_TOK = None  # the worker's tokenizer (the parent's own when it tokenizes alone)
-
+from llmc_cli.parallel.launch import exit_words
 
 class WorkerDied(RuntimeError):
     """A tokenizer process ended before it returned its batch."""
 
 
-def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+def encode_batch(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
     """Documents -> (concatenated ids with a doc prefix each, per-doc lengths, utf-8 bytes)."""
-    tok = _TOK
     dtype = shard_format(tok.name).dtype
     prefix = np.asarray(tok.doc_prefix, dtype=dtype)
     parts, lens = [], []
@@ -53,11 +50,9 @@ def encode_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
 def encoded(batches, workers: int, tok) -> Iterator[tuple[list, list, np.ndarray, np.ndarray, int]]:
     """Tokenize (doc indices, splits, texts) batches in order, with at most 2 batches per worker handed out
     (bounded memory). Close the iterator (or exhaust it) to end the workers."""
-    global _TOK
     if workers <= 1:
-        _TOK = tok
         for idx, splits, texts in batches:
-            yield (idx, splits, *encode_batch(texts))
+            yield (idx, splits, *encode_batch(tok, texts))
         return
     pool = _Workers(workers, tok)
     try:  # (the workers start as their first batches go out)
@@ -147,21 +142,13 @@ class _Workers:
         p = self.procs[k]
         p.join(timeout=5)
         code = p.exitcode
-        hint = ""
-        if code is not None and code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            how = f"was killed by {name}"
-            if -code == signal.SIGKILL:
-                how += " (the system may have run out of memory)"
-                hint = " (fewer --workers take less memory)"
+        how, hint = exit_words(code) if code is not None else "closed its pipe", ""
+        if code == -signal.SIGKILL:
+            how += " (the system may have run out of memory)"
+            hint = " (fewer --workers take less memory)"
         elif code == _NO_THREAD:
             how = "could not start a thread (the process or thread limit: ulimit -u, a container's pids limit)"
             hint = " with fewer --workers"
-        else:
-            how = f"ended with exit status {code}" if code is not None else "closed its pipe"
         raise WorkerDied(f"tokenizer worker {k + 1} of {self.n} (pid {p.pid}) {how} before returning its batch; "
                          f"finished shards stay: run the same command again{hint} to resume")
 
@@ -179,7 +166,6 @@ class _Workers:
 
 def _serve(name: str, path: str | None, conn, inherited: list, parent: int) -> None:
     """A worker: batches in, results out, until the parent's end of the pipe goes or says stop."""
-    global _TOK
     # a terminal's Ctrl-C, a hang-up or a group SIGTERM reaches every process of the group: the parent alone
     # answers it (one line, the shards finished so far kept) and then kills the workers (the parent held these
     # signals back over the fork: ignored before they are let through)
@@ -189,9 +175,9 @@ def _serve(name: str, path: str | None, conn, inherited: list, parent: int) -> N
     _die_with(parent)
     for c in inherited:
         c.close()
-    failed = None
+    tok, failed = None, None
     try:
-        _TOK = load_tokenizer(name, path)
+        tok = load_tokenizer(name, path)
     except Exception as e:  # noqa: BLE001  (said in answer to the first batch, by the parent)
         failed = e
     tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -216,7 +202,7 @@ def _serve(name: str, path: str | None, conn, inherited: list, parent: int) -> N
         try:
             if failed is not None:
                 raise failed
-            out = ("ok", encode_batch(texts))
+            out = ("ok", encode_batch(tok, texts))
         except Exception as e:  # noqa: BLE001  (raised again in the parent)
             out = ("error", e)
         if not _send(conn, out):

@@ -63,14 +63,6 @@ def test_an_error_in_a_worker_is_raised_in_the_parent(tok):
     assert not ours()
 
 
-def test_closing_early_ends_the_workers(tok):
-    stream = workers.encoded(batches(40), 3, tok)
-    next(stream)
-    assert len(ours()) == 3
-    stream.close()
-    assert not ours()
-
-
 def test_workers_leave_with_their_parent(tmp_path):
     """The parent killed outright (no clean-up of its own): every worker goes too, a stopped one included, so none
     is left holding the output directory's lock (a rerun was refused while one lived on)."""
@@ -182,11 +174,13 @@ def test_more_workers_than_file_descriptors_is_one_line(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-def test_workers_start_as_batches_need_them(tok):
-    """Each worker holds a tokenizer (tens of MB): --workers 512 on three documents took 34 s and 10 GB."""
-    stream = workers.encoded(batches(2), 8, tok)
+@pytest.mark.parametrize("n_batches, n_workers, started", [(40, 3, 3), (2, 8, 2)])
+def test_workers_start_as_batches_need_them_and_end_when_closed(tok, n_batches, n_workers, started):
+    """Each worker holds a tokenizer (tens of MB): --workers 512 on three documents took 34 s and 10 GB. Closing the
+    stream early ends every worker started."""
+    stream = workers.encoded(batches(n_batches), n_workers, tok)
     next(stream)
-    assert len(ours()) == 2
+    assert len(ours()) == started
     stream.close()
     assert not ours()
 
