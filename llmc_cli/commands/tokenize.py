@@ -29,6 +29,7 @@ from llmc_cli.commands.options import Int, Real
 from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
 from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.files import DataError
+from llmc_cli.formats.rundir import check_outside_checkpoints
 from llmc_cli.formats.shards import MAX_TOKENS
 from llmc_cli.tokenizing.downloads import URLS, download, hf_check, hf_stream
 from llmc_cli.tokenizing.pipeline import Summary, run_pipeline
@@ -129,6 +130,9 @@ def _friendly(fn):
         from llmc_cli.commands.console import fail  # (cli imports this module)
 
         try:
+            for key, option in (("out_dir", "--out-dir"), ("out", "OUT")):  # (before a download lands there)
+                if kw.get(key) is not None:
+                    check_outside_checkpoints(kw[key], option, DataError)
             return fn(*a, **kw)
         except DataError as e:
             fail(str(e))
@@ -191,6 +195,7 @@ def _val_opts(default_tokens=None, fraction=True):
 def _run(src: Source, o: dict, default_dir: str | None = None) -> Summary:
     tok = load_tokenizer(o["tokenizer_name"], o.get("tokenizer_path"))
     out = o.get("out_dir") or Path("datasets") / (default_dir or src.name)
+    check_outside_checkpoints(out, "--out-dir", DataError)
     console = _console()
     summary = run_pipeline(src, tok, out, o["shard_size"], workers=o["workers"],
                            val_tokens=o.get("val_tokens"), val_fraction=o.get("val_fraction") or 0.1,
@@ -246,10 +251,14 @@ def shakespeare(**o):
 @_friendly
 def text(inputs, name, text_field, **o):
     """Your own files: .txt (one document per file), .jsonl (one per line), .json (a list),
-    .parquet (one per row), optionally .gz, or directories of them (searched recursively)."""
+    .parquet (one per row), text and JSON optionally .gz, or directories of them (searched recursively)."""
     if name is not None and (not name or name in (".", "..") or any(c in name for c in "/\\\0")):
         # (it prefixes the file names: "../x" or "a/b" would write outside --out-dir)
         raise DataError(f"--name {name!r}: expected a plain name for the dataset's files, without '/'")
+    if name is not None and len(f"{name}_train_000001.bin".encode("utf-8", "surrogateescape")) > 255:
+        # (a shard's name, NAME_train_000001.bin, would fail only when the first shard is written)
+        raise DataError(f"--name: {len(name.encode('utf-8', 'surrogateescape'))} bytes long; the dataset's file "
+                        "names (NAME_train_000001.bin) must fit a file system's 255 bytes, so give at most 238")
     if not name:
         first = Path(inputs[0])
         name = (first.resolve().name if first.is_dir() else first.name.split(".")[0]) or "text"
@@ -368,6 +377,7 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
     # and prompts start with (sample does the same)
     prefix = [] if tok.name == "gpt2" else tok.doc_prefix
     out = out_dir or Path("datasets") / "hellaswag"
+    check_outside_checkpoints(out, "--out-dir", DataError)  # (the default too: the current directory may be one)
     src = local or download(URLS["hellaswag"].format(split=split), out / f"hellaswag_{split}.jsonl", _progress_factory())
     examples = [{"label": label, "ctx_tokens": prefix + tok.encode_ordinary(ctx),
                  "ending_tokens": [tok.encode_ordinary(" " + e) for e in endings]}

@@ -255,7 +255,7 @@ def train(**o) -> None:
     """
     from llmc_cli.data.tokenizer import load_tokenizer
     from llmc_cli.formats.files import DataError
-    from llmc_cli.formats.rundir import RunDirError, check_out
+    from llmc_cli.formats.rundir import RunDirError, check_out, check_outside_checkpoints
     from llmc_cli.formats.runlog import LogError, check_log
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
@@ -281,6 +281,8 @@ def train(**o) -> None:
             _check_config_target(Path(o["out"]) / CONFIG_FILE)
         if o["log"]:
             check_log(o["log"])
+        if o["tensorboard"]:
+            check_outside_checkpoints(o["tensorboard"], "--tensorboard")
     except (RunDirError, LogError) as e:
         fail(str(e))
     # data parallel (issue 7): start the ranks here, or take this process's place among them

@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -71,6 +72,25 @@ class TokenizerError(DataError):
     """A tokenizer file is missing, unreadable or not in the expected format."""
 
 
+# tiktoken's split pattern backtracks through a run of whitespace (`\s+(?!\S)`) one stack frame a character: a run
+# of about a million (blank lines, padding) panics in Rust with a stack overflow. Runs longer than this are cut
+# into pieces of this length, each encoded alone: the ids still decode to the text, and text without such a run
+# (every real document) is encoded exactly as tiktoken would.
+WHITESPACE_RUN_MAX = 1 << 17
+_LONG_WHITESPACE = re.compile(r"(?<!\s)\s{%d,}" % WHITESPACE_RUN_MAX)  # (linear: a run is scanned from its start)
+
+
+def _pieces(text: str) -> list[str]:
+    """`text`, cut inside every whitespace run longer than WHITESPACE_RUN_MAX (see there)."""
+    if len(text) <= WHITESPACE_RUN_MAX:
+        return [text]
+    cuts = [j for m in _LONG_WHITESPACE.finditer(text)
+            for j in range(m.start() + WHITESPACE_RUN_MAX, m.end(), WHITESPACE_RUN_MAX)]
+    if not cuts:
+        return [text]
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
 # ----------------------------------------------------------------------------------------------
 # the encoder
 
@@ -94,6 +114,18 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eot={self.eot})"
 
+    @property
+    def vocabulary_sha256(self) -> str:
+        """A digest of every id's bytes: two ranks files of one size that give a token different ids (a resume of
+        shards under another tokenizer.model) differ here, where name and vocab_size agree."""
+        if getattr(self, "_digest", None) is None:
+            h = hashlib.sha256()
+            for i in range(self.vocab_size):
+                b = self.enc.decode_single_token_bytes(i)
+                h.update(len(b).to_bytes(4, "little") + b)
+            self._digest = h.hexdigest()
+        return self._digest
+
     def __getstate__(self):  # picklable for worker processes: rebuilt from (name, path)
         return {"name": self.name, "path": self.path}
 
@@ -106,23 +138,26 @@ class Tokenizer:
         """Text -> ids (prompts). Special-token text such as ``<|endoftext|>`` becomes its id; restrict
         that with ``allowed_special`` (a set of specials, as in tiktoken). Documents for shards use
         :meth:`encode_ordinary`, where special-token text is just text."""
-        return self.enc.encode(text, allowed_special=allowed_special, disallowed_special=())
+        return [i for piece in _pieces(text)
+                for i in self.enc.encode(piece, allowed_special=allowed_special, disallowed_special=())]
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Text -> ids, special-token text encoded as plain text (what documents in shards use)."""
-        return self.enc.encode_ordinary(text)
+        return [i for piece in _pieces(text) for i in self.enc.encode_ordinary(piece)]
 
     def encode_ordinary_array(self, text: str) -> np.ndarray:
         """encode_ordinary's ids as a uint32 array: 4 bytes a token where a list of Python ints takes over 30 (one
         62 MB text file, 19.4M tokens: a peak of 974 MB tokenized to a list, 341 MB to an array)."""
         to_numpy = getattr(self.enc, "encode_to_numpy", None)  # (tiktoken 0.8 and later)
         if to_numpy is None:
-            return np.asarray(self.enc.encode_ordinary(text), dtype=np.uint32)
-        return to_numpy(text, allowed_special=set(), disallowed_special=())  # (no special: all of it is text)
+            return np.asarray(self.encode_ordinary(text), dtype=np.uint32)
+        parts = [to_numpy(piece, allowed_special=set(), disallowed_special=())  # (no special: all of it is text)
+                 for piece in _pieces(text)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts).astype(np.uint32, copy=False)
 
     def encode_document(self, text: str) -> list[int]:
         """A document as it goes into a shard: ``doc_prefix`` then its ordinary encoding."""
-        return self.doc_prefix + self.enc.encode_ordinary(text)
+        return self.doc_prefix + self.encode_ordinary(text)
 
     # -- decoding
     def decode_bytes(self, ids: Iterable[int]) -> bytes:

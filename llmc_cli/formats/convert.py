@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.files import DirectoryLock, write_dir_beside
+from llmc_cli.formats.files import DirectoryLock, sibling_stem, write_dir_beside
 from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
 from llmc_cli.models.families import FAMILIES, family_of
 
@@ -70,7 +70,7 @@ def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "aut
     the other's output unasked, or failing half-way on the other's rename."""
     d = Path(os.path.abspath(dst))  # ("." or "..": the lock beside the folder they name)
     try:
-        lock = DirectoryLock(d.parent, f".{d.name}.lock", "DST", "its directory", ckpt.CheckpointError,
+        lock = DirectoryLock(d.parent, f".{sibling_stem(d.name)}.lock", "DST", "its directory", ckpt.CheckpointError,
                              "give another destination", label=str(dst))
         above = next((p for p in d.parents if p.exists() or p.is_symlink()), None)
         if d.name and (above is None or above.is_dir()):  # (a file among DST's folders: check_destination names it)

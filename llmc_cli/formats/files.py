@@ -16,14 +16,28 @@ import numpy as np
 # writing
 
 
+def sibling_stem(name: str) -> str:
+    """What the hidden siblings of a file named `name` (temporaries, locks: `.STEM.PID.tmp`) start with: the name
+    itself, or, where those would pass a file system's 255-byte limit on a name that is itself legal, its first
+    160 bytes and a digest of the whole."""
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) <= 200:
+        return name
+    import hashlib
+    head = raw[:160].decode("utf-8", "ignore")  # (a character cut in two is dropped)
+    return f"{head}~{hashlib.sha256(raw).hexdigest()[:16]}"
+
+
 @contextmanager
 def atomic_file(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
     """Yields a temporary sibling of `path` to write; when the block ends without an error the file is fsynced and
     renamed over `path` (and the directory fsynced), so `path` is never seen half-written. On an error the
     temporary file goes, and an OSError names `path`, never the temporary name. Every llmc write goes here."""
     path = Path(path)
+    if path.is_symlink() and path.is_file():  # written through, as `>` writes: the link stays and its file gets the
+        path = Path(os.path.realpath(path))  # bytes (a rename over the link would leave its file stale)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{suffix}")
+    tmp = path.with_name(f".{sibling_stem(path.name)}.{os.getpid()}{suffix}")
     remove_dead_siblings(path, suffix)  # what an earlier writer of `path` killed mid-write (SIGKILL, SIGTERM) left
     try:
         yield tmp
@@ -48,14 +62,14 @@ def remove_dead_siblings(path: str | os.PathLike, suffix: str = ".tmp") -> list[
     directory written beside and swapped in leaves (replace_dir). Returns what went; a live process's stays."""
     import re
     path = Path(path)
-    name = re.escape(path.name)
-    form = re.compile(rf"\.{name}\.(?:(\d+){re.escape(suffix)}|(?:tmp|old)-(\d+))")
+    stem = sibling_stem(path.name)
+    form = re.compile(rf"\.{re.escape(stem)}\.(?:(\d+){re.escape(suffix)}|(?:tmp|old)-(\d+))")
     gone = []
     try:
         entries = list(os.scandir(path.parent))
     except OSError:
         return gone
-    head = f".{path.name}."
+    head = f".{stem}."
     for e in entries:
         if not e.name.startswith(head):  # (a cheap test first: a directory of ten thousand shards is scanned per write)
             continue
@@ -190,7 +204,7 @@ def replace_dir(tmp: str | os.PathLike, dst: str | os.PathLike) -> None:
     only after the new one stands, so at every moment one complete version exists under `dst` or beside it."""
     tmp, dst = Path(tmp), Path(dst)
     if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        old = dst.parent / f".{sibling_stem(dst.name)}.old-{os.getpid()}"
         os.replace(dst, old)
         os.replace(tmp, dst)
         if old.is_symlink():  # (a link to the old directory: rmtree refuses links, and the link stayed behind)
@@ -206,7 +220,7 @@ def write_dir_beside(dst: str | os.PathLike, write, place=replace_dir) -> None:
     `dst`'s place (replace_dir: the old `dst` is dropped only after the new one stands), so a failure leaves `dst`
     as it was. What a killed writer of `dst` left beside it goes first; this call's temporary never outlives it."""
     dst = Path(dst)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    tmp = dst.parent / f".{sibling_stem(dst.name)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)

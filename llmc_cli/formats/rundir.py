@@ -38,11 +38,19 @@ def is_run_dir(path: str | Path) -> bool:
 def step_folder_of(path: str | Path) -> Path | None:
     """The checkpoint folder (a run's `step_NNNNNNNN`) that `path` is or lies inside, else None: llmc writes
     nothing there but the checkpoint itself."""
-    p = Path(os.path.abspath(path))
-    for d in (p, *p.parents):
-        if STEP_DIR.fullmatch(d.name) and is_run_dir(d.parent):
-            return d
+    for p in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):  # (and through links)
+        for d in (p, *p.parents):
+            if STEP_DIR.fullmatch(d.name) and is_run_dir(d.parent):
+                return d
     return None
+
+
+def check_outside_checkpoints(path: str | Path, option: str, error: type[Exception] = RunDirError) -> None:
+    """What a command writes (a plot, shards, a log) never goes into a checkpoint folder: `--keep` deletes the
+    folder with whatever else is in it, and a resume would read a folder changed after it was written."""
+    if (step := step_folder_of(path)) is not None:
+        raise error(f"{option} {path} is inside the checkpoint {step}, which llmc deletes whole under --keep; give a "
+                    "path outside the step folders")
 
 
 def check_out(out: str | Path, resume: bool) -> None:

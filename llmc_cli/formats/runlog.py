@@ -80,9 +80,9 @@ def log_lock(path: str | Path):
     one line rather than interleaving its records with the first's (and, on --resume, trimming them away)."""
     import os
 
-    from llmc_cli.formats.files import DirectoryLock
+    from llmc_cli.formats.files import DirectoryLock, sibling_stem
     real = Path(os.path.realpath(path))
-    return DirectoryLock(real.parent, f".{real.name}.lock", "--log", "the log's directory", LogError,
+    return DirectoryLock(real.parent, f".{sibling_stem(real.name)}.lock", "--log", "the log's directory", LogError,
                          "give another --log", label=f"--log {path}")
 
 

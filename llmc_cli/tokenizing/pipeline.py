@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from llmc_cli.formats.files import DataError, DirectoryLock, atomic_write_bytes, read_at_most
+from llmc_cli.formats.files import DataError, DirectoryLock, atomic_write_bytes, read_at_most, sibling_stem
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 from llmc_cli.tokenizing.sources import Source
@@ -76,10 +76,13 @@ def _shard_name(name: str, split: str, k: int) -> str:
 
 
 def _existing_shards(out_dir: Path, name: str) -> list[Path]:
+    import glob
     import re
 
     pat = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin$")
-    return sorted(p for p in out_dir.glob(f"{name}_*.bin") if pat.match(p.name)) if out_dir.is_dir() else []
+    # (the name escaped: `[x]` is a character class to glob, and would miss the very shards it names)
+    return (sorted(p for p in out_dir.glob(f"{glob.escape(name)}_*.bin") if pat.match(p.name)) if out_dir.is_dir()
+            else [])
 
 
 def _check_manifest(path: Path, m: dict) -> None:
@@ -138,7 +141,7 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
     out_dir = Path(out_dir)
     # one writer of a corpus' shards and manifest at a time (two runs into one directory would interleave them);
     # other corpora in the same directory are free to run beside it
-    with DirectoryLock(out_dir, f".{src.name}.lock", "--out-dir", "the output directory", DataError,
+    with DirectoryLock(out_dir, f".{sibling_stem(src.name)}.lock", "--out-dir", "the output directory", DataError,
                        "give another --out-dir"):
         return _run_locked(src, tok, out_dir, shard_size, workers, val_tokens, val_fraction, force, progress)
 
@@ -147,6 +150,7 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
                 val_fraction: float, force: bool, progress: ProgressFactory) -> Summary:
     manifest_path = out_dir / f"{src.name}_manifest.json"
     fp = {"source": src.ident, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+          "vocabulary_sha256": tok.vocabulary_sha256,
           "shard_size": shard_size, "explicit_split": src.explicit_split,
           "val_tokens": None if src.explicit_split else val_tokens,
           "val_fraction": None if (src.explicit_split or val_tokens) else val_fraction, "layout": 1}

@@ -4,6 +4,7 @@ per record."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import zlib
@@ -21,29 +22,78 @@ SUPPORTED = TEXT_SUFFIXES + JSONL_SUFFIXES + (".json", ".parquet")
 # reading source files
 
 
+def _is_gz(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")  # (as _kind reads it: `a.txt.GZ` is gzip too)
+
+
 def _open_text(path: Path):
     # utf-8-sig: a byte-order mark some editors put first is no text (it would become tokens of its own, and it
     # makes json refuse the first line)
-    if path.suffix == ".gz":
+    if _is_gz(path):
         return gzip.open(path, "rt", encoding="utf-8-sig")
     return open(path, "r", encoding="utf-8-sig")
+
+
+JSONL_LINE_MAX_BYTES = 256 << 20  # one document that large is read and parsed whole (several times its size in
+# memory); a longer "line" is more likely a file that is not JSON Lines (no newline at all)
+
+
+def _decoded(path: Path, raw: bytes, at: int, line: int | None = None) -> str:
+    """`raw` (found at byte `at` of the file's text) as UTF-8; where it is not, the line names the byte of the whole
+    file (and the line), not of a decoder's chunk."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e, at, line) from None
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a JSON Lines file, split at "\n" only: JSON allows a lone "\r" between its tokens,
+    which universal newlines would take for the end of a line. A line over JSONL_LINE_MAX_BYTES is refused before it
+    is held whole."""
+    with (gzip.open(path, "rb") if _is_gz(path) else open(path, "rb")) as f:
+        at = 0
+        for n in itertools.count(1):
+            raw = f.readline(JSONL_LINE_MAX_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > JSONL_LINE_MAX_BYTES:
+                raise DataError(f"{path}:{n}: a line longer than {JSONL_LINE_MAX_BYTES >> 20} MiB; one document per "
+                                "line is expected (is this a JSON Lines file?)")
+            start = 3 if n == 1 and raw.startswith(b"\xef\xbb\xbf") else 0  # (a byte-order mark: no text)
+            yield n, _decoded(path, raw[start:], at + start, n)
+            at += len(raw)
+
+
+def _whole_text(path: Path) -> str:
+    """A text file's content, with universal newlines ("\r\n" and a lone "\r" read as "\n", as Python's text
+    mode and nanoGPT's prepare scripts read it) and without a byte-order mark."""
+    with (gzip.open(path, "rb") if _is_gz(path) else open(path, "rb")) as f:
+        raw = f.read()
+    start = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
+    text = _decoded(path, raw[start:] if start else raw, start)
+    del raw
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
          (b"\xfe\xff", "UTF-16"))
 
 
-def not_utf8(path: Path, e: UnicodeDecodeError) -> DataError:
-    """The one line for a file that does not decode as UTF-8, naming UTF-16/32 when its byte-order mark says so."""
+def not_utf8(path: Path, e: UnicodeDecodeError, at: int = 0, line: int | None = None) -> DataError:
+    """The one line for a file that does not decode as UTF-8, naming UTF-16/32 when its byte-order mark says so.
+    `at`: where the bytes that failed start in the file's text (a line's offset); `line`: their line number."""
     try:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError:
         head = b""
     enc = next((name for bom, name in _BOMS if head.startswith(bom)), None)
-    if enc and path.suffix != ".gz":
+    if enc and not _is_gz(path):
         return DataError(f"{path}: {enc} text (it starts with a {enc} byte-order mark); convert it to UTF-8")
-    return DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+    where = f"{path}:{line}" if line is not None else str(path)
+    of = " of its decompressed text" if _is_gz(path) else ""
+    return DataError(f"{where}: not UTF-8 text ({e.reason} at byte {at + e.start}{of})")
 
 
 def regular_file(path: str | os.PathLike, what: str = "input", pipe_ok: bool = False) -> Path:
@@ -79,6 +129,18 @@ def _kind(path: Path) -> str:
     return ""
 
 
+def _files_under(top: Path) -> Iterator[Path]:
+    """Every entry below `top` that is not a directory (links to directories not followed: a loop would never end).
+    A directory that cannot be listed is an error naming it, where Path.rglob skips it: its files would be missing
+    from the corpus without a word."""
+    def unreadable(e: OSError):
+        raise DataError(f"{e.filename}: cannot list this input directory ({e.strerror or e}); its files would be "
+                        "left out of the corpus")
+    for folder, _, names in os.walk(top, onerror=unreadable):
+        for n in names:
+            yield Path(folder) / n
+
+
 def expand_inputs(paths: Iterable[str | os.PathLike], exclude: str | os.PathLike | None = None) -> list[Path]:
     """Files and directories (searched recursively, sorted) -> the supported input files. `exclude` (the run's
     manifest) is never found in a directory: written into an input directory, it would become an input of the
@@ -87,7 +149,7 @@ def expand_inputs(paths: Iterable[str | os.PathLike], exclude: str | os.PathLike
     skip = Path(exclude).resolve() if exclude is not None else None
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f) and not f.name.startswith(".")
+            found = sorted(f for f in _files_under(p) if f.is_file() and _kind(f) and not f.name.startswith(".")
                            and not (skip is not None and f.name == skip.name and f.resolve() == skip))
             if not found:
                 raise DataError(f"no input files ({', '.join(SUPPORTED)}) in directory {p}")
@@ -95,7 +157,10 @@ def expand_inputs(paths: Iterable[str | os.PathLike], exclude: str | os.PathLike
         elif p.is_file():
             if not _kind(p):
                 raise DataError(f"{p}: unsupported input type; expected one of {', '.join(SUPPORTED)} "
-                                "(optionally .gz) or a directory of them")
+                                "(text and JSON optionally .gz) or a directory of them")
+            if _kind(p) == "parquet" and _is_gz(p):  # (pyarrow would call it "not a parquet file")
+                raise DataError(f"{p}: a gzipped parquet file; parquet compresses its own pages, so gunzip it "
+                                "first")
             out.append(p)
         elif p.exists():
             regular_file(p)
@@ -129,7 +194,7 @@ def _json_line(line: str, where: str, hint: str = ""):
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg}){hint}") from None
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}){hint}") from None
     except RecursionError:
         raise DataError(f"{where}: JSON nested too deeply to read") from None
 
@@ -141,21 +206,19 @@ def iter_file_docs(path: Path, text_field: str = "text", remedy: str | None = No
     kind = _kind(path)
     try:
         if kind == "text":
-            with _open_text(path) as f:
-                text = f.read()
+            text = _whole_text(path)
             if text.strip():  # an empty (or blank) file is no document: it would be a lone end-of-text token
                 yield text
         elif kind == "jsonl":
-            with _open_text(path) as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        hint = ("; a JSON array (one document list) belongs in a .json file"
-                                if n == 1 and line.lstrip().startswith("[") else "")
-                        obj = _json_line(line, f"{path}:{n}", hint)
-                        if isinstance(obj, list):
-                            raise DataError(f"{path}:{n}: a JSON array, not one document per line; a list of "
-                                            "documents belongs in a .json file")
-                        yield _field(obj, text_field, f"{path}:{n}", remedy)
+            for n, line in _text_lines(path):
+                if line.strip():
+                    hint = ("; a JSON array (one document list) belongs in a .json file"
+                            if n == 1 and line.lstrip().startswith("[") else "")
+                    obj = _json_line(line, f"{path}:{n}", hint)
+                    if isinstance(obj, list):
+                        raise DataError(f"{path}:{n}: a JSON array, not one document per line; a list of "
+                                        "documents belongs in a .json file")
+                    yield _field(obj, text_field, f"{path}:{n}", remedy)
         elif kind == "json":
             with _open_text(path) as f:
                 try:
@@ -177,6 +240,9 @@ def iter_file_docs(path: Path, text_field: str = "text", remedy: str | None = No
                 pf = pq.ParquetFile(path)
             except Exception as e:
                 raise DataError(f"{path}: not a readable parquet file ({e})") from None
+            if (k := len(pf.schema_arrow.get_all_field_indices(text_field))) > 1:
+                raise DataError(f"{path}: {k} columns are named {text_field!r}; which one holds the text is ambiguous "
+                                f"(columns: {', '.join(pf.schema_arrow.names)})")
             if text_field not in pf.schema_arrow.names:
                 raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                                 f"{remedy or 'use --text-field'}")
@@ -248,4 +314,6 @@ def _check_text_column(path: Path, name: str, t, remedy: str | None = None) -> N
 
 
 def _files_ident(files: list[Path]) -> list:
-    return [[str(f.resolve()), f.stat().st_size] for f in files]
+    """Each input's path, size and modification time (ns): a resume of an input edited in place, even to the same
+    size, is refused rather than finished from the new text."""
+    return [[str(f.resolve()), (st := f.stat()).st_size, st.st_mtime_ns] for f in files]

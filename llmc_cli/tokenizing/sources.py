@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from llmc_cli.data.home import install_hint, packages_dir
-from llmc_cli.formats.files import DataError
+from llmc_cli.formats.files import DataError, sibling_stem
 from llmc_cli.tokenizing.readers import _files_ident, _kind, iter_file_docs, not_utf8
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def extract_tinystories(archive: Path, dest: Path) -> Path:
     if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
         raise DataError(f"{dest}: exists and holds no TinyStories .json files; move it so that {archive.name} can be "
                         "extracted there")
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp = dest.with_name(f".{sibling_stem(dest.name)}.{os.getpid()}.tmp")
     made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]  # (removed again on failure)
     try:
         with tarfile.open(archive) as tf:
