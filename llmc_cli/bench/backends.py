@@ -29,40 +29,75 @@ class BenchError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 # choosing backends
 
+def _pick(found) -> dict:
+    """name -> the plugin a name stands for: where two distributions register one name, the first usable one (as
+    `registry.usable_plugin` takes), else the first."""
+    by_name: dict = {}
+    for p in found:
+        have = by_name.get(p.name)
+        if have is None or (not (have.usable and have.plugin is not None) and p.usable and p.plugin is not None):
+            by_name[p.name] = p
+    return by_name
+
+
+def _failure_line(e: BaseException) -> str:
+    """An exception a backend raised, as the one line a report shows."""
+    text = registry.one_line(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | None] = None, plugins=None,
                      options: dict[str, str] | None = None,
-                     labels: Sequence[str] | None = None) -> tuple[list[tuple[str, Backend]], list[tuple[str, str]]]:
+                     labels: Sequence[str] | None = None,
+                     failed: list[tuple[str, str]] | None = None,
+                     ) -> tuple[list[tuple[str, Backend]], list[tuple[str, str]]]:
     """Create the named backends (all usable ones when `names` is empty) computing in `dtype` (None = each
     backend's default; a list: each backend once per dtype, labelled "<name> <labels[i]>"). Returns
     ([(label, backend)], [(name, why it was left out)]). A backend named explicitly that cannot run raises
-    BenchError; with no names, unusable backends are only reported.
-    `plugins`: a list of `registry.PluginInfo` to choose from (default: `registry.discover()`); `options`:
-    backend options (--backend-opt), given to each backend that declares them."""
+    BenchError; with no names, unusable backends are only reported, and one whose plugin said it could run but
+    whose create() then failed (raised, or returned no working Backend) goes into `failed` (label, why), or into
+    the skipped ones where `failed` is None.
+    `plugins`: a list of `registry.PluginInfo` to choose from (default: the named plugins, or
+    `registry.discover()`); `options`: backend options (--backend-opt), given to each backend that declares them."""
     dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
     tags = list(labels) if labels is not None else [None] * len(dtypes)
-    plugins = registry.discover() if plugins is None else list(plugins)
-    by_name = {p.name: p for p in plugins}
+    given = plugins is not None
+    if not given:  # a named backend loads and probes only its own plugin: another one's hang is not this run's
+        plugins = registry.plugins_named(names) if names else registry.discover()
+    plugins = list(plugins)
+    by_name = _pick(plugins)
     chosen, skipped = [], []
-    wanted = list(dict.fromkeys(names)) if names else [p.name for p in plugins]
+    wanted = list(dict.fromkeys(names)) if names else list(by_name)
     for name in wanted:
         p = by_name.get(name)
         if p is None:
-            raise BenchError(f"--backend {name}: not installed (installed: {', '.join(by_name) or 'none'})")
+            installed = list(by_name) if given else (registry.installed_names() or list(by_name))
+            raise BenchError(f"--backend {name}: not installed (installed: {', '.join(installed) or 'none'})")
         if p.plugin is None or not p.usable:
             if names:
-                raise BenchError(f"--backend {name}: installed but cannot run here: {p.reason}")
-            skipped.append((name, p.reason))
+                raise BenchError(f"--backend {name}: installed but cannot run here: {registry.one_line(p.reason)}")
+            skipped.append((name, registry.one_line(p.reason)))
             continue
         mine = {k: v for k, v in (options or {}).items() if k in (getattr(p.plugin, "options", {}) or {})}
         for dt, tag in zip(dtypes, tags):
             label = name if tag is None else f"{name} {tag}"
             try:
                 chosen.append((label, registry.create_with(p.plugin, None, dt, mine)))
+            except registry.PluginError as e:  # probed usable, then broke the contract: a failure, not a skip
+                if names:
+                    raise BenchError(f"--backend {label}: {e}") from None
+                (failed if failed is not None else skipped).append((label, str(e)))
             except BackendUnavailable as e:
                 if names:
                     raise BenchError(f"--backend {name}{'' if tag is None else ' --dtype ' + tag}: {e}") from None
                 skipped.append((label, str(e)))
+            except Exception as e:  # noqa: BLE001  (a plugin's bug in create(): its line, the others still run)
+                if names:
+                    raise BenchError(f"--backend {label}: cannot start ({_failure_line(e)})") from None
+                (failed if failed is not None else skipped).append((label, f"cannot start ({_failure_line(e)})"))
     if not chosen:
+        if failed:
+            raise BenchError("no backend to benchmark: " + "; ".join(f"{n}: {r}" for n, r in failed))
         raise BenchError("no usable backend to benchmark (see `llmc backends`)")
     declared = {k for name in {label.split()[0] for label, _ in chosen}
                 for k in (getattr(by_name[name].plugin, "options", {}) or {})}
@@ -72,17 +107,51 @@ def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | No
     return chosen, skipped
 
 
-def reference_backend(backends: Sequence[tuple[str, Backend]], plugins=None) -> Backend | None:
-    """The float32 host backend every other is checked against (CAP_REFERENCE): the one in `backends` if it is
-    there, else one created from the first usable plugin that offers it."""
+# the plugin whose backend is the reference wherever it can run: llmc's own numpy backend (a plugin announcing
+# `reference` is the reference only where no cpu backend can serve)
+REFERENCE_PLUGIN = "cpu"
+
+
+def _is_reference(b: Backend) -> bool:
+    return CAP_REFERENCE in b.capabilities and b.dtype == FLOAT32
+
+
+def choose_reference(backends: Sequence[tuple[str, Backend]], plugins=None) -> tuple[str, Backend] | None:
+    """(name, backend) every other is checked against: the cpu backend (float32 on the host, CAP_REFERENCE), the
+    benchmarked one or one created for the purpose; only where it cannot serve, another backend announcing
+    CAP_REFERENCE (benchmarked, then created from a plugin declaring `reference`). None when nothing serves."""
+    mine = [(label, b) for label, b in backends if label.split()[0] == REFERENCE_PLUGIN and _is_reference(b)]
+    if mine:
+        return REFERENCE_PLUGIN, mine[0][1]
+    if plugins is None:  # the cpu plugin alone first: probing every plugin is for when it is not there
+        found = _reference_from(registry.plugins_named([REFERENCE_PLUGIN]))
+        if found is not None:
+            return found
+    else:
+        found = _reference_from([p for p in plugins if p.name == REFERENCE_PLUGIN])
+        if found is not None:
+            return found
     for label, b in backends:
-        if CAP_REFERENCE in b.capabilities and b.dtype == FLOAT32:
-            return b
-    plugins = registry.discover() if plugins is None else plugins
+        if _is_reference(b):
+            return label.split()[0], b
+    return _reference_from(registry.discover() if plugins is None else plugins)
+
+
+def _reference_from(plugins) -> tuple[str, Backend] | None:
+    """The first usable plugin of `plugins` declaring `reference` whose create(dtype=float32) gives a reference
+    backend; a plugin that fails at that is passed over."""
     for p in plugins:
         if p.plugin is not None and p.usable and getattr(p.plugin, "reference", False):
             try:
-                return p.plugin.create(dtype=FLOAT32)
-            except BackendUnavailable:
-                return None
+                b = registry.create_with(p.plugin, None, FLOAT32, None)
+            except Exception:  # noqa: BLE001, S112  (BackendUnavailable or a broken plugin: try the next)
+                continue
+            if _is_reference(b):
+                return p.name, b
     return None
+
+
+def reference_backend(backends: Sequence[tuple[str, Backend]], plugins=None) -> Backend | None:
+    """The backend of `choose_reference` (None when nothing serves)."""
+    ref = choose_reference(backends, plugins)
+    return None if ref is None else ref[1]

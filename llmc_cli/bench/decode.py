@@ -8,6 +8,7 @@ download and the argmax), as `llmc sample` pays it.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Callable, Sequence
 
@@ -64,16 +65,22 @@ def time_decode(label: str, backend: Backend, cfg, B: int, S: int, *, prompt_len
 def run_decode(backends: Sequence[tuple[str, Backend]], cfg, B: int, S: int, *, prompt_len: int = 16,
                tokens: int | None = None, warmup: int = 3, seed: int = 1337,
                progress: Callable[[str], None] | None = None) -> dict:
-    """Every backend decodes the same model from the same prompt: {"config", "results"}."""
+    """Every backend decodes the same model from the same prompt: {"config", "results"}. A backend that raises
+    gets a result {"backend", "failed": one line} and the others still run."""
     if not 1 <= prompt_len < S:
         raise ValueError(f"--prompt-len {prompt_len} must be at least 1 and shorter than the window ({S})")
+    from llmc_cli.bench.backends import _failure_line
     params = family_of(cfg).init_parameters(cfg, seed)
     results = []
     for label, be in backends:
         if progress:
             progress(f"decoding on {label}")
-        results.append(time_decode(label, be, cfg, B, S, prompt_len=prompt_len, tokens=tokens, warmup=warmup,
-                                   seed=seed, params=params))
+        try:
+            results.append(time_decode(label, be, cfg, B, S, prompt_len=prompt_len, tokens=tokens, warmup=warmup,
+                                       seed=seed, params=params))
+        except Exception as e:  # noqa: BLE001  (e.g. kv_cache announced without attention_decode: its row says so)
+            results.append({"backend": label, "failed": _failure_line(e)})
+            gc.collect()
     config = {"model": type(cfg).__name__, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
               "vocab_size": cfg.vocab_size, "B": B, "window": S, "prompt_len": prompt_len, "warmup": warmup}
     return {"config": config, "results": results}

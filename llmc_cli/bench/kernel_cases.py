@@ -434,17 +434,22 @@ def _variant_rows(case: KernelCase, be: Backend, names: Sequence[str], inputs: d
     reference's outputs; None: not checked) and its timing, or why it does not apply."""
     rows = []
     for name in names:
-        bufs = _clone(case, be, inputs)
-        with be.variant(case.kernel, name):
-            try:
-                outs = _call_once(case, be, bufs)
-            except VariantUnsupported as e:
-                rows.append({"variant": name, "skipped": str(e)})
-                continue
-            err = None if ref is None else max(rel_error(outs[n], ref[n]) for n in case.outputs)
-            del outs
-            row = {"variant": name, **_timed(case, be, bufs, warmup, repeat)}
-        del bufs
+        try:
+            bufs = _clone(case, be, inputs)
+            with be.variant(case.kernel, name):
+                try:
+                    outs = _call_once(case, be, bufs)
+                except VariantUnsupported as e:
+                    rows.append({"variant": name, "skipped": str(e)})
+                    continue
+                err = None if ref is None else max(rel_error(outs[n], ref[n]) for n in case.outputs)
+                del outs
+                row = {"variant": name, **_timed(case, be, bufs, warmup, repeat)}
+            del bufs
+        except Exception as e:  # noqa: BLE001  (a variant that breaks: its row says so, the next one runs)
+            why = _failure_line(e)
+            rows.append({"variant": name, "skipped": f"failed: {why}", "error": why})
+            continue
         row.update(_rates(case, nbytes, row["median_ms"]))
         row["max_rel_err"] = err
         row["ok"] = None if err is None else bool(err <= limit)
@@ -468,7 +473,9 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
     (None: errors are not computed). `tol`: mismatch threshold (default by dtype, TOLERANCES). `only`: kernel
     name prefixes to keep. `variants`: also time and check every variant a backend has of each kernel
     (`Backend.variants`), each result then holding "variants" (one row each) and "fastest" (the default or a
-    variant within the tolerance). Returns {"config", "results": [...], "mismatches": [...]}."""
+    variant within the tolerance). A backend that raises on a case (a kernel it lacks, a bug) gets no result for
+    it but a line in "failed" ({"kernel", "backend", "error"}), and the others are still measured. Returns
+    {"config", "results": [...], "mismatches": [...], "failed": [...]}."""
     if repeat < 1 or warmup < 0:
         raise BenchError(f"--repeat must be >= 1 and --warmup >= 0 (got {repeat}, {warmup})")
     cases = kernel_cases(cfg, B, T)
@@ -476,62 +483,103 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
         cases = [c for c in cases if any(c.name.startswith(o) for o in only)]
         if not cases:
             raise BenchError(f"--only {' '.join(only)}: matches no kernel")
-    results, mismatches = [], []
+    results, mismatches, failed = [], [], []
     for case in cases:
         host = _host_inputs(case, seed)
         if case.derive is not None:
-            case.derive(host, reference if reference is not None else backends[0][1])
-        refs: dict[str, dict] = {}  # by dtype the inputs were held in
+            helper = reference if reference is not None else backends[0][1]
+            try:
+                case.derive(host, helper)
+            except Exception as e:  # noqa: BLE001  (the helper backend's failure: this case cannot run anywhere)
+                who = "the reference" if reference is not None else backends[0][0]
+                failed.append({"kernel": case.name, "backend": who,
+                               "error": f"preparing the inputs failed: {_failure_line(e)}"})
+                continue
+        refs: dict[str, dict | str] = {}  # by dtype the inputs were held in (a str: why the reference failed)
         for label, be in backends:
             if progress:
                 progress(f"{case.name} on {label}")
-            if case.needs and case.needs not in be.capabilities:  # e.g. attention_decode without CAP_KV_CACHE
+            try:
+                r = _case_on(case, label, be, host, reference, refs, tol, variants, warmup, repeat, progress)
+            except Exception as e:  # noqa: BLE001  (one backend's failure is its line; the others are measured)
+                failed.append({"kernel": case.name, "backend": label, "error": _failure_line(e)})
+                gc.collect()
                 continue
-            names = list(be.variants(case.kernel)) if variants else []
-            bufs = _upload(case, be, host)
-            inputs = _clone(case, be, bufs) if names else None  # before the call: it may update them in place
-            held = _as_held(case, be, bufs, host)
-            outs = _call_once(case, be, bufs)
-            err = None
-            if reference is not None:
-                if be.dtype not in refs:
-                    refs[be.dtype] = _run_once(case, reference, held)[1]
-                err = max(rel_error(outs[n], refs[be.dtype][n]) for n in case.outputs)
-            del held
-            del outs
-            timing = _timed(case, be, bufs, warmup, repeat)
-            del bufs
-            s = DTYPE_BYTES[be.dtype]
-            # a backend whose matmuls round their operands (FP8, TF32) is held to that dtype's bound on them
-            mm = getattr(be, "matmul_dtype", None) is not None and case.name.startswith("matmul")
-            r = {"kernel": case.name, "kind": case.kind, "shape": case.shape, "backend": label,
-                 "dtype": be.matmul_dtype if mm else be.dtype, "bytes": case.bytes_fn(s), "flops": case.flops,
-                 **timing}
-            r.update(_rates(case, r["bytes"], r["median_ms"]))
-            limit = tol if tol is not None else TOLERANCES.get(be.matmul_dtype if mm else be.dtype, 3e-2)
-            r["max_rel_err"] = err
-            r["tol"] = limit
-            r["ok"] = None if err is None else bool(err <= limit)
+            if r is None:
+                continue
             if r["ok"] is False:
-                mismatches.append({"kernel": case.name, "backend": label, "variant": None, "max_rel_err": err,
-                                   "tol": limit})
-            if variants:
-                if progress and names:
-                    progress(f"{case.name} on {label}: {len(names)} variants")
-                r["variants"] = _variant_rows(case, be, names, inputs, refs.get(be.dtype), limit, r["bytes"],
-                                              warmup, repeat) if names else []
-                del inputs
-                r["fastest"] = _fastest(r)
-                mismatches += [{"kernel": case.name, "backend": label, "variant": v["variant"],
-                                "max_rel_err": v["max_rel_err"], "tol": limit}
-                               for v in r["variants"] if v.get("ok") is False]
+                mismatches.append({"kernel": case.name, "backend": label, "variant": None,
+                                   "max_rel_err": r["max_rel_err"], "tol": r["tol"]})
+            for v in r.get("variants", []):
+                if v.get("ok") is False:
+                    mismatches.append({"kernel": case.name, "backend": label, "variant": v["variant"],
+                                       "max_rel_err": v["max_rel_err"], "tol": r["tol"]})
+                if "error" in v:
+                    failed.append({"kernel": case.name, "backend": f"{label} (variant {v['variant']})",
+                                   "error": v["error"]})
+            if isinstance(refs.get(be.dtype), str):
+                failed.append({"kernel": case.name, "backend": "the reference", "error": refs[be.dtype]})
             results.append(r)
         refs.clear()
         del host
         gc.collect()
+    # one line per failure, the same failure of a reference once
+    failed = list({(f["kernel"], f["backend"], f["error"]): f for f in failed}.values())
     return {"config": {**_cfg_dict(cfg), "B": B, "T": T, "repeat": repeat, "warmup": warmup, "seed": seed,
                        "reference": None if reference is None else reference.describe(), "variants": variants},
-            "results": results, "mismatches": mismatches}
+            "results": results, "mismatches": mismatches, "failed": failed}
+
+
+def _failure_line(e: BaseException) -> str:
+    from llmc_cli.bench.backends import _failure_line as line
+    return line(e)
+
+
+def _case_on(case: KernelCase, label: str, be: Backend, host: dict, reference: Backend | None, refs: dict,
+             tol: float | None, variants: bool, warmup: int, repeat: int,
+             progress: Callable[[str], None] | None) -> dict | None:
+    """One backend's result for one case (None where it lacks the capability the case needs); raises whatever
+    the backend raised. `refs` holds the reference's outputs by dtype (or why the reference failed on them)."""
+    if case.needs and case.needs not in be.capabilities:  # e.g. attention_decode without CAP_KV_CACHE
+        return None
+    names = list(be.variants(case.kernel)) if variants else []
+    bufs = _upload(case, be, host)
+    inputs = _clone(case, be, bufs) if names else None  # before the call: it may update them in place
+    held = _as_held(case, be, bufs, host)
+    outs = _call_once(case, be, bufs)
+    err = None
+    if reference is not None:
+        if be.dtype not in refs:
+            try:
+                refs[be.dtype] = _run_once(case, reference, held)[1]
+            except Exception as e:  # noqa: BLE001  (the reference's failure is not this backend's: unchecked)
+                refs[be.dtype] = f"reference failed: {_failure_line(e)}"
+        if isinstance(refs[be.dtype], dict):
+            err = max(rel_error(outs[n], refs[be.dtype][n]) for n in case.outputs)
+    del held
+    del outs
+    timing = _timed(case, be, bufs, warmup, repeat)
+    del bufs
+    s = DTYPE_BYTES[be.dtype]
+    # a backend whose matmuls round their operands (FP8, TF32) is held to that dtype's bound on them
+    mm = getattr(be, "matmul_dtype", None) is not None and case.name.startswith("matmul")
+    r = {"kernel": case.name, "kind": case.kind, "shape": case.shape, "backend": label,
+         "dtype": be.matmul_dtype if mm else be.dtype, "bytes": case.bytes_fn(s), "flops": case.flops,
+         **timing}
+    r.update(_rates(case, r["bytes"], r["median_ms"]))
+    limit = tol if tol is not None else TOLERANCES.get(be.matmul_dtype if mm else be.dtype, 3e-2)
+    r["max_rel_err"] = err
+    r["tol"] = limit
+    r["ok"] = None if err is None else bool(err <= limit)
+    if variants:
+        if progress and names:
+            progress(f"{case.name} on {label}: {len(names)} variants")
+        ref = refs.get(be.dtype)
+        r["variants"] = _variant_rows(case, be, names, inputs, ref if isinstance(ref, dict) else None, limit,
+                                      r["bytes"], warmup, repeat) if names else []
+        del inputs
+        r["fastest"] = _fastest(r)
+    return r
 
 
 def _cfg_dict(cfg) -> dict:

@@ -84,10 +84,19 @@ def describe_machine(backends: Sequence[tuple[str, Backend]] = ()) -> dict:
         "python": platform.python_version(), "blas": _blas(),
         "libraries": {k: v for k, v in libs.items() if v},
         "gpus": _nvidia_smi(),
-        "backends": [{"label": label, "describe": b.describe(), "dtype": b.dtype,
+        "backends": [{"label": label, "describe": _describe(b), "dtype": b.dtype,
                       "timer": "device events" if CAP_DEVICE_EVENTS in b.capabilities else "host clock"}
                      for label, b in backends],
     }
+
+
+def _describe(b: Backend) -> str:
+    """The backend's own line; a plugin's describe() that fails is named, not the report's end."""
+    from llmc_cli.registry import one_line
+    try:
+        return one_line(b.describe())
+    except Exception as e:  # noqa: BLE001
+        return f"describe() failed: {type(e).__name__}: {one_line(e)}"
 
 
 def machine_lines(m: dict) -> list[str]:

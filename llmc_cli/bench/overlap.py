@@ -202,44 +202,62 @@ def run_overlap(backends: Sequence[tuple[str, Backend]], T: int = 1024, C: int =
     weight = (1.0 + 0.1 * rng.standard_normal(C)).astype(np.float32)
     bias = (0.1 * rng.standard_normal(C)).astype(np.float32)
     ref_mean, ref_rstd = reference_stats(inp)
-    results = []
+    results, failed = [], []
     for label, be in backends:
-        if progress:
-            progress(f"{label}: planning {N:,} rows x {C} in {', '.join(dict.fromkeys(host_memory))} host memory")
         try:
-            plan = _Plan(be, N, C, inp, weight, bias, ref_mean, ref_rstd, list(dict.fromkeys(host_memory)))
-        except Exception as e:
-            if be.is_out_of_memory(e):
-                raise BenchError(f"{label}: out of memory for -b {max(batches)} -t {T} -c {C} "
-                                 f"({4 * N * C / 2**30:.1f} GiB per array, two on the device and two per kind of "
-                                 "host memory); lower -b") from None
+            results += _run_backend(label, be, cases, T, C, N, batches, host_memory, inp, weight, bias, ref_mean,
+                                    ref_rstd, repeat, warmup, progress)
+        except BenchError:
             raise
-        for i, case in enumerate(cases):
-            n = case.B * T
-            if progress:
-                progress(f"{label}: case {i + 1}/{len(cases)}: B={case.B} {case.label} block {case.block} "
-                         f"{case.host_memory}")
-            times, err = [], 0.0
-            for k in range(warmup + repeat):
-                s, e = plan.run(case, n)
-                err = max(err, e)
-                if k >= warmup:
-                    times.append(s * 1e3)
-            med = statistics.median(times)
-            nbytes = bytes_moved(n, C)
-            results.append({"backend": label, "B": case.B, "T": T, "C": C, "rows": n, "mode": case.mode,
-                            "streams": case.streams, "block": case.block, "host_memory": case.host_memory,
-                            "bytes": nbytes, "times_ms": times, "median_ms": med, "min_ms": min(times),
-                            "max_ms": max(times), "gb_s": nbytes / (med / 1e3) / 1e9, "max_rel_err": err,
-                            "ok": err <= TOLERANCE})
-        del plan
+        except Exception as e:  # noqa: BLE001  (one backend's failure is its line; the others still run)
+            from llmc_cli.bench.backends import _failure_line
+            failed.append({"backend": label, "kernel": None, "error": _failure_line(e)})
     config = {"T": T, "C": C, "batches": list(dict.fromkeys(batches)), "modes": list(dict.fromkeys(modes)),
               "streams": list(dict.fromkeys(streams)), "blocks": list(dict.fromkeys(blocks)),
               "host_memory": list(dict.fromkeys(host_memory)), "repeat": repeat, "warmup": warmup, "seed": seed,
               "dtype": FLOAT32, "tol": TOLERANCE, "check_rows": CHECK_ROWS}
     mismatches = [{k: r[k] for k in ("backend", "B", "mode", "streams", "block", "host_memory", "max_rel_err")}
                   for r in results if not r["ok"]]
-    return {"config": config, "results": results, "summary": summarize(results), "mismatches": mismatches}
+    return {"config": config, "results": results, "summary": summarize(results), "mismatches": mismatches,
+            "failed": failed}
+
+
+def _run_backend(label: str, be: Backend, cases: list, T: int, C: int, N: int, batches: Sequence[int],
+                 host_memory: Sequence[str], inp: np.ndarray, weight: np.ndarray, bias: np.ndarray,
+                 ref_mean: np.ndarray, ref_rstd: np.ndarray, repeat: int, warmup: int,
+                 progress: Callable[[str], None] | None) -> list[dict]:
+    """Every case on one backend: its records (BenchError when it runs out of memory for the grid)."""
+    results = []
+    if progress:
+        progress(f"{label}: planning {N:,} rows x {C} in {', '.join(dict.fromkeys(host_memory))} host memory")
+    try:
+        plan = _Plan(be, N, C, inp, weight, bias, ref_mean, ref_rstd, list(dict.fromkeys(host_memory)))
+    except Exception as e:
+        if be.is_out_of_memory(e):
+            raise BenchError(f"{label}: out of memory for -b {max(batches)} -t {T} -c {C} "
+                             f"({4 * N * C / 2**30:.1f} GiB per array, two on the device and two per kind of "
+                             "host memory); lower -b") from None
+        raise
+    for i, case in enumerate(cases):
+        n = case.B * T
+        if progress:
+            progress(f"{label}: case {i + 1}/{len(cases)}: B={case.B} {case.label} block {case.block} "
+                     f"{case.host_memory}")
+        times, err = [], 0.0
+        for k in range(warmup + repeat):
+            s, e = plan.run(case, n)
+            err = max(err, e)
+            if k >= warmup:
+                times.append(s * 1e3)
+        med = statistics.median(times)
+        nbytes = bytes_moved(n, C)
+        results.append({"backend": label, "B": case.B, "T": T, "C": C, "rows": n, "mode": case.mode,
+                        "streams": case.streams, "block": case.block, "host_memory": case.host_memory,
+                        "bytes": nbytes, "times_ms": times, "median_ms": med, "min_ms": min(times),
+                        "max_ms": max(times), "gb_s": nbytes / (med / 1e3) / 1e9, "max_rel_err": err,
+                        "ok": err <= TOLERANCE})
+    del plan
+    return results
 
 
 def overlap_backends(backends: Sequence[tuple[str, Backend]],

@@ -116,7 +116,9 @@ def train_table(res: dict):
 
 
 def decode_table(res: dict):
-    """Backends as rows: prefill, tokens/s inside the window and past it, and their ratio."""
+    """Backends as rows: prefill, tokens/s inside the window and past it, and their ratio (or why it did not
+    run)."""
+    from rich.markup import escape
     from rich.table import Table
     c = res["config"]
     table = Table(title=f"llmc bench decode: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} V={c['vocab_size']}, "
@@ -128,7 +130,10 @@ def decode_table(res: dict):
         table.add_column(col, justify="left" if col in ("backend", "dtype") else "right")
     for r in res["results"]:
         if "skipped" in r:
-            table.add_row(r["backend"], "-", "-", "-", "-", "-", f"[dim]{r['skipped']}[/]")
+            table.add_row(escape(r["backend"]), "-", "-", "-", "-", "-", f"[dim]{escape(r['skipped'])}[/]")
+            continue
+        if "failed" in r:
+            table.add_row(escape(r["backend"]), "-", "-", "-", "-", "-", f"[bold red]failed: {escape(r['failed'])}[/]")
             continue
         ratio = r["past_over_window"]
         table.add_row(r["backend"], r["dtype"], f"{r['prefill_s'] * 1e3:.1f}",
@@ -184,4 +189,21 @@ def overlap_lines(res: dict) -> list[str]:
         if pin and page:
             lines.append(f"{label} B={top}: pinned {fast(pin):.2f} ms, pageable {fast(page):.2f} ms (the fastest "
                          f"case of each): {fast(page) / fast(pin):.2f}x")
+    return lines
+
+
+def failure_lines(failed: list[dict]) -> list[str]:
+    """One line per backend that failed (its label, the cases it failed on, the first error), for the report:
+    a backend that raises on every kernel is one line, not one per kernel."""
+    by: dict[str, list[dict]] = {}
+    for f in failed:
+        by.setdefault(f["backend"], []).append(f)
+    lines = []
+    for label, fs in by.items():
+        kernels = [f["kernel"] for f in fs if f.get("kernel")]
+        where = ""
+        if kernels:
+            more = f" and {len(kernels) - 4} more" if len(kernels) > 4 else ""
+            where = f" on {', '.join(kernels[:4])}{more}"
+        lines.append(f"failed: {label}{where}: {fs[0]['error']}")
     return lines

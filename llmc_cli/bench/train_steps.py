@@ -230,7 +230,8 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
     `data`: a glob of shards; None writes a temporary shard of random tokens. `torch_dtype` None: the
     backends' dtype where they share one (bf16 runs PyTorch under bf16 autocast), else float32. `recompute`:
     llmc's --recompute (PyTorch has none here, so it cannot be compared with one). Returns
-    {"config", "results", "notes"}; a PyTorch variant that fails is a note, not an error."""
+    {"config", "results", "notes", "failed"}; a PyTorch variant that fails is a note, not an error, and a backend
+    that raises (other than the trainer refusing the options) is a line in "failed" while the others train."""
     if steps < 1 or warmup < 0:
         raise BenchError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     if T > cfg.block_size:
@@ -239,7 +240,7 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
         raise BenchError(f"--recompute {recompute} times llmc only; --compare runs PyTorch without it, so leave one out")
     if torch_dtype is None:
         torch_dtype = torch_dtype_for(backends)
-    results, notes = [], []
+    results, notes, failed = [], [], []
     with temporary_directory("llmc-bench-") as tmp:
         if data is None:
             # every step its own tokens, up to RANDOM_SHARD_TOKENS: past that the loader starts the shard again (a
@@ -257,6 +258,10 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
                                           recompute=recompute, graphs=graphs, prefetch=prefetch))
             except ValueError as e:  # TrainError / DataError: options the trainer refuses
                 raise BenchError(f"training on {label}: {e}") from None
+            except Exception as e:  # noqa: BLE001  (a backend's failure is its line; the others still train)
+                from llmc_cli.bench.backends import _failure_line
+                failed.append({"backend": label, "kernel": None, "error": _failure_line(e)})
+                gc.collect()
         torch_modes = [m for m in compare if m.startswith("torch")]
         if torch_modes:
             try:
@@ -286,4 +291,4 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
     return {"config": {**_cfg_dict(cfg), "B": B, "T": T, "steps": steps, "warmup": warmup, "seed": seed,
                        "data": data_desc, "flops_per_step": flops_per_step(cfg, B, T),
                        **({"torch_dtype": torch_dtype} if torch_modes else {})},
-            "results": results, "notes": notes}
+            "results": results, "notes": notes, "failed": failed}

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import click
 
-from llmc_cli.bench.backends import BenchError, reference_backend, resolve_backends
+from llmc_cli.bench.backends import BenchError, choose_reference, resolve_backends
 from llmc_cli.bench.kernel_cases import run_kernels
 from llmc_cli.bench.machine import describe_machine, machine_lines
 from llmc_cli.bench.overlap import (
@@ -147,11 +147,15 @@ def _setup(o: dict):
     _check_plot(o["plot"])
     try:
         dtypes = list(dict.fromkeys(o["dtypes"]))
+        failed: list[tuple[str, str]] = []
         backends, skipped = resolve_backends(o["backend_names"], [DTYPES[d] for d in dtypes],
                                              options=backend_options(o["backend_opt"]),
-                                             labels=dtypes if len(dtypes) > 1 else None)
+                                             labels=dtypes if len(dtypes) > 1 else None, failed=failed)
     except BenchError as e:
         fail(str(e))
+    # a backend whose plugin said it could run but which failed to start: a failure of this run (exit status 1,
+    # after the others are measured), reported as the failures of their kernels are
+    o["_failed"] = [{"backend": label, "kernel": None, "error": why} for label, why in failed]
     return cfg, B, T, backends, skipped
 
 
@@ -185,6 +189,34 @@ def _report_header(console, res: dict, backends, skipped, as_json: bool) -> bool
     for n, r in skipped:
         console.print(f"[dim]not benchmarked: {escape(n)} ({escape(r)})[/]")
     return True
+
+
+def _failures(res: dict, o: dict) -> None:
+    """Puts the backends that failed to start (from `_setup`) before those that failed while measured, in
+    res["failed"]."""
+    res["failed"] = list(o.get("_failed", [])) + list(res.get("failed", []))
+
+
+def _report_failures(console, res: dict, as_json: bool) -> None:
+    """A line per failed backend under the table (not with --json: the JSON holds them)."""
+    if as_json or not res.get("failed"):
+        return
+    from rich.markup import escape
+
+    from llmc_cli.bench.report import failure_lines
+    for line in failure_lines(res["failed"]):
+        console.print(f"[bold red]{escape(line)}[/]")
+
+
+def _fail_failures(res: dict, what: str) -> None:
+    """Exit status 1 when a backend failed (as a mismatch does), with one line saying which."""
+    if not res.get("failed"):
+        return
+    from llmc_cli.commands.console import fail
+    labels = list(dict.fromkeys(f["backend"] for f in res["failed"]))
+    first = res["failed"][0]
+    fail(f"{len(labels)} backend(s) failed {what}: {', '.join(labels)} (first: {first['backend']}"
+         + (f" on {first['kernel']}" if first.get("kernel") else "") + f": {first['error']})", code=1)
 
 
 def _emit_json(obj: dict) -> None:
@@ -235,7 +267,8 @@ def kernels(**o) -> None:
     events where it has them); rate is GB/s (bytes read + written, counted per kernel) or TFLOP/s (matmuls,
     attention); err is max|got - ref| / max|ref| against the numpy cpu backend on the same inputs. With
     --variants, each variant a backend has of a kernel gets the same inputs, check and timing. Exits with status 1
-    when a kernel or a variant exceeds the tolerance (a mismatch).
+    when a kernel or a variant exceeds the tolerance (a mismatch), or when a backend fails to start or raises on a
+    kernel (a line says which; the others are still measured).
 
     \b
     Example:
@@ -248,23 +281,30 @@ def kernels(**o) -> None:
     cfg, B, T, backends, skipped = _setup(o)
     with _progress(o["as_json"]) as progress:
         try:
-            ref = reference_backend(backends)
+            chosen = choose_reference(backends)
+            ref_name, ref = chosen if chosen is not None else (None, None)
             res = run_kernels(backends, cfg, B, T, repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"],
                               reference=ref, tol=o["tol"], only=o["only"] or None, variants=o["variants"],
                               progress=progress)
         except BenchError as e:
             fail(str(e))
+    _failures(res, o)
+    res["config"]["reference_backend"] = ref_name
     if o["plot"]:  # before the report: a plot that cannot be written fails the command with no JSON printed
         _write_plot(plot_kernels, res, o["plot"])
     if _report_header(console, res, backends, skipped, o["as_json"]):
         if ref is None:
             console.print("[yellow]no reference backend (CAP_REFERENCE, the cpu one) usable: errors are not checked[/]")
         print_wide(console, variants_table(res) if o["variants"] else kernels_table(res))
+    _report_failures(console, res, o["as_json"])
     if res["mismatches"]:
         bad = ", ".join(f"{m['kernel']} on {m['backend']}"
                         + (f" (variant {m['variant']})" if m.get("variant") else "")
                         + f" ({m['max_rel_err']:.1e} > {m['tol']:.0e})" for m in res["mismatches"])
-        fail(f"{len(res['mismatches'])} kernel(s) differ from the cpu reference: {bad}", code=1)
+        failed = list(dict.fromkeys(f["backend"] for f in res["failed"]))
+        also = f"; {len(failed)} backend(s) failed: {', '.join(failed)}" if failed else ""
+        fail(f"{len(res['mismatches'])} kernel(s) differ from the {ref_name} reference: {bad}{also}", code=1)
+    _fail_failures(res, "on some kernels")
 
 
 @bench.command()
@@ -292,7 +332,9 @@ def train(**o) -> None:
     Reports ms/step (median and min-max over --steps after --warmup), tokens/s, achieved TFLOP/s (llm.c's
     6*params + 6*L*C*T per token), MFU where the backend reports its peak FLOP/s, the first and last loss
     (every backend starts from the same weights and data, so first losses agree), memory allocated through the
-    backend, device memory in use, and the process's peak RSS (cumulative over the backends run so far).
+    backend, device memory in use, and the process's peak RSS (cumulative over the backends run so far). A backend
+    that fails to start or raises while training is a line saying so, the others are still timed, and the exit
+    status is 1.
 
     \b
     Example:
@@ -314,6 +356,7 @@ def train(**o) -> None:
                             progress=progress)
         except (BenchError, DataError, ValueError) as e:  # TrainError is a ValueError too
             fail(str(e))
+    _failures(res, o)
     if o["plot"]:  # (before the report, as in `bench kernels`)
         _write_plot(plot_train, res, o["plot"])
     if _report_header(console, res, backends, skipped, o["as_json"]):
@@ -323,6 +366,8 @@ def train(**o) -> None:
         print_wide(console, train_table(res))
         for n in res["notes"]:
             console.print(f"[yellow]{escape(n)}[/]")
+    _report_failures(console, res, o["as_json"])
+    _fail_failures(res, "to train")
 
 
 @bench.command()
@@ -337,7 +382,9 @@ def decode(**o) -> None:
 
     The model (the preset's shape, seeded random weights) decodes greedily from a random prompt, one token at a time,
     with its host round trip (logits download, argmax) as `llmc sample` pays it. Past the window a rotary model's
-    cache slides; GPT-2's (learned absolute positions) refills from its newest half every window/2 tokens.
+    cache slides; GPT-2's (learned absolute positions) refills from its newest half every window/2 tokens. A
+    backend that fails to start or raises while decoding gets a row saying so, the others still decode, and the
+    exit status is 1.
 
     \b
     Example:
@@ -356,8 +403,13 @@ def decode(**o) -> None:
                              warmup=o["warmup"], seed=o["seed"], progress=progress)
         except ValueError as e:
             fail(str(e))
+    # a backend that failed to start gets its row too; either kind of failure is exit status 1
+    res["results"] += [{"backend": f["backend"], "failed": f["error"]} for f in o["_failed"]]
+    res["failed"] = [{"backend": r["backend"], "kernel": None, "error": r["failed"]}
+                     for r in res["results"] if "failed" in r]
     if _report_header(console, res, backends, skipped, o["as_json"]):
         print_wide(console, decode_table(res))
+    _fail_failures(res, "to decode")
 
 
 @bench.command()
@@ -410,7 +462,9 @@ def overlap(**o) -> None:
     from llmc_cli.commands.console import backend_options, console, fail
     _check_plot(o["plot"])
     try:
-        backends, skipped = resolve_backends(o["backend_names"], None, options=backend_options(o["backend_opt"]))
+        failed: list[tuple[str, str]] = []
+        backends, skipped = resolve_backends(o["backend_names"], None, options=backend_options(o["backend_opt"]),
+                                             failed=failed)
         backends, more = overlap_backends(backends, named=bool(o["backend_names"]))
     except BenchError as e:
         fail(str(e))
@@ -422,14 +476,20 @@ def overlap(**o) -> None:
                               repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"], progress=progress)
         except BenchError as e:
             fail(str(e))
+    o["_failed"] = [{"backend": label, "kernel": None, "error": why} for label, why in failed]
+    _failures(res, o)
+    if not res["failed"]:  # (its JSON's keys stay the documented ones unless a backend failed)
+        del res["failed"]
     if o["plot"]:  # (before the report, as in `bench kernels`)
         _write_plot(plot_overlap, res, o["plot"])
     if _report_header(console, res, backends, skipped + more, o["as_json"]):
         print_wide(console, overlap_table(res))
         for line in overlap_lines(res):
             console.print(line, markup=False)
+    _report_failures(console, res, o["as_json"])
     if res["mismatches"]:
         bad = ", ".join(f"{m['backend']} B={m['B']} {m['mode']} x{m['streams']} block {m['block']} {m['host_memory']} "
                         f"({m['max_rel_err']:.1e})" for m in res["mismatches"][:5])
         more_bad = f" and {len(res['mismatches']) - 5} more" if len(res["mismatches"]) > 5 else ""
         fail(f"{len(res['mismatches'])} case(s) differ from the numpy layernorm: {bad}{more_bad}", code=1)
+    _fail_failures(res, "to overlap copies")

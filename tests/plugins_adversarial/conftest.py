@@ -1,0 +1,26 @@
+"""Installs broken plugins (adv_plugins) beside the real cpu plugin for one test, through the registry's
+entry-point source, so that no other installed plugin (opencl, cuda) is probed or timed meanwhile."""
+
+from __future__ import annotations
+
+import adv_plugins
+import pytest
+
+from llmc_cli import registry
+
+
+@pytest.fixture
+def install(monkeypatch):
+    """install(*entry_points, cpu=True): the plugins `llmc` sees from now until the test ends."""
+    cpu = [e for e in registry._entry_points() if e.name == "cpu"]
+    monkeypatch.setenv("LLMC_PROBE_TIMEOUT", "1")
+
+    def use(*eps, cpu_too: bool = True):
+        listed = (cpu if cpu_too else []) + list(eps)
+        monkeypatch.setattr(registry, "_entry_points", lambda: list(listed))
+    adv_plugins.RELEASE.clear()
+    adv_plugins.PROBED.clear()
+    use()
+    yield use
+    adv_plugins.RELEASE.set()  # a hung probe's thread returns
+    registry._STUCK.clear()
