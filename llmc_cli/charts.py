@@ -3,15 +3,30 @@ matplotlib is optional (`pip install 'llmc[plot]'`); files are written only wher
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from llmc_cli.bench.backends import BenchError
 from llmc_cli.formats.files import atomic_file
+from llmc_cli.formats.rundir import check_outside_checkpoints
+
+
+def quiet(draw):
+    """`draw` with Python's warnings ignored: matplotlib's (an empty legend, a log axis with no positive value,
+    an overflow in its limits) are about the picture, nothing the user can act on, and stderr holds llmc's own
+    lines only."""
+    @functools.wraps(draw)
+    def drawn(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return draw(*args, **kwargs)
+    return drawn
 
 
 def require_matplotlib() -> None:
@@ -21,6 +36,7 @@ def require_matplotlib() -> None:
         raise BenchError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
 
 
+@quiet
 def plot_kernels(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -59,6 +75,7 @@ def _save(fig, path: str) -> None:
         plt.close(fig)
 
 
+@quiet
 def plot_train(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -78,6 +95,7 @@ def plot_train(res: dict, path: str) -> None:
     _save(fig, path)
 
 
+@quiet
 def plot_overlap(res: dict, path: str) -> None:
     """Per backend: GB/s against batch size (each line at its fastest block size) and against block size (at the
     largest batch); a colour per mode and stream count, solid for pinned host memory, dashed for pageable."""
@@ -209,11 +227,15 @@ def read_log(path: str | Path) -> list[dict]:
 
 
 def tokens_per_step(recs: list[dict]) -> float | None:
+    """Tokens one optimizer step takes, from the first record that tells (tokens_per_step, else tok_per_s x ms);
+    a count that is not positive or overflows (a damaged log: 1e200 tok/s for 1e200 ms) tells nothing."""
     for r in recs:
-        if (tps := number(r.get("tokens_per_step"))) is not None:
+        if (tps := number(r.get("tokens_per_step"))) is not None and tps > 0:
             return tps
         if (rate := number(r.get("tok_per_s"))) is not None and (ms := number(r.get("ms"))) is not None:
-            return round(rate * ms / 1e3)
+            tps = rate * ms / 1e3
+            if math.isfinite(tps) and tps >= 0.5:  # (round() of an infinity raises; of less than 0.5 is no tokens)
+                return round(tps)
     return None
 
 
@@ -230,12 +252,19 @@ def ema(values: list[float], factor: float) -> list[float]:
 
 
 def series(recs: list[dict], key: str, x: str, tps: float | None) -> tuple[list[float], list[float]]:
+    """The (x, y) points of `key`: records without a number there are skipped; a token count past float's range
+    stays in as an infinity, for check_range to name rather than a line quietly losing its end."""
     xs, ys = [], []
     for r in recs:
         v, step = number(r.get(key)), number(r["step"])
         if v is None or step is None:
             continue
-        at = step if x != "tokens" else number(r.get("tokens")) if "tokens" in r else number(step * tps)
+        if x != "tokens":
+            at = step
+        elif "tokens" in r:
+            at = number(r.get("tokens"))
+        else:
+            at = step * tps
         if at is None:
             continue
         xs.append(at)
@@ -243,15 +272,58 @@ def series(recs: list[dict], key: str, x: str, tps: float | None) -> tuple[list[
     return xs, ys
 
 
+# matplotlib computes its limits, margins and ticks in floats, and near float's largest value (1.8e308) they
+# overflow: `arange: cannot compute length` for losses of +-1e308, an OverflowError in a log axis's tick labels
+# once it spans some 500 decades. Values are held to bounds it draws (|v| <= 1e300 on a linear axis, at most
+# 1e200 on a log one); a log axis leaves out values at or below 1e-200 as it must zero and negatives.
+LINEAR_LIMIT = 1e300
+LOG_LIMIT = 1e200
+LOG_FLOOR = 1e-200
+
+
+def check_range(path: str | Path, field: str, values: list[float], log: bool = False) -> None:
+    """A PlotError naming the log and the field when `values` go past what matplotlib can draw (see LINEAR_LIMIT)."""
+    if log:
+        if any(not v <= LOG_LIMIT for v in values):
+            raise PlotError(f"{path}: {field} has values out of the plottable range (expected at most {LOG_LIMIT:g} "
+                            "on its log axis)")
+    elif any(not abs(v) <= LINEAR_LIMIT for v in values):
+        raise PlotError(f"{path}: {field} has values out of the plottable range (expected |{field}| <= "
+                        f"{LINEAR_LIMIT:g})")
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def check_png_target(path: str | Path, option: str = "--out") -> None:
-    """A picture may replace only a PNG: anything else already at `path` is the user's and stays."""
+    """A picture may replace only a PNG: anything else already at `path` is the user's and stays. Checked before
+    anything runs, so a name that could never be written is refused before a whole benchmark or plot, not after."""
     path = Path(path)
+    # a name past NAME_MAX (255 bytes on Linux, macOS and Windows file systems) fails only when it is created, and
+    # even the checks below would stop on it (ENAMETOOLONG), so it goes first
+    long = next((part for part in path.parts if len(os.fsencode(part)) > 255), None)
+    if long is not None:
+        raise PlotError(f"{option} {path}: a file or folder name of {len(os.fsencode(long))} bytes; at most 255 "
+                        "expected")
     if path.is_symlink() and not path.exists():  # (the rename would replace the link itself)
         raise PlotError(f"{option} {path}: a symbolic link to nothing (or to itself); give a new path; nothing was "
                         "changed")
+    check_outside_checkpoints(path, option, PlotError)
+    if path.exists():
+        if not path.is_file():
+            raise PlotError(f"{option} {path}: not a file")
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(PNG_MAGIC))
+        except OSError as e:
+            raise PlotError(f"{option} {path}: cannot read it ({e.strerror or e})") from None
+        if head != PNG_MAGIC:
+            raise PlotError(f"{option} {path}: exists and is not a PNG; llmc replaces only PNG files, so give a new "
+                            "path; nothing was changed")
+    # the bytes are always a PNG: under a .svg or .pdf name they would be a file no viewer opens as what it claims
+    # (checked after the above, so that a file of the user's there is named as theirs first)
+    if path.suffix and path.suffix.lower() != ".png":
+        raise PlotError(f"{option} {path}: expected a .png file name")
     if not path.exists():
         # its folder is made when the picture is written: a file where a folder of it belongs would fail only then
         # (after a whole benchmark), so it is refused now
@@ -259,17 +331,6 @@ def check_png_target(path: str | Path, option: str = "--out") -> None:
         if folder is not None and not folder.is_dir():
             raise PlotError(f"{option} {path}: {folder} is not a directory; give a path in a directory; nothing was "
                             "changed")
-        return
-    if not path.is_file():
-        raise PlotError(f"{option} {path}: not a file")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(PNG_MAGIC))
-    except OSError as e:
-        raise PlotError(f"{option} {path}: cannot read it ({e.strerror or e})") from None
-    if head != PNG_MAGIC:
-        raise PlotError(f"{option} {path}: exists and is not a PNG; llmc replaces only PNG files, so give a new "
-                        "path; nothing was changed")
 
 
 def save_png(fig, path: str | Path, dpi: int, option: str = "--out") -> Path:
@@ -284,45 +345,87 @@ def save_png(fig, path: str | Path, dpi: int, option: str = "--out") -> Path:
     return path
 
 
+PLOTTED = ", ".join(dict.fromkeys(k for _, _, keys, _ in PANELS for k, _, _ in keys))
+
+
 def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float = 0.0) -> Path:
+    """The PANELS of each run's log (those with a point to draw) into one PNG at `out`; any log that cannot be
+    drawn is a PlotError naming it before a figure is made, so nothing is written."""
     check_png_target(out)
     try:
         import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot  # (checked here, before a log is read; drawn with in _draw_runs)
     except ImportError:
         raise PlotError("matplotlib is not installed (pip install 'llmc[plot]' or pip install matplotlib)") from None
-    logs = [(label, read_log(r)) for label, r in zip(run_labels([str(r) for r in runs]), runs)]
-    panels = [p for p in PANELS if any(k in rec for _, recs in logs for rec in recs for k, _, _ in p[2])]
+    logs = [(label, resolve_log(r)) for label, r in zip(run_labels([str(r) for r in runs]), runs)]
+    # every line of every panel, gathered and checked first: {panel index: [(log index, key, style, label, xs, ys)]}
+    lines: dict[int, list] = {}
+    for i, (name, path) in enumerate(logs):
+        recs = read_log(path)
+        found = [(p, key, suffix, style) for p, (_, _, keys, _) in enumerate(PANELS) for key, suffix, style in keys
+                 if any(number(r.get(key)) is not None for r in recs)]
+        if not found:  # (an LLMC_STEP_PHASES file, say: step records of llmc's, but no curve of training in them)
+            raise PlotError(f"{path}: no plottable series (expected step records with {PLOTTED})")
+        tps = tokens_per_step(recs) if x == "tokens" else None
+        if x == "tokens" and tps is None and any("tokens" not in r for r in recs):
+            raise PlotError(f"{path}: the log has no tok_per_s and ms (or tokens_per_step) that count the tokens of "
+                            "a step; plot against step")
+        drawn, placed = 0, 0
+        for p, key, suffix, style in found:
+            xs, ys = series(recs, key, x, tps)
+            placed += len(xs)
+            check_range(path, "tokens" if x == "tokens" else "step", xs)
+            logy = PANELS[p][3]
+            check_range(path, key, ys, log=logy)
+            if key in ("loss", "norm", "tok_per_s"):
+                ys = ema(ys, smooth)
+            if logy:  # (zero, negatives and values too small to place have no point on a log axis)
+                kept = [(a, v) for a, v in zip(xs, ys) if v > LOG_FLOOR]
+                xs, ys = [a for a, _ in kept], [v for _, v in kept]
+            if len(xs) == 1 and "o" not in style:  # (a line through one point draws nothing: a lone val record)
+                style += "o"
+            if xs:
+                lines.setdefault(p, []).append((i, key, style, name + (f" {suffix}" if suffix else ""), xs, ys))
+                drawn += 1
+        fields = ", ".join(k for _, k, _, _ in found)
+        if not placed:  # (--x tokens where the records' own tokens are damaged)
+            raise PlotError(f"{path}: no plottable series (no record with {fields} has a number in tokens)")
+        if not drawn:  # (only values a log axis cannot place: a grad norm of 0 throughout)
+            raise PlotError(f"{path}: no plottable series (its {fields} values are all zero, negative or at most "
+                            f"{LOG_FLOOR:g}, which a log axis cannot place)")
+    return _draw_runs(lines, len(logs) > 1, x, out)
+
+
+@quiet
+def _draw_runs(lines: dict[int, list], several: bool, x: str, out: str | Path) -> Path:
+    """The panels plot_runs gathered, drawn and written (see quiet for the warnings)."""
+    import matplotlib.pyplot as plt
+    panels = sorted(lines)
     ncol = 2 if len(panels) > 1 else 1
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 3.6 * nrow), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, ylabel, keys, logy) in zip(axes.flat, panels):
-        for i, (name, recs) in enumerate(logs):
-            tps = tokens_per_step(recs)
-            if x == "tokens" and tps is None:
-                raise PlotError(f"{name}: the log has no tok_per_s/ms to count tokens; plot against step")
-            for key, suffix, style in keys:
-                xs, ys = series(recs, key, x, tps)
-                if not xs:
-                    continue
-                if key in ("loss", "norm", "tok_per_s"):
-                    ys = ema(ys, smooth)
-                label = name + (f" {suffix}" if suffix else "")
-                ax.plot(xs, ys, style, color=colors[i % len(colors)], label=label, lw=1.2, ms=3)
-        ax.set_title(title)
-        ax.set_xlabel("tokens seen" if x == "tokens" else "optimizer step")
-        ax.set_ylabel(ylabel)
-        if logy:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        if len(logs) > 1 or len(keys) > 1:
-            ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    fig.tight_layout()
     try:
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for ax, p in zip(axes.flat, panels):
+            title, ylabel, keys, logy = PANELS[p]
+            for i, key, style, label, xs, ys in lines[p]:
+                ax.plot(xs, ys, style, color=colors[i % len(colors)], label=label, lw=1.2, ms=3)
+            ax.set_title(title)
+            ax.set_xlabel("tokens seen" if x == "tokens" else "optimizer step")
+            ax.set_ylabel(ylabel)
+            if logy:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            if several or len(keys) > 1:
+                ax.legend(fontsize=8)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        fig.tight_layout()
         return save_png(fig, out, dpi=110)
+    except PlotError:
+        raise
+    except (ValueError, OverflowError) as e:  # (values inside the bounds above that matplotlib still fails on)
+        raise PlotError(f"{out}: matplotlib cannot draw these logs' values ({e}); nothing was written") from None
     finally:
         plt.close(fig)

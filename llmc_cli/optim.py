@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Real
 
 import numpy as np
 
@@ -49,14 +50,34 @@ class AdamWConfig:
     grad_clip: float = 1.0
 
     def validate(self) -> None:
-        """Each value finite and where AdamW is defined (beta = 1 divides by zero in the bias correction)."""
-        checks = (("--lr", self.lr, 0.0, None), ("--beta1", self.beta1, 0.0, 1.0), ("--beta2", self.beta2, 0.0, 1.0),
-                  ("eps", self.eps, 0.0, None), ("--weight-decay", self.weight_decay, 0.0, None),
-                  ("--grad-clip", self.grad_clip, 0.0, None))
-        for name, v, lo, hi in checks:
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= lo and (hi is None or v < hi)):
-                want = f"in [{lo:g}, {hi:g})" if hi is not None else f">= {lo:g}"
-                raise ValueError(f"{name} must be a finite number {want} (got {v})")
+        """Each value a real number (not a bool; numpy scalars are numbers), finite and where AdamW is defined:
+        beta = 1 divides by zero in the bias correction, and eps = 0 divides by zero wherever a moment is zero
+        (every update after the first then holds NaN and is skipped). ValueError naming the field (and the
+        command line's option, where there is one)."""
+        self.checked()
+
+    def checked(self) -> "AdamWConfig":
+        """A copy with every value a Python float, after `validate`'s checks (np.float32(1e-3) is a learning rate;
+        True is not)."""
+        out = {}
+        for name, flag, lo, hi, lo_open in _CHECKS:
+            v = getattr(self, name)
+            want = (f"in [{lo:g}, {hi:g})" if hi is not None else f"{'>' if lo_open else '>='} {lo:g}")
+            where = f"{flag} must be a finite number {want} (got {name}={v!r})" if flag else \
+                f"{name} must be a finite number {want} (got {v!r})"
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, Real):
+                raise ValueError(where)
+            x = float(v)
+            if not (math.isfinite(x) and (x > lo if lo_open else x >= lo) and (hi is None or x < hi)):
+                raise ValueError(where)
+            out[name] = x
+        return AdamWConfig(**out)
+
+
+# (field, the command line's option or None, low bound, high bound (exclusive) or None, low bound exclusive)
+_CHECKS = (("lr", "--lr", 0.0, None, False), ("beta1", "--beta1", 0.0, 1.0, False),
+           ("beta2", "--beta2", 0.0, 1.0, False), ("eps", None, 0.0, None, True),
+           ("weight_decay", "--weight-decay", 0.0, None, False), ("grad_clip", "--grad-clip", 0.0, None, False))
 
 
 def lr_at(step: int, max_lr: float, warmup: int, total_steps: int, final_frac: float) -> float:

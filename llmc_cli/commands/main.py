@@ -41,9 +41,9 @@ class _StdoutFd(io.RawIOBase):
 
     name = "<stdout>"
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, closed: bool = False):
         super().__init__()
-        self._fd, self._failed = fd, False
+        self._fd, self._failed, self._closed = fd, False, closed
 
     def writable(self) -> bool:
         return True
@@ -60,6 +60,9 @@ class _StdoutFd(io.RawIOBase):
         import os
         if self._failed:
             return memoryview(b).nbytes
+        if self._closed:  # (started with it closed: what the command says would be lost, and so is its result)
+            self._failed = True
+            raise OSError(errno.EBADF, "closed when llmc started (>&-)", STDOUT_NAME)
         try:
             return os.write(self._fd, b)
         except BlockingIOError:  # (a non-blocking descriptor that is full: as FileIO answers)
@@ -81,6 +84,7 @@ def _guard_stdout() -> None:
     buffering; its last flush at exit may then fail only quietly (the command already reported its own end)."""
     import atexit
     import sys
+    _closed_at_start()
     out = sys.stdout
     if out is not sys.__stdout__ or not isinstance(out, io.TextIOWrapper):
         return
@@ -92,6 +96,31 @@ def _guard_stdout() -> None:
     sys.stdout = io.TextIOWrapper(io.BufferedWriter(_StdoutFd(fd)), encoding=out.encoding, errors=out.errors,
                                   newline="\n", line_buffering=out.line_buffering, write_through=out.write_through)
     atexit.register(_flush_quietly)
+
+
+def _closed_at_start() -> None:
+    """Started with standard output closed (`>&-`: sys.stdout is None; entry.py has put /dev/null on the
+    descriptor): its first write fails, so a command whose result is its output does not end in success with the
+    result lost. A closed standard error goes nowhere (nothing can be said)."""
+    import os
+    import sys
+    if sys.stdout is None:
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(_StdoutFd(-1, closed=True)), encoding="utf-8", newline="\n")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+
+
+def _check_working_directory() -> None:
+    """Relative paths are made absolute from the working directory: one deleted under the shell (`rmdir` of it
+    elsewhere) made every such path fail with a bare "No such file or directory" naming no file."""
+    import os
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        fail("the current directory no longer exists (deleted while this shell was in it); cd to a directory "
+             "that does")
+    except OSError:  # (a path too long for getcwd: relative paths still work through the kernel)
+        pass
 
 
 def _flush_quietly() -> None:
@@ -121,6 +150,7 @@ class _Main(click.Group):
         from llmc_cli.commands import interrupts
         try:
             try:
+                _check_working_directory()
                 rv = super().invoke(ctx)
             except (SystemExit, click.exceptions.Exit) as e:
                 if (e.code if isinstance(e, SystemExit) else e.exit_code) in (0, None) and sys.stdout is not None:

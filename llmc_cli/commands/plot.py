@@ -15,7 +15,8 @@ from llmc_cli.commands.options import Real
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", default=None, type=click.Path(),
-              help="PNG file to write  [default: RUN/plot.png for one run, ./plot.png for several]")
+              help="PNG file to write, a .png name (the picture is always a PNG)  [default: RUN/plot.png for one "
+                   "run, ./plot.png for several]")
 @click.option("--x", "x", type=click.Choice(["step", "tokens"]), default="step", show_default=True,
               help="Horizontal axis.")
 @click.option("--smooth", type=Real(0, 1, max_open=True), default=0.0, show_default=True,

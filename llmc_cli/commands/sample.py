@@ -76,6 +76,10 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     from llmc_cli.inference.sampling import generate
     if prompt is not None and prompt_file is not None:
         fail("give --prompt or --prompt-file, not both")
+    if prompt is not None and (bad := next((c for c in prompt if 0xD800 <= ord(c) <= 0xDFFF), None)) is not None:
+        # (bytes that are not UTF-8 arrive as lone surrogates, which the tokenizer would make U+FFFD of, silently)
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"{bad!r}"
+        fail(f"--prompt: not UTF-8 text ({byte}); give UTF-8, or the text in a UTF-8 file with --prompt-file")
     if prompt_file is not None:
         try:
             with open(prompt_file, "rb") as f:
@@ -126,13 +130,17 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
         out: list[int] = []
         shown = 0  # out[:shown] is printed; decoding only the rest keeps a long sample linear in its length
         t0 = time.perf_counter()
-        for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
-                          kv_cache=kv, vocab_limit=tok.vocab_size):
-            out.append(t)
-            text = tok.decode(out[shown:])
-            if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing
-                click.echo(show(text), nl=False, color=True)
-                shown = len(out)
+        try:
+            for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
+                              kv_cache=kv, vocab_limit=tok.vocab_size):
+                out.append(t)
+                text = tok.decode(out[shown:])
+                if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing
+                    click.echo(show(text), nl=False, color=True)
+                    shown = len(out)
+        except ValueError as e:  # (a backend's kernel that is announced and missing: one line naming both)
+            click.echo()
+            fail(f"--backend {be.name}: {e}")
         seconds += time.perf_counter() - t0
         total += len(out)
         click.echo(show(tok.decode(out[shown:])), color=True)

@@ -253,13 +253,18 @@ def train(**o) -> None:
            with --resume
       130  stopped by a signal with nothing saved (no --out, or a second signal during the checkpoint)
     """
+    import os
+
     from llmc_cli.data.tokenizer import load_tokenizer
     from llmc_cli.formats.files import DataError
-    from llmc_cli.formats.rundir import RunDirError, check_out, check_outside_checkpoints
+    from llmc_cli.formats.rundir import LOCK_FILE, RunDirError, check_out, check_outside_checkpoints
     from llmc_cli.formats.runlog import LogError, check_log
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
 
+    for key in ("out", "init", "log", "tensorboard", "hellaswag", "val_data", "data", "init_file"):
+        if o.get(key) == "":  # (an empty path is falsy: it would be taken as the option left out, silently)
+            fail(f"--{key.replace('_', '-')}: an empty path; give a path, or leave the option out")
     if o["hellaswag"]:  # checked now: a bad eval file is one line before anything runs, not after the banner
         from llmc_cli.formats.evalfile import read_evalfile
         try:
@@ -281,8 +286,15 @@ def train(**o) -> None:
             _check_config_target(Path(o["out"]) / CONFIG_FILE)
         if o["log"]:
             check_log(o["log"])
+            if o["out"] and os.path.realpath(o["log"]) in {os.path.realpath(Path(o["out"]) / n)
+                                                           for n in (LOCK_FILE, "latest", CONFIG_FILE)}:
+                fail(f"--log {o['log']}: a file of the run directory's own (its lock, `latest` or {CONFIG_FILE}); "
+                     "give another path, or leave --log out for OUT/log.jsonl")
         if o["tensorboard"]:
             check_outside_checkpoints(o["tensorboard"], "--tensorboard")
+            if os.path.lexists(o["tensorboard"]) and not os.path.isdir(o["tensorboard"]):  # (before --out is made)
+                fail(f"--tensorboard {o['tensorboard']}: not a directory; give a directory llmc may create or "
+                     "write event files in")
     except (RunDirError, LogError) as e:
         fail(str(e))
     # data parallel (issue 7): start the ranks here, or take this process's place among them
@@ -773,6 +785,7 @@ def _options_from_run(o: dict) -> list[str]:
             continue  # the run directory's own log: what a run with --out uses anyway
         if o[key] != value:
             o[key] = value
+            ctx.params[key] = value  # (what config.toml records: the options in effect, not click's defaults)
             flag = "--" + key.replace("_", "-")
             taken.append(flag if value is True else f"{flag} {value}")
     return taken

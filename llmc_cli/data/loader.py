@@ -16,10 +16,18 @@ from typing import Iterator
 import numpy as np
 
 from llmc_cli.formats.files import DataError
-from llmc_cli.formats.shards import read_shard, read_shard_header, resolve_shards
+from llmc_cli.formats.shards import MAX_TOKENS, read_shard, read_shard_header, resolve_shards
 
 # ----------------------------------------------------------------------------------------------
 # loaders
+
+
+def _int_arg(name: str, v, lo: int, extra: str = "") -> int:
+    """`v` as a Python int when it is an integer (numpy's too; never a bool, a float such as 4.7, or NaN) >= lo,
+    else a DataError naming the argument."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise DataError(f"{name} must be an integer >= {lo}{' ' + extra if extra else ''} (got {v!r})")
+    return int(v)
 
 
 class DataLoader:
@@ -36,14 +44,26 @@ class DataLoader:
 
     def __init__(self, pattern, B: int, T: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = False, seed: int = 42, vocab_size: int | None = None):
-        if B < 1 or T < 1:
-            raise DataError(f"batch shape must be positive, got B={B} T={T}")
-        if world_size < 1 or not 0 <= rank < world_size:
+        if not (isinstance(pattern, (str, os.PathLike)) or (isinstance(pattern, (list, tuple)) and pattern and all(
+                isinstance(p, (str, os.PathLike)) for p in pattern))):
+            raise DataError(f"shards must be a directory, a glob or a list of shard paths (got {pattern!r:.80})")
+        B, T, world_size = (_int_arg(n, v, 1) for n, v in (("B", B), ("T", T), ("world_size", world_size)))
+        rank = _int_arg("rank", rank, 0)
+        if B * T * world_size > MAX_TOKENS:  # (a window's offsets are int32 in the kernels and the shard format)
+            raise DataError(f"B*T*world_size = {B}*{T}*{world_size} = {B * T * world_size:,} tokens a batch, more "
+                            f"than a shard can hold ({MAX_TOKENS:,})")
+        if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is not in 0..{world_size - 1}")
-        self.B, self.T = int(B), int(T)
-        self.rank, self.world_size = int(rank), int(world_size)
-        self.shuffle, self.seed = bool(shuffle), int(seed)
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise DataError(f"shuffle must be True or False (got {shuffle!r})")
+        seed = _int_arg("seed", seed, 0)
+        if vocab_size is not None:
+            vocab_size = _int_arg("vocab_size", vocab_size, 1, "or None (no check)")
+        self.B, self.T = B, T
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed = bool(shuffle), seed
         self.vocab_size = vocab_size
+        self._checked_for: set[tuple[int, int]] = set()  # (shard, vocab size) checked for another vocab size
         self.pattern = pattern
         self.files = resolve_shards(pattern, split=self.SPLIT)
         self.infos = [read_shard_header(f) for f in self.files]
@@ -122,15 +142,19 @@ class DataLoader:
         if self.vocab_size is not None and file_index not in self._checked:
             self._check_shard(file_index, self._mm)
 
-    def _check_shard(self, file_index: int, tokens: np.ndarray) -> None:
+    def _check_shard(self, file_index: int, tokens: np.ndarray, vocab_size: int | None = None) -> None:
+        V = self.vocab_size if vocab_size is None else vocab_size
         hi = int(tokens.max()) if tokens.size else -1
-        if hi >= self.vocab_size:
-            where = int(np.argmax(tokens >= self.vocab_size))
+        if hi >= V:
+            where = int(np.argmax(tokens >= V))
             raise DataError(
                 f"{self.files[file_index]}: token id {int(tokens[where])} at position {where:,} is >= "
-                f"the model's vocab size {self.vocab_size:,} (shard format: "
+                f"the model's vocab size {V:,} (shard format: "
                 f"{self.infos[file_index].tokenizer}; tokenized with a different vocabulary?)")
-        self._checked.add(file_index)
+        if V == self.vocab_size:
+            self._checked.add(file_index)
+        else:
+            self._checked_for.add((file_index, V))
 
     def check_vocab(self, vocab_size: int | None = None) -> None:
         """Check every shard now for ids >= vocab_size (default: the loader's vocab_size)."""
@@ -215,15 +239,21 @@ class ValLoader(DataLoader):
     def num_batches(self) -> int:
         return self.batches_per_epoch
 
-    def check_vocab_of_batches(self, n: int | None = None) -> None:
-        """Check, now, every shard the first ``n`` batches (None or 0: all) read for ids >= vocab_size: a run that
-        validates would otherwise meet a bad later val shard only at its first validation, mid-run."""
+    def check_vocab_of_batches(self, n: int | None = None, vocab_size: int | None = None) -> None:
+        """Check, now, every shard the first ``n`` batches (None or 0: all) read for ids >= vocab_size (default: the
+        loader's; a model's, when the loader was made without one or with a larger one): a run that validates would
+        otherwise meet a bad later val shard only at its first validation, mid-run."""
         total = self.num_batches if not n or n <= 0 else min(int(n), self.num_batches)
+        if vocab_size == self.vocab_size:
+            vocab_size = None
         covered = 0
         for i in range(self.num_shards):
             if covered >= total:
                 break
-            if self.vocab_size is not None and i not in self._checked:
+            if vocab_size is not None:
+                if (i, vocab_size) not in self._checked_for:
+                    self._check_shard(i, read_shard(self.files[i]), vocab_size)
+            elif self.vocab_size is not None and i not in self._checked:
                 self._check_shard(i, read_shard(self.files[i]))
             covered += self.shard_samples(i)
 

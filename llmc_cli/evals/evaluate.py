@@ -41,17 +41,47 @@ def check_shards_tokenizer(loader: ValLoader, expected: str | None, whose: str =
                         f"evaluate on shards made by `llmc tokenize ... --tokenizer {expected}`")
 
 
+def _count(name: str, v) -> int:
+    """`v` as a Python int when it is an integer >= 0 (numpy's too; not a bool, 1.5 or NaN), else a ValueError."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0 = all; got {v!r})")
+    return int(v)
+
+
 def eval_batches(loader: ValLoader, batches: int) -> int:
     """How many batches `evaluate_loss(loader, batches)` runs: `batches`, at most the loader's (0 = all)."""
-    return loader.num_batches if batches <= 0 else min(int(batches), loader.num_batches)
+    batches = _count("batches", batches)
+    return loader.num_batches if batches <= 0 else min(batches, loader.num_batches)
+
+
+def check_model(model, who: str) -> None:
+    """A ValueError of one line for something that is not a model (load_model makes one)."""
+    if not isinstance(model, Model):
+        raise ValueError(f"{who}: model must be a model from llmc.load_model (got {model!r:.80})")
 
 
 def evaluate_loss(model: Model, loader: ValLoader, batches: int,
                   on_batch: Callable[[int, int], None] | None = None) -> float:
     """Mean loss over the first `batches` batches of the loader, in order (0 = all of them, once);
     `on_batch(done, total)` after each (progress). Shards of another tokenizer than the model's (when it is
-    known: `model.tokenizer`) are refused with a DataError."""
+    known: `model.tokenizer`), or holding an id outside the model's vocabulary, are refused with a DataError
+    naming the shard; a loader of another batch shape than the model's, or a `batches` that is not a count, with
+    a ValueError."""
+    check_model(model, "evaluate_loss")
+    if not isinstance(loader, ValLoader):
+        raise ValueError(f"evaluate_loss: loader must be a ValLoader (got {loader!r:.80})")
+    batches = _count("batches", batches)
+    if (loader.B, loader.T) != (model.B, model.T):
+        raise ValueError(f"evaluate_loss: the loader's batches are B={loader.B} T={loader.T} but the model is planned "
+                         f"for B={model.B} T={model.T}; give both the same B and T")
+    if on_batch is not None and not callable(on_batch):
+        raise ValueError(f"evaluate_loss: on_batch must be a function or None (got {on_batch!r:.80})")
     check_shards_tokenizer(loader, model.tokenizer)
+    # ids past the model's vocabulary read memory past its embedding table (a segfault on a device): the shards
+    # these batches read are checked against it, as a loader given the model's vocab_size checks every shard it opens
+    V = model.cfg.vocab_size
+    if loader.vocab_size is None or loader.vocab_size > V:
+        loader.check_vocab_of_batches(batches, vocab_size=V)
     total, n = 0.0, 0
     todo = eval_batches(loader, batches)
     for x, y in loader.batches(batches):
@@ -111,12 +141,17 @@ class HellaSwag:
     ahead (a file of another is refused here); each model scored is checked against the file as well."""
 
     def __init__(self, path: str, limit: int = 0, tokenizer: str | None = None, whose: str = "the model"):
+        if isinstance(limit, (bool, np.bool_)) or not isinstance(limit, (int, np.integer)) or limit < 0:
+            raise ValueError(f"HellaSwag: limit must be an integer >= 0 (0 = every example; got {limit!r})")
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            raise ValueError(f"HellaSwag: tokenizer must be a tokenizer's name such as 'gpt2', or None (got "
+                             f"{tokenizer!r:.80})")
         self.path = str(path)
         self.tokenizer = read_evalfile_header(path).tokenizer  # whose ids the file holds
         check_tokenizer(self.path, self.tokenizer, tokenizer, whose, HELLASWAG_REMEDY.format(tokenizer))
         self.examples = read_evalfile(path)
         if limit > 0:
-            self.examples = self.examples[:limit]
+            self.examples = self.examples[:int(limit)]
         if not self.examples:
             raise DataError(f"{path}: no examples")
         self.longest = max(len(e["ctx_tokens"]) + max(len(t) for t in e["ending_tokens"]) for e in self.examples)
@@ -124,6 +159,7 @@ class HellaSwag:
         self._model: Model | None = None
 
     def model_for(self, model: Model) -> Model:
+        check_model(model, "HellaSwag")
         check_tokenizer(self.path, self.tokenizer, model.tokenizer, remedy=HELLASWAG_REMEDY.format(model.tokenizer))
         cfg = model.cfg
         if self.max_id >= cfg.vocab_size:

@@ -35,6 +35,7 @@ from llmc_cli.formats.files import (
     replace_dir,
 )
 from llmc_cli.formats.hf import TOKENIZER_FILE
+from llmc_cli.formats.rundir import step_dirs
 from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.llama_file import (
     read_llama_header,
@@ -119,6 +120,9 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
     run_dir = Path(run_dir)
     final = run_dir / step_dir_name(step)
     tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
+    if os.path.lexists(final) and not final.is_dir():  # (replace_dir would move it aside and leave it there)
+        raise CheckpointError(f"cannot write the checkpoint {final}: something that is not a checkpoint folder is "
+                              "there under its name; llmc will not replace it (move it)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if tokenizer_file is not None and not (run_dir / TOKENIZER_FILE).is_file():
@@ -156,7 +160,8 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
                               f"({e.strerror or e}); it still names the step before") from None
     fault_delay("rotate")
     if keep > 0:  # the step just written always stays (even if a resumed run left newer-named steps behind)
-        others = sorted(p for p in run_dir.glob("step_*") if p.is_dir() and p.name != final.name)
+        # (only llmc's own names: a user's step_00000003.bak or step_best beside them is not a checkpoint)
+        others = [p for p in step_dirs(run_dir) if p.name != final.name]
         for p in others[:max(len(others) - (keep - 1), 0)]:
             shutil.rmtree(p, ignore_errors=True)
     return final
@@ -167,8 +172,8 @@ def _model_in(step_dir: Path) -> Path | None:
 
 
 def _complete_steps(run_dir: Path) -> list[Path]:
-    return sorted(p for p in run_dir.glob("step_*") if p.is_dir() and _model_in(p) is not None and all(
-        (p / f).is_file() for f in ("optimizer.npz", "state.json")))
+    return [p for p in step_dirs(run_dir) if _model_in(p) is not None and all(
+        (p / f).is_file() for f in ("optimizer.npz", "state.json"))]
 
 
 RUN_STATE_VERSION = 1
@@ -233,7 +238,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return model
     if path.is_dir() and (complete := _complete_steps(path)):  # killed before its first `latest` was written
         return _model_in(complete[-1])
-    steps = sorted(p.name for p in path.glob("step_*") if p.is_dir()) if path.is_dir() else []
+    steps = [p.name for p in step_dirs(path)] if path.is_dir() else []
     if steps:  # (a run killed while writing its first checkpoint, or step folders made by hand)
         raise CheckpointError(f"{path}: a run directory with no complete checkpoint: no step folder here "
                               f"({', '.join(steps[:3])}{', ...' if len(steps) > 3 else ''}) holds model.bin or "

@@ -4,6 +4,7 @@ written, recognised by its magic number."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from contextlib import contextmanager
@@ -126,10 +127,17 @@ class DirectoryLock:
         except OSError as e:
             raise self.error(f"{where}: cannot create {self.what} ({e.strerror or e})") from None
         while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link: the pid written below would replace the file it points to, anywhere
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise self.error(f"{where}: its lock file {self.name} is a symbolic link; llmc writes its lock "
+                                     "only into a file of its own, so remove the link") from None
                 raise self.error(f"{where}: cannot create its lock file {self.name} ({e.strerror or e})") from None
+            if not self._ours(fd):  # (a user's file under the lock's name is removed when the lock is let go)
+                os.close(fd)
+                raise self.error(f"{where}: {path} is not an llmc lock file (a process id), so llmc will not use or "
+                                 "remove it; move it") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -154,6 +162,18 @@ class DirectoryLock:
             pass
         self._fd = fd
         return self
+
+    @staticmethod
+    def _ours(fd: int) -> bool:
+        """A regular file, empty (new, or its writer killed before the pid) or holding a process id."""
+        import stat
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if st.st_size == 0:
+            return True
+        head = os.pread(fd, 33, 0)
+        return len(head) <= 32 and head.strip().isdigit()
 
     def release(self) -> None:
         if self._fd is None:

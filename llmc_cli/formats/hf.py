@@ -5,6 +5,7 @@ family's names and config keys are in hf_gpt2.py and hf_llama3.py."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,15 @@ LLMC_TOKENIZER_KEY = "llmc_tokenizer"  # config.json of a Llama llmc trained wit
 
 
 # ---- Hugging Face directories, any family: single-file or sharded safetensors under an index ------------------
+def check_layer_count(path: str | Path, names, pattern: str, key: str, n_layer: int) -> None:
+    """Weights of a layer past config.json's count (`pattern` matches a tensor name, its group 1 the layer) are
+    refused: the import would drop them without a word and make a shallower model."""
+    found = {int(m.group(1)) for n in names if (m := re.match(pattern, n))}
+    if extra := sorted(i for i in found if i >= n_layer):
+        raise CheckpointError(f"{path}: holds weights of layer {extra[0]} (layers 0..{max(found)} in all) but "
+                              f"config.json says {key} = {n_layer}; correct config.json")
+
+
 def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of a single-file or sharded (index.json) safetensors checkpoint, as float32."""
     path = Path(path)

@@ -16,6 +16,7 @@ import numpy as np
 from llmc_cli.formats.files import CheckpointError, atomic_write_bytes
 from llmc_cli.formats.hf import (
     GPT2_HF_KEYS,
+    check_layer_count,
     hf_field_names,
     read_config_json,
     read_hf_tensors,
@@ -126,6 +127,7 @@ def import_hf(path: str | Path) -> tuple[GPT2Config, np.ndarray]:
 
     # every tensor is found and its shape checked before the parameters are allocated: a config.json describing
     # a model far larger than its weights is refused here, not allocated
+    check_layer_count(path, tensors, r"transformer\.h\.(\d+)\.", "n_layer", cfg.n_layer)
     C, V = cfg.n_embd, cfg.vocab_size
     wte, wpe = get("transformer.wte.weight", (V, C)), get("transformer.wpe.weight", (cfg.block_size, C))
     shapes = dict(parameter_shapes(cfg))

@@ -18,6 +18,7 @@ from llmc_cli.formats.files import CheckpointError, atomic_write_bytes
 from llmc_cli.formats.hf import (
     LLMC_TOKENIZER_KEY,
     TOKENIZER_FILE,
+    check_layer_count,
     hf_field_names,
     read_config_json,
     read_hf_tensors,
@@ -182,6 +183,7 @@ def import_hf(path: str | Path) -> tuple[Llama3Config, np.ndarray]:
 
     # every tensor is found and its shape checked before the parameters are allocated: a config.json describing
     # a model far larger than its weights is refused here, not allocated
+    check_layer_count(path, t, r"model\.layers\.(\d+)\.", "num_hidden_layers", cfg.n_layer)
     wte = get("model.embed_tokens.weight", (V, C))
     layer_shapes = (("input_layernorm.weight", (C,)), ("self_attn.q_proj.weight", (NH * hd, C)),
                     ("self_attn.k_proj.weight", (NKV * hd, C)), ("self_attn.v_proj.weight", (NKV * hd, C)),

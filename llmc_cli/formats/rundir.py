@@ -61,8 +61,17 @@ def check_out(out: str | Path, resume: bool) -> None:
                           "(new, or holding a run to --resume)")
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file; expected a run directory (new, or holding a run to --resume)")
+    if not os.path.lexists(out):  # (its folder is made at the start: a file where a parent belongs fails there)
+        above = next((p for p in out.absolute().parents if os.path.lexists(p)), None)
+        if above is not None and not above.is_dir():
+            raise RunDirError(f"--out {out}: {above} is not a directory; give a run directory in a directory")
     if (step := step_folder_of(out)) is not None:
         raise RunDirError(f"--out {out} is inside the checkpoint {step}; give a directory outside the step folders")
+    if out.is_dir():  # a file or a link to nothing under a step's name: its checkpoint could not be written there
+        for p in sorted(out.iterdir()):
+            if STEP_DIR.fullmatch(p.name) and not p.is_dir():
+                raise RunDirError(f"--out {out}: {p.name} is not a checkpoint folder; llmc will not replace it, so "
+                                  "move it or give another --out")
     latest = out / "latest"
     if os.path.lexists(latest) and not latest.is_file():  # a run writes it after every checkpoint: refused now,
         # not after the steps it took (and a directory, a FIFO or a link to nothing there is not llmc's pointer)

@@ -86,6 +86,17 @@ def log_lock(path: str | Path):
                          "give another --log", label=f"--log {path}")
 
 
+def is_runs_own_log(path: str | Path, out: str | Path | None, recorded: dict) -> bool:
+    """Whether a resumed run's --log is the log that run wrote (inside its directory, or the --log it recorded):
+    only that one is trimmed back to the checkpoint. Another run's log, given by mistake, is appended to whole."""
+    import os
+    real = Path(os.path.realpath(path))
+    if out and real.is_relative_to(os.path.realpath(out)):
+        return True
+    rec = recorded.get("log")
+    return isinstance(rec, str) and bool(rec) and Path(os.path.realpath(rec)) == real
+
+
 def open_log(path: str | Path, resume_step: int | None) -> IO[str]:
     """The log opened for appending; on resume, first trimmed back to what the checkpoint at `resume_step`
     had logged. The caller has passed `path` through check_log (the Trainer does, as it starts)."""

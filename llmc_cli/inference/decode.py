@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc_cli.kernels import CAP_GRAPHS, CAP_KV_CACHE, INT32
-from llmc_cli.models.base import Model
+from llmc_cli.models.base import Model, backend_capabilities, unimplemented_kernel
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "the prompt") -> np.ndarray:
@@ -41,7 +41,7 @@ def check_token_ids(ids, vocab_size: int, what: str = "the prompt") -> np.ndarra
 def has_kv_cache(model: Model) -> bool:
     """True when `model` can decode incrementally (it has the decode methods) and its backend announces
     CAP_KV_CACHE; other models and backends fall back to full recomputation."""
-    return hasattr(model, "decode_forward") and CAP_KV_CACHE in model.backend.capabilities
+    return hasattr(model, "decode_forward") and CAP_KV_CACHE in backend_capabilities(model.backend)
 
 
 class KVDecoder:
@@ -54,6 +54,10 @@ class KVDecoder:
         cfg, k = model.cfg, model.backend
         limit = model.decode_max_len()
         S = model.T if max_len is None else max_len
+        for name, v in (("B", B), ("max_len", S), ("chunk", chunk)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"KVDecoder: {name} must be an integer >= 1 (got {v!r})")
+        B, S, chunk = int(B), int(S), int(chunk)
         if not 1 <= S <= limit:
             raise ValueError(f"a key/value cache of {S} positions: the model takes 1..{limit} (its block size)")
         if B < 1 or chunk < 1:
@@ -72,7 +76,7 @@ class KVDecoder:
         self.k_cache = [k.view(self.k_all, l * step, cache_shape) for l in range(L)]
         self.v_cache = [k.view(self.v_all, l * step, cache_shape) for l in range(L)]
         self._views: dict[int, dict] = {}  # Tn -> the planned buffers' (B, Tn, ...) views
-        self.graphs = CAP_GRAPHS in k.capabilities
+        self.graphs = CAP_GRAPHS in backend_capabilities(k)
         self.pos_buf = k.alloc((1,), INT32, tag="kv_decode") if self.graphs else None
         self._step, self._warm = None, False  # the captured one-token step, once a first one ran uncaptured
         self.reset()
@@ -91,7 +95,14 @@ class KVDecoder:
 
     def feed(self, tokens: np.ndarray) -> np.ndarray:
         """Appends tokens (B, n) (any n >= 1) and returns float32 logits (B, V) after the last. A first feed longer
-        than the cache keeps its newest S tokens."""
+        than the cache keeps its newest S tokens. A kernel the backend announces but lacks (NotImplementedError from
+        attention_decode or capture) is a ValueError of one line naming the backend and the kernel."""
+        try:
+            return self._feed(tokens)
+        except NotImplementedError as e:
+            raise ValueError(unimplemented_kernel(self.backend, e)) from None
+
+    def _feed(self, tokens: np.ndarray) -> np.ndarray:
         tokens = check_token_ids(tokens, self.cfg.vocab_size, "the tokens fed")
         if tokens.ndim == 1:
             tokens = tokens[None, :]

@@ -17,14 +17,58 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     token 0 every time, a negative one was greedy, a top_p of NaN or <= 0 and a negative top_k were ignored."""
     import math
     from numbers import Integral, Real
-    if not (isinstance(temperature, Real) and math.isfinite(temperature)
+    if isinstance(temperature, (bool, np.bool_)) or not (  # (True is no temperature: bools are not numbers)
+            isinstance(temperature, Real) and math.isfinite(temperature)
             and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
         raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g} "
                          f"(got {temperature!r})")
-    if isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 0:
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, Integral) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 = all; got {top_k!r})")
-    if not (isinstance(top_p, Real) and 0 < top_p <= 1):
+    if isinstance(top_p, (bool, np.bool_)) or not (isinstance(top_p, Real) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 = off; got {top_p!r})")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_generate(model: Model, prompt, max_new_tokens, rng, stop_token, kv_cache, vocab_limit) -> np.ndarray:
+    """generate's arguments, each checked (a ValueError of one line naming it): returns the prompt's ids."""
+    if not isinstance(model, Model):
+        raise ValueError(f"generate: model must be a model from llmc.load_model (got {model!r:.80})")
+    if model.B != 1:
+        raise ValueError("generate needs a model planned for B=1")
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"the prompt must be a list of token ids (encode text with the model's tokenizer first; "
+                         f"got {prompt!r:.40})")
+    try:
+        ids = np.asarray(prompt)
+    except (ValueError, TypeError):  # (lists of different lengths)
+        raise ValueError(f"the prompt must be one sequence of token ids, a list or a 1-D array (got "
+                         f"{prompt!r:.80})") from None
+    if ids.ndim != 1:
+        raise ValueError(f"the prompt must be one sequence of token ids, a list or a 1-D array (got an array of "
+                         f"shape {ids.shape})")
+    if ids.size == 0:
+        raise ValueError("the prompt must hold at least one token")
+    if not _is_int(max_new_tokens):
+        raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens is {max_new_tokens}, expected 0 or more")
+    if not isinstance(rng, np.random.Generator):
+        raise ValueError(f"rng must be a numpy Generator, e.g. np.random.default_rng(0) (got {rng!r:.80})")
+    V = model.cfg.vocab_size
+    if vocab_limit is not None and not (_is_int(vocab_limit) and 1 <= vocab_limit <= V):
+        raise ValueError(f"vocab_limit must be None (the model's whole vocabulary) or an integer in 1..{V} "
+                         f"(got {vocab_limit!r})")
+    limit = V if vocab_limit is None else int(vocab_limit)
+    if stop_token is not None and not (_is_int(stop_token) and 0 <= stop_token < limit):
+        raise ValueError(f"stop_token must be None or a token id 0..{limit - 1} that can be generated (got "
+                         f"{stop_token!r}); it would never be matched")
+    if kv_cache is not None and not isinstance(kv_cache, (bool, np.bool_)):
+        raise ValueError(f"kv_cache must be None (whenever the backend can), True or False (got {kv_cache!r})")
+    from llmc_cli.inference.decode import check_token_ids
+    return check_token_ids(ids, V)
 
 
 def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
@@ -82,35 +126,34 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
     the oldest tokens past it. Within the window both give the same logits, so the same tokens for the same rng.
     `vocab_limit` keeps ids below the tokenizer's size where the model's vocabulary is larger (rows no tokenizer
     id names)."""
-    if model.B != 1:
-        raise ValueError("generate needs a model planned for B=1")
-    if len(prompt) == 0:
-        raise ValueError("the prompt must hold at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens is {max_new_tokens}, expected 0 or more")
+    ids = check_generate(model, prompt, max_new_tokens, rng, stop_token, kv_cache, vocab_limit)
     check_sampling(temperature, top_k, top_p)
-    from llmc_cli.inference.decode import check_token_ids, decoder_for, has_kv_cache
-    check_token_ids(prompt, model.cfg.vocab_size)
+    from llmc_cli.inference.decode import decoder_for, has_kv_cache
+    from llmc_cli.models.base import unimplemented_kernel
     if kv_cache is None:
         kv_cache = has_kv_cache(model)
     window = model.T
-    tokens = [int(t) for t in prompt]
-    if kv_cache:
-        dec = decoder_for(model)
-        dec.reset()
-        logits = dec.feed(np.asarray(tokens, dtype=np.int32))[0]
-    buf = np.zeros((1, window), dtype=np.int32)
-    for i in range(max_new_tokens):
-        if not kv_cache:
-            ctx = tokens[-window:]
-            buf[0, :len(ctx)] = ctx
-            buf[0, len(ctx):] = 0
-            model.forward(buf)
-            logits = model.logits_host(len(ctx) - 1)[0]
-        nxt = choose_token(logits[:vocab_limit], rng, temperature, top_k, top_p)
-        if stop_token is not None and nxt == stop_token:
-            return
-        tokens.append(nxt)
-        yield nxt
-        if kv_cache and i + 1 < max_new_tokens:
-            logits = dec.feed(np.asarray([nxt], dtype=np.int32))[0]
+    tokens = [int(t) for t in ids]
+    stop = None if stop_token is None else int(stop_token)
+    try:  # (a kernel a backend announces but lacks: one line naming it, see decode.KVDecoder.feed)
+        if kv_cache:
+            dec = decoder_for(model)
+            dec.reset()
+            logits = dec.feed(np.asarray(tokens, dtype=np.int32))[0]
+        buf = np.zeros((1, window), dtype=np.int32)
+        for i in range(max_new_tokens):
+            if not kv_cache:
+                ctx = tokens[-window:]
+                buf[0, :len(ctx)] = ctx
+                buf[0, len(ctx):] = 0
+                model.forward(buf)
+                logits = model.logits_host(len(ctx) - 1)[0]
+            nxt = choose_token(logits[:vocab_limit], rng, temperature, top_k, top_p)
+            if stop is not None and nxt == stop:
+                return
+            tokens.append(nxt)
+            yield nxt
+            if kv_cache and i + 1 < max_new_tokens:
+                logits = dec.feed(np.asarray([nxt], dtype=np.int32))[0]
+    except NotImplementedError as e:
+        raise ValueError(unimplemented_kernel(model.backend, e)) from None

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from llmc_cli.kernels import CAP_FP8, Backend
+from llmc_cli.kernels import CAP_FP8, CAP_GRAPHS, CAP_KV_CACHE, Backend
 
 
 def check_config_fields(cfg) -> None:
@@ -33,6 +33,88 @@ def check_config_fields(cfg) -> None:
         if not ok:
             want = {bool: "true or false", int: "a positive integer"}.get(hint, "a finite positive number")
             raise ValueError(f"{f.name} must be {want} (got {v!r})")
+
+
+INT32_MAX = 2**31 - 1  # the most rows or elements the kernels index
+
+# a capability and the Backend method it promises (kernels.py: the base class's own raises NotImplementedError)
+CAPABILITY_KERNELS = {CAP_KV_CACHE: "attention_decode", CAP_GRAPHS: "capture"}
+
+
+def backend_name(backend) -> str:
+    name = getattr(backend, "name", None)
+    return name if isinstance(name, str) and name else type(backend).__name__
+
+
+def check_backend(backend, who: str = "backend") -> None:
+    """A ValueError of one line for something that is not a backend (None, a name: create_backend makes one)."""
+    if backend is None or isinstance(backend, str) or not all(
+            callable(getattr(backend, m, None)) for m in ("alloc", "upload", "download", "fill")):
+        raise ValueError(f"{who} must be a Backend, e.g. llmc.create_backend('cpu') (got {backend!r:.80})")
+
+
+def backend_capabilities(backend) -> frozenset[str]:
+    """`backend.capabilities`, checked: a set (or frozenset) of names, each of whose kernels (CAPABILITY_KERNELS)
+    the backend has. Anything else is a ValueError of one line naming the backend: None or a list made `in` fail
+    with a TypeError deep in a run, and a string ("kv_cache,graphs") answered `in` by substring; a capability
+    announced without its kernel failed with NotImplementedError at its first use."""
+    caps = getattr(backend, "capabilities", None)
+    if not isinstance(caps, (set, frozenset)) or not all(isinstance(c, str) for c in caps):
+        raise ValueError(f"the {backend_name(backend)} backend's capabilities must be a set of names such as "
+                         f"frozenset({{{CAP_KV_CACHE!r}}}) (got {caps!r:.80})")
+    for cap, kernel in CAPABILITY_KERNELS.items():
+        method = getattr(backend, kernel, None)
+        if cap in caps and (method is None or getattr(method, "__func__", None) is getattr(Backend, kernel)):
+            raise ValueError(f"the {backend_name(backend)} backend announces the {cap!r} capability but has no "
+                             f"{kernel} (the Backend default, which raises NotImplementedError); implement it or "
+                             f"leave {cap!r} out of its capabilities")
+    return frozenset(caps)
+
+
+def unimplemented_kernel(backend, e: NotImplementedError) -> str:
+    """One line for a NotImplementedError a kernel raised: the backend, and the kernel (the innermost frame of the
+    traceback that is a method of the kernel interface, else the innermost) with what it said."""
+    tb, kernel = e.__traceback__, None
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_name
+        if callable(getattr(Backend, name, None)) or tb.tb_next is None and kernel is None:
+            kernel = name
+        tb = tb.tb_next
+    kernel = kernel or "a kernel"
+    said = str(e).splitlines()[0] if str(e) else ""
+    return (f"the {backend_name(backend)} backend's {kernel} is not implemented"
+            + (f" ({said})" if said else "") + "; a backend announces a capability only when it implements its "
+            "kernels")
+
+
+def check_plan(B, T) -> tuple[int, int]:
+    """(B, T) as Python ints (numpy's integers are integers: np.uint8(255) overflowed comparisons later), each an
+    integer >= 1 and B*T at most what the kernels index; else a ValueError of one line."""
+    for name, v in (("B", B), ("T", T)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1 (got {v!r})")
+    B, T = int(B), int(T)
+    if B * T > INT32_MAX:
+        raise ValueError(f"B {B} x T {T}: {B * T:,} tokens, more than the kernels index (2**31 - 1)")
+    return B, T
+
+
+def check_ids(ids, vocab_size: int, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """`ids` as int32 when it is an integer array of `shape` whose every id is in 0..vocab_size-1, else a ValueError
+    of one line naming `what`: an id outside the vocabulary read another row of the embedding, or memory past it on
+    a device (a segfault), and one past 2**31 wrapped around in the int32 the kernels take."""
+    a = np.asarray(ids)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{what}: {a.dtype} values, expected integer token ids 0..{vocab_size - 1}")
+    if a.shape != tuple(shape):
+        raise ValueError(f"{what}: an array of shape {a.shape}, expected (B, T) = {tuple(shape)}, the shape the "
+                         "model was planned for")
+    if a.size:
+        lo, hi = a.min(), a.max()
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"{what}: token id {lo if lo < 0 else hi} is outside the model's vocabulary "
+                             f"0..{vocab_size - 1}")
+    return a.astype(np.int32, copy=False)
 
 
 INIT_BLOCK = 1 << 20  # elements of one independently seeded block of an initialised tensor
@@ -228,7 +310,7 @@ class Model:
     def head_kw(self) -> dict:
         """Keywords of the classifier's matmuls: on a CAP_FP8 backend they are `precise` (the logits feed the loss
         directly), which keeps them in bf16 unless the backend is told otherwise."""
-        return {"precise": True} if CAP_FP8 in self.backend.capabilities else {}
+        return {"precise": True} if CAP_FP8 in backend_capabilities(self.backend) else {}
 
     def _alloc_parameters(self, stacked: set[str], training: bool, share_params: "Model | None",
                           layer_grads: bool = False) -> None:
@@ -257,7 +339,12 @@ class Model:
         return self.backend.download(self.params.buf).astype(np.float32, copy=False)
 
     def stage(self, inputs: np.ndarray, targets: np.ndarray | None) -> None:
-        """Upload a batch for a following forward(STAGED, STAGED or None, ...)."""
+        """Upload a batch for a following forward(STAGED, STAGED or None, ...): (B, T) integer ids of the model's
+        vocabulary each (a ValueError otherwise, before anything is uploaded: see check_ids)."""
+        shape, V = (self.B, self.T), self.cfg.vocab_size
+        inputs = check_ids(inputs, V, shape, "inputs")
+        if targets is not None:
+            targets = check_ids(targets, V, shape, "targets")
         self.backend.upload(self.acts["inputs"], inputs)
         if targets is not None:
             self.backend.upload(self.acts["targets"], targets)

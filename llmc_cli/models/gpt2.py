@@ -10,8 +10,8 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import (STAGED, Model, check_config_fields, check_recompute, init_normal,
-                                   pick_classifier_chunks, split_flat)
+from llmc_cli.models.base import (STAGED, Model, check_backend, check_config_fields, check_plan, check_recompute,
+                                   init_normal, pick_classifier_chunks, split_flat)
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,8 @@ class GPT2(Model):
         """`share_params`: use another instance's parameters (an inference copy for sampling during training).
         `classifier_chunks`: batch chunks of the training classifier (None = auto_classifier_chunks)."""
         cfg.validate()
+        check_backend(backend)
+        B, T = check_plan(B, T)  # (numpy's integers as ints: np.uint8(255) overflowed the comparisons below)
         if T > cfg.block_size:
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T

@@ -16,8 +16,8 @@ from typing import ClassVar
 import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
-from llmc_cli.models.base import (STAGED, Model, Tensors, check_config_fields, check_recompute, init_normal,
-                                   pick_classifier_chunks, split_flat)
+from llmc_cli.models.base import (STAGED, Model, Tensors, check_backend, check_config_fields, check_plan,
+                                   check_recompute, init_normal, pick_classifier_chunks, split_flat)
 
 
 @dataclass(frozen=True)
@@ -249,6 +249,8 @@ class Llama3(Model):
         """As GPT2.__init__; `classifier_chunks`: chunks of the B*T rows the training classifier runs in (None =
         auto_classifier_chunks)."""
         cfg.validate()
+        check_backend(backend)
+        B, T = check_plan(B, T)  # (numpy's integers as ints: np.uint8(255) overflowed the comparisons below)
         check_recompute(recompute)
         if T > cfg.block_size:
             raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")

@@ -56,13 +56,16 @@ def discover(env: dict | None = None) -> RankInfo:
         size_var = next((v for v in size_vars if v in env), None)
         if size_var is None:
             continue
-        try:
-            rank, size = int(env[rank_var]), int(env[size_var])
-            local_var = next((v for v in local_vars if v in env), None)
-            local = int(env[local_var]) if local_var else rank
-        except ValueError:
-            raise CommError(f"{source}: {rank_var}={env.get(rank_var)!r} / {size_var}={env.get(size_var)!r} "
-                            "are not integers") from None
+        local_var = next((v for v in local_vars if v in env), None)
+        for var in (rank_var, size_var, *([local_var] if local_var else [])):  # (the one that is not, by name)
+            try:
+                int(env[var])
+            except ValueError:
+                raise CommError(f"{source}: {var}={env[var]!r} is not an integer") from None
+        rank, size = int(env[rank_var]), int(env[size_var])
+        local = int(env[local_var]) if local_var else rank
+        if local < 0:
+            raise CommError(f"{source}: {local_var}={local} is negative (a rank's index on its node)")
         if size < 1 or not 0 <= rank < size:
             raise CommError(f"{source}: rank {rank} is not in 0..{size - 1} ({rank_var}, {size_var})")
         return RankInfo(rank, size, local, source)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -17,12 +17,13 @@ from llmc_cli.evals.evaluate import check_shards_tokenizer, eval_batches, evalua
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
-from llmc_cli.formats.runlog import LogError, check_log, log_lock, open_log, record_line
+from llmc_cli.formats.runlog import LogError, check_log, is_runs_own_log, log_lock, open_log, record_line
 from llmc_cli.formats.shards import has_split
 from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.inference.sampling import generate
 from llmc_cli.kernels import BFLOAT16, CAP_GRAPHS, MAX, Backend, update_applies
-from llmc_cli.models.base import STAGED, check_recompute
+from llmc_cli.models.base import (STAGED, backend_capabilities, check_backend, check_recompute,
+                                   unimplemented_kernel)
 from llmc_cli.models.families import family_for, family_of
 from llmc_cli.optim import AdamWConfig, lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
@@ -140,30 +141,119 @@ def check_init_shape(init: str, cfg, given: dict) -> None:
                              f"--init: {opt} does not apply to {init}, a {family_of(cfg).label} model")
 
 
-def check_args(a: TrainArgs) -> None:
-    """The options a Python caller could get wrong that the command line's types already refuse."""
+INT32_MAX = 2**31 - 1  # the most tokens, rows or elements the kernels index (the command line's cap on counts)
+SEED_MAX = 2**32 - 1   # seeds are 32 bits: what the device kernels take for stochastic rounding
+
+# the command line's checks of each number, as its option types make them at parse time (commands/options.py):
+# (fields, low bound, high bound); the counts and sizes there are capped at INT32_MAX
+_POSITIVE = ("batch_size", "seq_len")
+_COUNTS = ("steps", "warmup", "val_every", "val_batches", "sample_every", "sample_tokens", "checkpoint_every", "keep",
+           "max_bad_steps", "hellaswag_every")
+_REALS = ("skip_loss_z", "skip_grad_z", "checkpoint_minutes")  # finite, >= 0 (0 = off)
+_FLAGS = ("overfit_batch", "graphs", "prefetch", "shuffle", "resume", "overlap")
+_PATHS = ("init", "out", "log", "hellaswag", "tensorboard")  # None or one path
+
+
+def _product(*values) -> int | None:
+    """The product of integers (None when one is not an integer: a damaged state.json's)."""
+    if not all(_is_int(v) for v in values):
+        return None
+    return math.prod(values)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _int_arg(name: str, v, lo: int, hi: int, want: str, flag: str | None = None) -> int:
+    """`v` as a Python int when it is an integer (numpy's too, never a bool) in [lo, hi], else a TrainError naming
+    the option and the field (`want`: what the message says it must be)."""
+    if not (_is_int(v) and lo <= v <= hi):
+        flag = _flag(name) if flag is None else flag
+        raise TrainError(f"{flag} must be {want} (got {v!r})" if flag == name else
+                         f"{flag} must be {want} (got {name}={v!r})")
+    return int(v)
+
+
+def _real_arg(name: str, v, lo: float, hi: float | None, want: str) -> float:
+    from numbers import Real
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, Real) or not (
+            math.isfinite(v) and lo <= v and (hi is None or v <= hi)):
+        raise TrainError(f"{_flag(name)} must be {want} (got {name}={v!r})")
+    return float(v)
+
+
+def _path_arg(name: str, v, optional: bool = True, many: bool = False):
+    """A path as a str (a PathLike too: a run's state.json records it as text); `many`: a list of them as well."""
+    if v is None and optional:
+        return None
+    if isinstance(v, (str, os.PathLike)) and str(os.fspath(v)):
+        return os.fspath(v)
+    if many and isinstance(v, (list, tuple)) and v and all(isinstance(x, (str, os.PathLike)) for x in v):
+        return [os.fspath(x) for x in v]
+    what = "a directory, a glob or a list of shard paths" if many else "a path"
+    raise TrainError(f"{_flag(name)} must be {what}{' or None' if optional else ''} (got {name}={v!r})")
+
+
+def check_args(a: TrainArgs) -> TrainArgs:
+    """Every check the command line makes of its options when it parses them (their types and ranges, and that one
+    micro-batch of B*T tokens is one the kernels can index), made of a Python caller's TrainArgs: one TrainError
+    naming the option (as the command line spells it, and as the field is named), never a deep error or a value
+    quietly turned into another (1.5 steps, "no" for a flag, True for a number). Returns the arguments with every
+    value its plain Python type (numpy's integers and floats are numbers; paths become str), what the run uses and
+    what its checkpoints record."""
+    if not isinstance(a, TrainArgs):
+        raise TrainError(f"args must be a TrainArgs (got {type(a).__name__})")
+    if not isinstance(a.optim, AdamWConfig):
+        raise TrainError(f"optim must be an AdamWConfig, e.g. AdamWConfig(lr=1e-3) (got optim={a.optim!r})")
     try:
-        a.optim.validate()
+        optim = a.optim.checked()
     except ValueError as e:
         raise TrainError(str(e)) from None
-    for name in ("batch_size", "seq_len"):
-        if not getattr(a, name) > 0:
-            raise TrainError(f"--{name.replace('_', '-')} must be positive (got {getattr(a, name)})")
-    for name in ("steps", "warmup", "val_every", "val_batches", "sample_every", "sample_tokens", "checkpoint_every",
-                 "keep", "max_bad_steps", "hellaswag_every"):
-        if not getattr(a, name) >= 0:
-            raise TrainError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(a, name)})")
-    for name in ("skip_loss_z", "skip_grad_z", "checkpoint_minutes"):
-        if not (math.isfinite(getattr(a, name)) and getattr(a, name) >= 0):
-            raise TrainError(f"--{name.replace('_', '-')} must be a finite number >= 0 (got {getattr(a, name)}; 0 = off)")
-    if not (math.isfinite(a.lr_decay_frac) and 0 <= a.lr_decay_frac <= 1):
-        raise TrainError(f"--lr-decay-frac must be in [0, 1] (got {a.lr_decay_frac})")
-    if a.total_batch_size is not None and not a.total_batch_size > 0:
-        raise TrainError(f"--total-batch-size must be positive (got {a.total_batch_size})")
+    new: dict = {"optim": optim}
+    new["data"] = _path_arg("data", a.data, optional=False, many=True)
+    new["val_data"] = _path_arg("val_data", a.val_data, many=True)
+    for name in _PATHS:
+        new[name] = _path_arg(name, getattr(a, name))
+    if not isinstance(a.model, str):
+        raise TrainError(f"--model must be a preset name such as 'd12' (got model={a.model!r})")
+    for name in SHAPE_OPTIONS:  # (worded as a model config's fields are checked: models.base.check_config_fields)
+        v = getattr(a, name)
+        if v is not None and not (_is_int(v) and 1 <= v <= INT32_MAX):
+            raise TrainError(f"{name} must be a positive integer at most {INT32_MAX} or None (the preset's; got "
+                             f"{v!r})")
+        new[name] = None if v is None else int(v)
+    for name in _POSITIVE:
+        new[name] = _int_arg(name, getattr(a, name), 1, INT32_MAX, f"positive, an integer at most {INT32_MAX}")
+    if a.total_batch_size is not None:
+        new["total_batch_size"] = _int_arg("total_batch_size", a.total_batch_size, 1, INT32_MAX,
+                                           f"positive, an integer at most {INT32_MAX}, or None (B*T)")
+    for name in _COUNTS:
+        new[name] = _int_arg(name, getattr(a, name), 0, INT32_MAX, f">= 0, an integer at most {INT32_MAX}")
+    new["seed"] = _int_arg("seed", a.seed, 0, SEED_MAX, f"an integer in [0, {SEED_MAX}]")
+    new["zero"] = _int_arg("zero", a.zero, 0, 2, "0, 1 or 2")
+    new["outlier_window"] = _int_arg("outlier_window", a.outlier_window, 2, INT32_MAX,
+                                     f"an integer in [2, {INT32_MAX}]", flag="outlier_window")
+    for name in _REALS:
+        new[name] = _real_arg(name, getattr(a, name), 0.0, None, "a finite number >= 0 (0 = off)")
+    new["lr_decay_frac"] = _real_arg("lr_decay_frac", a.lr_decay_frac, 0.0, 1.0, "a finite number in [0, 1]")
+    for name in _FLAGS:
+        v = getattr(a, name)
+        if not isinstance(v, (bool, np.bool_)):
+            raise TrainError(f"{_flag(name)} must be True or False (got {name}={v!r})")
+        new[name] = bool(v)
     try:
         check_recompute(a.recompute)
     except ValueError as e:
         raise TrainError(str(e)) from None
+    B, T = new["batch_size"], new["seq_len"]
+    if B * T > INT32_MAX:  # (the command line's check_tokens, in the same words)
+        raise TrainError(f"-b {B} -t {T}: {B * T:,} tokens a micro-batch, more than the kernels index (2**31 - 1)")
+    return replace(a, **new)
 
 
 class Trainer:
@@ -171,39 +261,58 @@ class Trainer:
 
     def __init__(self, a: TrainArgs, backend: Backend, say: Callable[[str], None] = print,
                  decode: Callable[[list[int]], str] | None = None, eot: int | None = None, comm=None):
+        self.lock = self.log_lock = None
+        self.closed = False
+        a = check_args(a)
+        try:  # capabilities a set of names: None, or a string ("kv_cache,graphs" holds "graphs" to `in`), is refused
+            check_backend(backend)
+            backend_capabilities(backend)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        if not callable(say):
+            raise TrainError(f"say must be a function taking one line, e.g. print (got {say!r:.80})")
+        if decode is not None and not callable(decode):
+            raise TrainError(f"decode must be a function from token ids to text, or None (got {decode!r:.80})")
+        if eot is not None and not _is_int(eot):
+            raise TrainError(f"eot must be a token id (an integer) or None (got {eot!r})")
         self.a, self.backend, self.say, self.decode, self.eot = a, backend, say, decode, eot
         self.comm = comm or SingleProcess()  # this process's place among data-parallel ranks (llmc_cli.parallel.comm)
-        check_args(a)
-        self.lock = self.log_lock = None
         lead = self.comm.rank == 0
         try:
+            if a.out and lead:  # (first: a run directory that cannot be made is --out's failure, not its log's)
+                self.lock = RunLock(a.out).acquire()  # before anything reads the directory: one writer at a time
+                check_out(a.out, a.resume)
             if a.log and lead:  # one writer of a log: two runs given the same --log would interleave their records
                 check_log(a.log)
                 self.log_lock = log_lock(a.log).acquire()
-            if a.out and lead:
-                self.lock = RunLock(a.out).acquire()  # before anything reads the directory: one writer at a time
-                check_out(a.out, a.resume)
             self._setup()
         except (RunDirError, LogError) as e:
             self.close()
             raise TrainError(str(e)) from None
+        except NotImplementedError as e:  # a kernel of a capability the backend announces but lacks
+            self.close()
+            raise TrainError(unimplemented_kernel(backend, e)) from None
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        """Stops the data thread and releases the run directory (safe to call twice)."""
+        """Stops the data thread and releases the run directory (safe to call twice). The trainer cannot run
+        after it: the directory may be another run's by then."""
+        self.closed = True
         if getattr(self, "feed", None) is not None:
             self.feed.close()
         if getattr(self, "phases", None) is not None:
             self.phases.close()
             self.phases = None
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        # (in the reverse order of __init__'s: the run directory's lock last, so that a directory its acquire made
+        # is removed again when the log's lock file inside it has gone)
         if getattr(self, "log_lock", None) is not None:
             self.log_lock.release()
             self.log_lock = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _setup(self) -> None:
         a, backend = self.a, self.backend
@@ -221,12 +330,26 @@ class Trainer:
             if expected and expected != asdict(cfg):
                 raise TrainError(f"{a.out}: model file and state.json disagree about the model shape")
             old_args = resume_state["args"]
+            self._trim_log = bool(a.log) and is_runs_own_log(a.log, a.out, old_args)
             for key in RESUME_FIXED:
                 val = getattr(a, key, None)
-                if key in old_args and old_args[key] != val and not (val is None and key != "batch_size"):
-                    opt = "--" + key.replace("_", "-")
+                if key not in old_args or val is None:  # (not given: the run's own value)
+                    continue
+                # what the run trained with: the option as it recorded it, or where it gave none (the preset's
+                # shape, B*T per step) the value that was in effect, which an option given now may repeat
+                had = old_args[key]
+                if had is None and key in SHAPE_OPTIONS:
+                    had = getattr(cfg, key, None)
+                elif had is None and key == "total_batch_size":  # (runs from before the field: B*T*ranks)
+                    had = resume_state.get("tokens_per_step") or _product(
+                        old_args.get("batch_size"), old_args.get("seq_len"), resume_state.get("world_size", 1))
+                opt = "--" + key.replace("_", "-")
+                if had is None and key in SHAPE_OPTIONS:
+                    raise TrainError(f"--resume: {opt} does not apply to the run in {a.out}, a "
+                                     f"{family_of(cfg).label} model (leave it out)")
+                if had != val:
                     raise TrainError(f"--resume: {opt} is {val!r} but the run in {a.out} was trained with "
-                                     f"{old_args[key]!r} (give the same options, or start a new --out)")
+                                     f"{had!r} (give the same options, or start a new --out)")
         elif a.init:
             from llmc_cli.formats.sources import load_model_any
             try:  # llm.c .bin, run directory, llmc Llama file or Hugging Face GPT-2 / Llama directory
@@ -287,7 +410,7 @@ class Trainer:
             self.reducer = OverlappedReduction(self.opt, self.model.grads, self.comm) \
                 if a.overlap and self.comm.world_size > 1 else None
         # None: not captured yet (False: never); the list of replays once captured (see _replays)
-        self.graphs = None if a.graphs and CAP_GRAPHS in backend.capabilities and self.reducer is None else False
+        self.graphs = None if a.graphs and CAP_GRAPHS in backend_capabilities(backend) and self.reducer is None else False
         self.loss_outliers = OutlierDetector(a.outlier_window)
         self.norm_outliers = OutlierDetector(a.outlier_window)
         self.bad_streak = 0
@@ -537,6 +660,8 @@ class Trainer:
         """Checkpoint after `step` optimizer steps (`loader_state`: the data position then, when a step has begun
         since; else the position after the batches the steps took, however far the data thread read ahead).
         Refuses non-finite weights or optimizer state: no checkpoint is ever garbage."""
+        if self.closed and self.a.out:
+            raise TrainError(f"this Trainer was closed (close() released {self.a.out}); it writes no checkpoint there")
         self.saving = True
         try:
             return self._save(step, loader_state)
@@ -623,6 +748,11 @@ class Trainer:
     def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         """Trains from `start_step` to `a.steps`. When an error stops it between two updates (a bad shard, a
         full disk), the step before is checkpointed first (`rescued`), so nothing trained is lost."""
+        if self.closed:  # its run directory's lock is released: another run may own the directory now
+            raise TrainError("this Trainer was closed (close() released its run directory); make a new Trainer to "
+                             "train again (with resume=True to continue the run)")
+        if on_step is not None and not callable(on_step):
+            raise TrainError(f"on_step must be a function taking each step's record, or None (got {on_step!r:.80})")
         a = self.a
         log = None
         lead = self.comm.rank == 0  # only rank 0 logs, validates, samples and writes checkpoints
@@ -631,8 +761,6 @@ class Trainer:
         done, before = self.start_step, None  # steps completed; the data position when a step began
         self._last_checkpoint = time.monotonic()
         try:
-            if a.log and lead:  # (checked in __init__) on resume, drop what the dead run logged past its checkpoint
-                log = open_log(a.log, self.start_step if a.resume else None)
             if a.tensorboard and lead:  # a new event file per run (or resumed run), as TensorBoard expects
                 try:
                     tb = EventWriter(a.tensorboard)
@@ -640,6 +768,9 @@ class Trainer:
                     raise TrainError(f"--tensorboard {a.tensorboard}: cannot write event files there "
                                      f"({e.strerror or type(e).__name__}); give a directory llmc may create or "
                                      "write in") from None
+            if a.log and lead:  # (checked in __init__) on resume, drop what the dead run logged past its checkpoint
+                # (after every other check that can fail here; and only the run's own log: see is_runs_own_log)
+                log = open_log(a.log, self.start_step if a.resume and getattr(self, "_trim_log", False) else None)
             for step in range(self.start_step, a.steps + 1):
                 done = step
                 last = step == a.steps
@@ -713,9 +844,11 @@ class Trainer:
                     break
         except TrainDiverged:
             raise
-        except Exception:
+        except Exception as e:
             if not self.saving:  # a checkpoint that failed would only fail again
                 self._rescue(done, before)
+            if isinstance(e, NotImplementedError):  # a kernel of a capability the backend announces but lacks
+                raise TrainError(unimplemented_kernel(self.backend, e)) from None
             raise
         finally:
             self.feed.close()  # no thread outlives the run (a later train_step starts one again)

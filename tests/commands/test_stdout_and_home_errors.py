@@ -186,11 +186,26 @@ def test_tokenize_with_standard_error_gone_finishes_its_run(tmp_path, workers):
 
 
 def test_commands_run_with_standard_output_closed(tmp_path):
-    """`llmc ... >&-`: Python's sys.stdout is then None, and llmc's flush after the command was a traceback."""
+    """`llmc ... >&-`: Python's sys.stdout is then None; llmc's flush after the command was a traceback, and later
+    `eval --json` and `sample` ended in success with their only result lost. Now the first write to it fails as
+    writing a closed descriptor does in any Unix tool (one line, non-zero); tokenize's shards, written before its
+    summary line, stay complete."""
     src = tmp_path / "a.txt"
     src.write_text("some words to tokenize\n" * 50)
     p = subprocess.run(" ".join([*LLMC, "tokenize", "text", str(src), "--out-dir", str(tmp_path / "out"),
                                  "--workers", "1"]) + " >&-", shell=True, capture_output=False,
                        stderr=subprocess.PIPE, text=True, timeout=120)
-    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == "error: standard output: closed when llmc started (>&-)", p.stderr
     assert json.loads((tmp_path / "out" / "a_manifest.json").read_text())["complete"] is True
+    q = subprocess.run(" ".join([*LLMC, "backends", "--json"]) + " >&-", shell=True, stderr=subprocess.PIPE,
+                       text=True, timeout=120)
+    assert q.returncode != 0 and q.stderr.strip().endswith("closed when llmc started (>&-)"), q.stderr
+
+
+def test_commands_run_with_standard_error_closed(tmp_path):
+    """`llmc ... 2>&-`: rich wrote to a stream over the closed descriptor (or to None) and a command whose work
+    was done exited 1. Now what it would say goes nowhere, and its result and status are whole."""
+    p = subprocess.run(" ".join([*LLMC, "backends", "--json"]) + " 2>&-", shell=True, stdout=subprocess.PIPE,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and isinstance(json.loads(p.stdout), (list, dict)), p.stdout

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import json
 import os
 import shutil
 import subprocess
@@ -145,7 +144,7 @@ def test_bad_utf8_in_json_lines_is_named_at_its_line_and_byte(tmp_path):
     f = tmp_path / "bad.jsonl"
     good = b'{"text": "hello world"}\n'
     f.write_bytes(good * 5000 + b'{"text": "\xc3\x28"}\n')
-    one_line_error(run("text", f, "--out-dir", tmp_path / "o"), f"bad.jsonl:5001: not UTF-8 text",
+    one_line_error(run("text", f, "--out-dir", tmp_path / "o"), "bad.jsonl:5001: not UTF-8 text",
                    f"at byte {len(good) * 5000 + 10})")
     g = tmp_path / "bad.jsonl.gz"
     g.write_bytes(gzip.compress(f.read_bytes()))

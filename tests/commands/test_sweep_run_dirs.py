@@ -1,0 +1,170 @@
+"""`train`, `sample` and `convert` on the cases an adversarial pass found after the first ones (2026-11-27): a
+symbolic link or a user's file under a lock's name, folders and files beside the checkpoints that only look like
+them, `--resume` with another run's log or a bad option, config.toml after a resume, empty paths, a `--log` onto
+the run's own files, `--out` under a file, a Hugging Face config listing fewer layers than its weights, a prompt
+that is not UTF-8, launcher variables that are not integers, a working directory deleted under the shell."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llmc_test_support import TINY, run
+
+from llmc_cli.formats.shards import write_shard
+from llmc_cli.parallel.comm import CommError, discover
+
+LLMC = [sys.executable, "-m", "llmc_cli"]
+
+
+def one_line_error(r, *needles) -> str:
+    out = r.output.strip()
+    assert r.exit_code == 2 and "Traceback" not in out, out
+    line = out.splitlines()[-1]
+    assert line.startswith("error:"), out
+    for n in needles:
+        assert n in line, line
+    return line
+
+
+@pytest.fixture
+def data(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    write_shard(d / "x_val_000000.bin", rng.integers(0, 50257, 4096))
+    write_shard(d / "x_train_000001.bin", rng.integers(0, 50257, 8192))
+    return str(d)
+
+
+def train(data, *args, ok=True):
+    return run(*TINY, "--data", data, *args, ok=ok)
+
+
+def test_a_link_or_a_users_file_under_the_lock_name_is_never_written(tmp_path, data):
+    out = tmp_path / "run"
+    train(data, "--steps", 1, "--out", out)
+    precious = tmp_path / "p.txt"
+    precious.write_text("precious\n")
+    (out / ".lock").symlink_to(precious)
+    one_line_error(train(data, "--steps", 2, "--out", out, "--resume", ok=False), "is a symbolic link")
+    assert precious.read_text() == "precious\n" and (out / ".lock").is_symlink()
+    (out / ".lock").unlink()
+    (out / ".lock").write_text("my notes\n")
+    one_line_error(train(data, "--steps", 2, "--out", out, "--resume", ok=False), "not an llmc lock file")
+    assert (out / ".lock").read_text() == "my notes\n"
+
+
+def test_keep_rotates_only_llmcs_own_step_folders(tmp_path, data):
+    out = tmp_path / "run"
+    train(data, "--steps", 2, "--out", out)
+    backup = out / "step_00000002.bak"
+    os.system(f"cp -a '{out / 'step_00000002'}' '{backup}'")
+    (out / "step_best").mkdir()
+    (out / "step_best" / "notes").write_text("n")
+    train(data, "--steps", 4, "--out", out, "--resume", "--keep", 1, "--checkpoint-every", 1)
+    assert backup.is_dir() and (out / "step_best" / "notes").read_text() == "n"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_0")) == ["step_00000002.bak",
+                                                                                   "step_00000004"]
+
+
+def test_a_file_under_a_step_name_is_refused_not_moved_aside(tmp_path, data):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "step_00000001").write_text("precious")
+    one_line_error(train(data, "--steps", 1, "--out", out, ok=False), "step_00000001 is not a checkpoint folder")
+    assert sorted(os.listdir(out)) == ["step_00000001"] and (out / "step_00000001").read_text() == "precious"
+
+
+def test_config_toml_after_a_resume_records_the_options_in_effect(tmp_path, data):
+    out = tmp_path / "run"
+    train(data, "--steps", 1, "--out", out, "--lr", "1e-3")
+    train(data, "--steps", 2, "--out", out, "--resume")
+    text = (out / "config.toml").read_text()
+    assert 'model = "d2"' in text and "lr = 0.001" in text and "batch-size = 2" in text, text
+
+
+def test_a_resume_never_trims_another_runs_log_nor_one_it_fails_to_start(tmp_path, data):
+    other = tmp_path / "other"
+    train(data, "--steps", 4, "--out", other)
+    log = other / "log.jsonl"
+    before = log.read_bytes()
+    out = tmp_path / "run"
+    train(data, "--steps", 1, "--out", out)
+    one_line_error(train(data, "--steps", 2, "--out", out, "--resume", "--log", log, "--tensorboard", os.devnull,
+                         ok=False), "--tensorboard")
+    assert log.read_bytes() == before
+    train(data, "--steps", 2, "--out", out, "--resume", "--log", log)
+    assert log.read_bytes().startswith(before) and len(log.read_bytes()) > len(before)  # appended to, not cut
+
+
+@pytest.mark.parametrize("option", ["--out", "--init", "--log", "--tensorboard", "--hellaswag"])
+def test_an_empty_path_is_refused_not_taken_as_left_out(tmp_path, data, option):
+    one_line_error(train(data, "--steps", 1, option, "", ok=False), f"{option}: an empty path")
+
+
+@pytest.mark.parametrize("name", [".lock", "latest", "config.toml"])
+def test_a_log_onto_the_run_directorys_own_files_is_refused(tmp_path, data, name):
+    out = tmp_path / "r"
+    one_line_error(train(data, "--steps", 1, "--out", out, "--log", out / name, ok=False), "--log",
+                   "a file of the run directory's own")
+    assert not out.exists()
+
+
+def test_out_under_a_file_names_out(tmp_path, data):
+    f = tmp_path / "a.txt"
+    f.write_text("x")
+    one_line_error(train(data, "--steps", 1, "--out", f / "run", ok=False), "--out", "is not a directory")
+
+
+def test_a_hugging_face_config_listing_fewer_layers_than_its_weights(tmp_path, data):
+    out = tmp_path / "run"
+    train(data, "--steps", 1, "--out", out)
+    hf = tmp_path / "hf"
+    run("convert", out, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["n_layer"] = 1
+    (hf / "config.json").write_text(json.dumps(cfg))
+    one_line_error(run("convert", hf, tmp_path / "m.bin", ok=False), "weights of layer 1", "n_layer = 1")
+    assert not (tmp_path / "m.bin").exists()
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(tmp_path, data):
+    out = tmp_path / "run"
+    train(data, "--steps", 1, "--out", out)
+    p = subprocess.run([*LLMC, "sample", "--checkpoint", str(out), "--backend", "cpu", "--max-new-tokens", "1",
+                        "--prompt", os.fsdecode(b"a\xff")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip() == ("error: --prompt: not UTF-8 text (byte 0xff); give UTF-8, or "
+                                                       "the text in a UTF-8 file with --prompt-file"), p.stderr
+
+
+def test_a_launcher_variable_that_is_not_an_integer_is_named():
+    with pytest.raises(CommError, match="SLURM_LOCALID='x' is not an integer"):
+        discover({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "x"})
+    with pytest.raises(CommError, match="SLURM_NTASKS='two' is not an integer"):
+        discover({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"})
+
+
+def test_a_deleted_working_directory_is_said(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    p = subprocess.Popen([*LLMC, "train", "--backend", "cpu", "--steps", "1", "--out", "rel"], cwd=gone,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: os.rmdir(gone))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and err.strip() == ("error: the current directory no longer exists (deleted while this "
+                                                 "shell was in it); cd to a directory that does"), err
+    assert not Path(tmp_path / "rel").exists()
+
+
+def test_a_plot_is_never_written_into_a_checkpoint_folder(tmp_path, data):
+    out = tmp_path / "run"
+    train(data, "--steps", 1, "--out", out)
+    step = out / "step_00000001"
+    before = sorted(os.listdir(step))
+    one_line_error(run("plot", out, "--out", step / "curves.png", ok=False), "--out", "is inside the checkpoint")
+    assert sorted(os.listdir(step)) == before
