@@ -32,7 +32,7 @@ if [ "$MODE" = all ] || [ "$MODE" = train ]; then
   mkdir -p /tmp/llmc_data
   $PY - <<'PYEOF'
 import numpy as np
-from llmc_cli.data.loader import write_shard
+from llmc_cli.formats.shards import write_shard
 rng = np.random.default_rng(0)
 write_shard("/tmp/llmc_data/synth_train_000.bin", rng.integers(0, 50257, 4_000_000).astype(np.uint16))
 PYEOF

@@ -124,7 +124,7 @@ if [ "${TRAIN:-1}" = 1 ]; then
   mkdir -p /tmp/llmc_data
   $PY -c "
 import numpy as np
-from llmc_cli.data.loader import write_shard
+from llmc_cli.formats.shards import write_shard
 write_shard('/tmp/llmc_data/synth_train_000.bin', np.random.default_rng(0).integers(0, 50257, 2_000_000).astype(np.uint16))"
   for be in ${TRAIN_BACKENDS:-opencl cuda}; do
     timeout ${TRAIN_TIMEOUT:-150} llmc train --backend $be --dtype fp32 --model d12 -b 16 -t 1024 --steps ${STEPS:-5} \
