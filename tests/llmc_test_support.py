@@ -204,3 +204,18 @@ def fifo(path: Path):
     finally:
         stop.set()
         t.join()
+
+
+def cpu_with(capabilities=None, lacks: tuple[str, ...] = (), name: str = "liar"):
+    """The cpu backend announcing `capabilities` (a class attribute as given), its kernels in `lacks` raising
+    NotImplementedError as a backend's unfinished override would."""
+    from llmc_cli.registry import create_backend
+    be_cls = type(create_backend("cpu"))
+
+    def missing(kernel):
+        def method(self, *a, **k):
+            raise NotImplementedError(f"{kernel} is not written yet")
+        method.__code__ = method.__code__.replace(co_name=kernel)  # (as a backend's own override is named)
+        return method
+    attrs = {"name": name, "capabilities": capabilities} | {k: missing(k) for k in lacks}
+    return type("Liar", (be_cls,), attrs)()

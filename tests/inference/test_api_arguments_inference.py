@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from llmc_test_support import one_line_error, run
+from llmc_test_support import cpu_with, one_line_error, run
 
 from llmc_cli.data.loader import DataLoader, ValLoader
 from llmc_cli.evals.evaluate import HellaSwag, evaluate_loss
@@ -186,26 +186,14 @@ def test_hellaswag_limit_is_a_count(small, tmp_path):
 
 
 # ---- backends whose capabilities say what they cannot do -------------------------------------------------------
-def liar(capabilities, lacks=()):
-    be_cls = type(create_backend("cpu"))
-
-    def missing(kernel):
-        def method(self, *a, **k):
-            raise NotImplementedError(f"{kernel} is not written yet")
-        method.__code__ = method.__code__.replace(co_name=kernel)  # (as a backend's own override is named)
-        return method
-    return type("Liar", (be_cls,), {"name": "liar", "capabilities": capabilities} |
-                {k: missing(k) for k in lacks})()
-
-
 @pytest.mark.parametrize("caps", [None, "kv_cache,graphs", ("kv_cache",)])
 def test_load_model_refuses_capabilities_that_are_not_a_set(small, caps):
     with pytest.raises(ValueError, match="liar backend's capabilities must be a set of names"):
-        load_model(small / "small_v1000.bin", liar(caps), 1, 16)
+        load_model(small / "small_v1000.bin", cpu_with(caps), 1, 16)
 
 
 def test_a_kv_cache_without_attention_decode_is_one_line_naming_both(small):
-    be = liar(frozenset({"kv_cache"}), lacks=("attention_decode",))
+    be = cpu_with(frozenset({"kv_cache"}), lacks=("attention_decode",))
     m = load_model(small / "small_v1000.bin", be, 1, 16)
     with pytest.raises(ValueError) as e:
         list(generate(m, [1, 2], 3, np.random.default_rng(0)))

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from llmc_test_support import TINY, one_line_error, run
+from llmc_test_support import TINY, cpu_with, one_line_error, run
 
 from llmc_cli.kernels import Backend
 from llmc_cli.optim import AdamWConfig
@@ -198,20 +198,6 @@ def test_resume_on_the_command_line_with_the_runs_own_shape(shards, tmp_path):
 
 
 # ---- backends whose capabilities say what they cannot do -------------------------------------------------------
-def cpu_with(capabilities=None, lacks: tuple[str, ...] = (), name: str = "liar"):
-    """The cpu backend announcing `capabilities` (a class attribute as given), its kernels in `lacks` raising
-    NotImplementedError as a backend's unfinished override would."""
-    be_cls = type(create_backend("cpu"))
-
-    def missing(kernel):
-        def method(self, *a, **k):
-            raise NotImplementedError(f"{kernel} is not written yet")
-        method.__code__ = method.__code__.replace(co_name=kernel)  # (as a backend's own override is named)
-        return method
-    attrs = {"name": name, "capabilities": capabilities} | {k: missing(k) for k in lacks}
-    return type("Liar", (be_cls,), attrs)()
-
-
 @pytest.mark.parametrize("caps", [None, "kv_cache,graphs", ["kv_cache"], {"kv_cache": 1}, frozenset({1})])
 def test_capabilities_that_are_not_a_set_of_names_name_the_backend(shards, caps):
     with pytest.raises(TrainError) as e:
