@@ -167,7 +167,8 @@ class _Main(click.Group):
             from llmc_cli.commands.console import missing_package_message
             fail(missing_package_message(e))
         except MemoryError as e:
-            fail(f"out of host memory ({str(e) or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len")
+            fail(f"out of host memory ({str(e) or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len, or "
+                 "the model's size")
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP outside a training loop (which stops on its own)
             interrupts.fail_interrupted(e)
         except OSError as e:  # a full disk, a read-only file system, no permission: the path and the reason

@@ -118,14 +118,29 @@ class DirectoryLock:
         self._made: list[Path] = []  # the folders acquire created, deepest first
 
     def acquire(self) -> "DirectoryLock":
-        import fcntl
         path = self.directory / self.name
         where = self.label or f"{self.option} {self.directory}"
         try:
             self._made = [d for d in (self.directory, *self.directory.parents) if not os.path.lexists(d)]
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            self._remove_made()
             raise self.error(f"{where}: cannot create {self.what} ({e.strerror or e})") from None
+        try:
+            return self._lock(path, where)
+        except BaseException:  # (refused, or no lock file possible: the folders made for it go again)
+            self._remove_made()
+            raise
+
+    def _remove_made(self) -> None:
+        for d in self._made:  # deepest first; rmdir leaves what is not empty (another writer's, or filled since)
+            try:
+                d.rmdir()
+            except OSError:  # (never made, as mkdir stopped above it; or not searchable: its parent is still tried)
+                continue
+
+    def _lock(self, path: Path, where: str) -> "DirectoryLock":
+        import fcntl
         while True:
             try:  # never through a link: the pid written below would replace the file it points to, anywhere
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)

@@ -168,3 +168,21 @@ def test_a_plot_is_never_written_into_a_checkpoint_folder(tmp_path, data):
     before = sorted(os.listdir(step))
     one_line_error(run("plot", out, "--out", step / "curves.png", ok=False), "--out", "is inside the checkpoint")
     assert sorted(os.listdir(step)) == before
+
+
+def test_folders_made_for_a_run_that_cannot_start_go_again(tmp_path, data):
+    """Under `umask 777` the run's parent folder is made unusable (mode 000): the run directory inside it fails,
+    and the parent stayed behind."""
+    import shutil
+    if os.geteuid() == 0:
+        caps = "-dac_override,-dac_read_search,-fowner"
+        if shutil.which("setpriv") is None or subprocess.run(
+                ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "true"]).returncode != 0:
+            pytest.skip("running as root without setpriv: umask 777 stops nothing")
+        prefix = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    else:
+        prefix = []
+    p = subprocess.run([*prefix, *LLMC, *TINY, "--data", data, "--steps", "1", "--out", str(tmp_path / "um" / "run")],
+                       capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o777))
+    assert p.returncode == 2 and "cannot create the run directory" in p.stderr, p.stderr
+    assert not (tmp_path / "um").exists()
