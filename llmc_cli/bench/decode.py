@@ -67,6 +67,8 @@ def run_decode(backends: Sequence[tuple[str, Backend]], cfg, B: int, S: int, *, 
                progress: Callable[[str], None] | None = None) -> dict:
     """Every backend decodes the same model from the same prompt: {"config", "results"}. A backend that raises
     gets a result {"backend", "failed": one line} and the others still run."""
+    if S < 2:  # (no prompt length fits a window of one: the window is what is wrong)
+        raise ValueError(f"-t/--seq-len {S}: the window must hold the prompt and at least one new token (2 or more)")
     if not 1 <= prompt_len < S:
         raise ValueError(f"--prompt-len {prompt_len} must be at least 1 and shorter than the window ({S})")
     from llmc_cli.bench.backends import _failure_line

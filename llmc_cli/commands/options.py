@@ -17,6 +17,22 @@ import click
 INT32_MAX = 2**31 - 1  # the most tokens, rows or elements the kernels index, and what the model files' headers hold
 
 
+class ExistingPath(click.Path):
+    """click.Path(exists=True) that tells a path it may not look at (EACCES, ELOOP, a name too long) from one that
+    is not there: click says "does not exist" for all of them."""
+
+    def convert(self, value, param, ctx):
+        import os
+        if self.exists and isinstance(value, (str, os.PathLike)):
+            try:
+                os.stat(value)
+            except FileNotFoundError:
+                pass  # (click's own words)
+            except OSError as e:
+                self.fail(f"{click.format_filename(value)!r}: {e.strerror or e}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class _Bounded(click.ParamType):
     """`min`/`max`: the option's declared range (in the message of a value outside it); `cap`: a ceiling past which
     a value is nonsense for any option of this kind (an integer the kernels and files hold), said as `<= cap`."""

@@ -25,7 +25,7 @@ from rich.progress import (
 )
 
 from llmc_cli.commands import interrupts
-from llmc_cli.commands.options import Int, Real
+from llmc_cli.commands.options import ExistingPath, Int, Real
 from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
 from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.files import DataError
@@ -161,7 +161,7 @@ def _common(fn):
         click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default="gpt2",
                      show_default=True, help="Vocabulary (recorded in the shard format: gpt2 -> uint16 "
                                              "magic 20240520, llama3 -> uint32 magic 20240801)."),
-        click.option("--tokenizer-path", type=click.Path(dir_okay=False, exists=True), default=None,
+        click.option("--tokenizer-path", type=ExistingPath(dir_okay=False, exists=True), default=None,
                      help="tiktoken ranks file  [default for gpt2: whisper/assets/gpt2.tiktoken from "
                           "openai-whisper; required for llama3]"),
         click.option("--force", is_flag=True, help="Discard this dataset's existing shards in the output "
@@ -241,7 +241,7 @@ def shakespeare(**o):
 
 @tokenize.command(epilog="\b\nExamples:\n  llmc tokenize text book.txt\n"
                          "  llmc tokenize text corpus/ --name web --text-field content --shard-size 10M")
-@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.argument("inputs", nargs=-1, required=True, type=ExistingPath(exists=True, path_type=Path))
 @click.option("--name", default=None, help="Dataset name (file prefix and datasets/<name>/)  "
                                            "[default: the first input's name]")
 @click.option("--text-field", default="text", show_default=True,
@@ -268,7 +268,7 @@ def text(inputs, name, text_field, **o):
 
 @tokenize.command(epilog="\b\nExample:\n  llmc tokenize tinyshakespeare            # downloads 1.1 MB\n"
                          "  llmc tokenize tinyshakespeare --local input.txt")
-@click.option("--local", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+@click.option("--local", type=ExistingPath(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Already-downloaded input.txt (karpathy/char-rnn) instead of downloading.")
 @_common
 @_val_opts(default_tokens=32768, fraction=False)
@@ -284,7 +284,7 @@ def tinyshakespeare(local, **o):
 
 @tokenize.command(epilog="\b\nExample:\n  llmc tokenize tinystories --workers 8\n"
                          "  llmc tokenize tinystories --local TinyStories_all_data.tar.gz")
-@click.option("--local", type=click.Path(exists=True, path_type=Path), default=None,
+@click.option("--local", type=ExistingPath(exists=True, path_type=Path), default=None,
               help="TinyStories_all_data.tar.gz, or a directory of its data*.json files.")
 @_common
 @_friendly
@@ -307,7 +307,7 @@ def tinystories(local, **o):
 @click.option("--version", "fw_version", type=click.Choice(["10B", "100B"]), default="10B", show_default=True,
               help="Sample size (HF config sample-10BT / sample-100BT).")
 @click.option("--edu", is_flag=True, help="FineWeb-Edu instead of FineWeb.")
-@click.option("--local", type=click.Path(exists=True, path_type=Path), default=None,
+@click.option("--local", type=ExistingPath(exists=True, path_type=Path), default=None,
               help="Already-downloaded parquet (or jsonl) files of the sample: a file or directory.")
 @click.option("--text-field", default="text", show_default=True, help="Column holding the text.")
 @_common
@@ -341,14 +341,14 @@ def fineweb(fw_version, edu, local, text_field, **o):
                          "  llmc tokenize hellaswag --checkpoint checkpoints/llama    # the model's own tokenizer\n"
                          "  llmc tokenize hellaswag --tokenizer llama3 --tokenizer-path tokenizer.model")
 @click.option("--split", type=click.Choice(["val", "train"]), default="val", show_default=True)
-@click.option("--local", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+@click.option("--local", type=ExistingPath(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Already-downloaded hellaswag_<split>.jsonl (rowanz/hellaswag).")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output directory  [default: datasets/hellaswag/]")
 @click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default=None,
               help="Vocabulary of the model to be scored  [default: gpt2, llm.c's file; llama3 writes llmc's "
                    "version 2 with uint32 ids]")
-@click.option("--tokenizer-path", type=click.Path(dir_okay=False, exists=True), default=None,
+@click.option("--tokenizer-path", type=ExistingPath(dir_okay=False, exists=True), default=None,
               help="tiktoken ranks file (or a Hugging Face tokenizer.json)  [required for llama3]")
 @click.option("--checkpoint", default=None,
               help="Tokenize with the tokenizer this model was trained with (run directory, step directory, model "
@@ -396,10 +396,12 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path), default="gpt2_tokenizer.bin")
 @click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default="gpt2",
               show_default=True)
-@click.option("--tokenizer-path", type=click.Path(dir_okay=False, exists=True), default=None)
+@click.option("--tokenizer-path", type=ExistingPath(dir_okay=False, exists=True), default=None)
 @_friendly
 def tokenizer_bin(out, tokenizer_name, tokenizer_path):
     """Write llm.c's tokenizer .bin (magic 20240328, version 2) that llm.c's C code decodes with."""
+    if str(out) == "." or os.path.isdir(out):  # ('' arrives as Path('.'))
+        raise DataError(f"OUT {out}: expected a file name for the tokenizer .bin, not a directory or an empty path")
     from llmc_cli.data.tokenizer import write_tokenizer_bin
 
     tok = load_tokenizer(tokenizer_name, tokenizer_path)

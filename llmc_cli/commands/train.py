@@ -84,7 +84,7 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
     for key, v in data.items():
         name = key.replace("-", "_")
         if name not in names or name == "config":
-            raise click.BadParameter(f"{value}: {key!r} is not an option of `llmc train` (see --help)", ctx, param)
+            raise click.BadParameter(f"{value}: {key!r} is not an option of `llmc train`", ctx, param)
         opt = names[name]
         if opt.multiple and isinstance(v, str):  # one string for a list of one
             v = [v]

@@ -186,3 +186,8 @@ def test_folders_made_for_a_run_that_cannot_start_go_again(tmp_path, data):
                        capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o777))
     assert p.returncode == 2 and "cannot create the run directory" in p.stderr, p.stderr
     assert not (tmp_path / "um").exists()
+
+
+def test_bench_decode_with_a_window_of_one_names_the_window():
+    one_line_error(run("bench", "decode", "--backend", "cpu", "--model", "d2", "-t", 1, ok=False),
+                   "-t/--seq-len 1: the window must hold the prompt")

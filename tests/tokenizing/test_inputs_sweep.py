@@ -219,3 +219,20 @@ def test_nothing_is_written_into_a_checkpoint_folder(tmp_path):
     (tmp_path / "via").symlink_to(step)
     one_line_error(run("text", a, "--out-dir", tmp_path / "via" / "x"), "is inside the checkpoint")
     assert sorted(os.listdir(step)) == []
+
+
+def test_an_empty_out_and_an_input_it_may_not_read_are_named(tmp_path):
+    one_line_error(run("tokenizer-bin", ""), "OUT .: expected a file name")
+    prefix = _unprivileged()
+    if prefix is None:
+        pytest.skip("running as root without setpriv: every file can be read")
+    d = tmp_path / "np"
+    d.mkdir()
+    (d / "a.txt").write_text("x")
+    d.chmod(0)
+    try:
+        r = subprocess.run([*prefix, sys.executable, "-m", "llmc_cli", "tokenize", "text", str(d / "a.txt"),
+                            "--out-dir", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    finally:
+        d.chmod(0o755)
+    assert r.returncode == 2 and "a.txt': Permission denied" in r.stderr and "does not exist" not in r.stderr, r.stderr
