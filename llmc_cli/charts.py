@@ -338,7 +338,7 @@ def save_png(fig, path: str | Path, dpi: int, option: str = "--out") -> Path:
     check_png_target(path, option)
     path = Path(path)
     try:
-        with atomic_file(path) as tmp:
+        with atomic_file(path, through_links=True) as tmp:  # (checked a PNG above)
             fig.savefig(tmp, dpi=dpi, format="png")
     except OSError as e:
         raise PlotError(f"{option} {path}: cannot write it ({e.strerror or e})") from None

@@ -463,7 +463,7 @@ def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
         parts.append(b)
     from llmc_cli.formats.files import atomic_write_bytes
 
-    atomic_write_bytes(path, b"".join(parts))
+    atomic_write_bytes(path, b"".join(parts), through_links=True)  # (checked a tokenizer file above)
     return path
 
 

@@ -105,7 +105,7 @@ def write_evalfile(path: str | os.PathLike, examples: Sequence[dict], tokenizer:
     header[0], header[1], header[2], header[3] = EVAL_MAGIC, fmt.version, len(examples), longest
     if fmt.version != 1:
         header[NAME_INTS] = np.frombuffer(fmt.tokenizer.encode("ascii").ljust(NAME_BYTES, b"\0"), dtype="<i4")
-    atomic_write_bytes(path, [header.tobytes(), np.asarray(stream, dtype=fmt.dtype).tobytes()])
+    atomic_write_bytes(path, [header.tobytes(), np.asarray(stream, dtype=fmt.dtype).tobytes()], through_links=True)
     return path
 
 

@@ -30,13 +30,16 @@ def sibling_stem(name: str) -> str:
 
 
 @contextmanager
-def atomic_file(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+def atomic_file(path: str | os.PathLike, suffix: str = ".tmp", through_links: bool = False) -> Iterator[Path]:
     """Yields a temporary sibling of `path` to write; when the block ends without an error the file is fsynced and
     renamed over `path` (and the directory fsynced), so `path` is never seen half-written. On an error the
     temporary file goes, and an OSError names `path`, never the temporary name. Every llmc write goes here."""
     path = Path(path)
-    if path.is_symlink() and path.is_file():  # written through, as `>` writes: the link stays and its file gets the
-        path = Path(os.path.realpath(path))  # bytes (a rename over the link would leave its file stale)
+    if through_links and path.is_symlink() and path.is_file():  # a user's output named through a link, its file
+        # checked as one of the kind written (check_replaceable, a PNG's magic): written through, as `>` writes, the
+        # link kept (a rename over the link would leave its file stale). llmc's own files (`latest`, state) are not:
+        # a link planted there would have llmc write into whatever file it names.
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{sibling_stem(path.name)}.{os.getpid()}{suffix}")
     remove_dead_siblings(path, suffix)  # what an earlier writer of `path` killed mid-write (SIGKILL, SIGTERM) left
@@ -226,10 +229,10 @@ def temporary_directory(prefix: str):
             FORCED_EXIT_REMOVALS.remove(tmp)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes]) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Sequence[bytes], through_links: bool = False) -> None:
     """Write ``data`` to ``path`` atomically (see atomic_file)."""
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
-    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+    with atomic_file(path, through_links=through_links) as tmp, open(tmp, "wb") as f:
         for c in chunks:
             f.write(c)
 

@@ -191,3 +191,15 @@ def test_folders_made_for_a_run_that_cannot_start_go_again(tmp_path, data):
 def test_bench_decode_with_a_window_of_one_names_the_window():
     one_line_error(run("bench", "decode", "--backend", "cpu", "--model", "d2", "-t", 1, ok=False),
                    "-t/--seq-len 1: the window must hold the prompt")
+
+
+def test_a_link_planted_at_latest_is_replaced_not_written_through(tmp_path, data):
+    out = tmp_path / "run"
+    train(data, "--steps", 1, "--out", out)
+    precious = tmp_path / "p.txt"
+    precious.write_text("step_00000001\n")
+    (out / "latest").unlink()
+    (out / "latest").symlink_to(precious)
+    train(data, "--steps", 2, "--out", out, "--resume")
+    assert precious.read_text() == "step_00000001\n"
+    assert not (out / "latest").is_symlink() and (out / "latest").read_text() == "step_00000002\n"
