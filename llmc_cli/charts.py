@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc_cli.bench.backends import BenchError
-from llmc_cli.formats.files import atomic_file
+from llmc_cli.formats.files import atomic_file, non_folder_above
 from llmc_cli.formats.rundir import check_outside_checkpoints
 
 
@@ -327,8 +327,7 @@ def check_png_target(path: str | Path, option: str = "--out") -> None:
     if not path.exists():
         # its folder is made when the picture is written: a file where a folder of it belongs would fail only then
         # (after a whole benchmark), so it is refused now
-        folder = next((p for p in path.absolute().parents if os.path.lexists(p)), None)
-        if folder is not None and not folder.is_dir():
+        if (folder := non_folder_above(path.absolute())) is not None:
             raise PlotError(f"{option} {path}: {folder} is not a directory; give a path in a directory; nothing was "
                             "changed")
 

@@ -400,7 +400,7 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
 @_friendly
 def tokenizer_bin(out, tokenizer_name, tokenizer_path):
     """Write llm.c's tokenizer .bin (magic 20240328, version 2) that llm.c's C code decodes with."""
-    if str(out) == "." or os.path.isdir(out):  # ('' arrives as Path('.'))
+    if os.path.isdir(out):  # ('' arrives as Path('.'), a directory too)
         raise DataError(f"OUT {out}: expected a file name for the tokenizer .bin, not a directory or an empty path")
     from llmc_cli.data.tokenizer import write_tokenizer_bin
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -114,17 +115,15 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eot={self.eot})"
 
-    @property
+    @functools.cached_property
     def vocabulary_sha256(self) -> str:
         """A digest of every id's bytes: two ranks files of one size that give a token different ids (a resume of
         shards under another tokenizer.model) differ here, where name and vocab_size agree."""
-        if getattr(self, "_digest", None) is None:
-            h = hashlib.sha256()
-            for i in range(self.vocab_size):
-                b = self.enc.decode_single_token_bytes(i)
-                h.update(len(b).to_bytes(4, "little") + b)
-            self._digest = h.hexdigest()
-        return self._digest
+        h = hashlib.sha256()
+        for i in range(self.vocab_size):
+            b = self.enc.decode_single_token_bytes(i)
+            h.update(len(b).to_bytes(4, "little") + b)
+        return h.hexdigest()
 
     def __getstate__(self):  # picklable for worker processes: rebuilt from (name, path)
         return {"name": self.name, "path": self.path}

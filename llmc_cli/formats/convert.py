@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from llmc_cli.formats import checkpoint as ckpt
-from llmc_cli.formats.files import DirectoryLock, sibling_stem, write_dir_beside
+from llmc_cli.formats.files import DirectoryLock, non_folder_above, sibling_stem, write_dir_beside
 from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
 from llmc_cli.models.families import FAMILIES, family_of
 
@@ -35,16 +35,14 @@ def _is_llmc_output(path: Path) -> bool:
 def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
     """`convert` writes a new destination; with `force` it may replace an earlier output of its own kind, but
     never the source, a data file or anything else of the user's, and never anything in a run directory."""
-    from llmc_cli.formats.rundir import is_run_dir, step_folder_of
+    from llmc_cli.formats.rundir import check_outside_checkpoints, is_run_dir
     src, dst = Path(src), Path(dst)
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
         raise ckpt.CheckpointError(f"{dst} is the source itself; write the conversion somewhere else")
     # (creating the folders would fail on a file among them with "File exists", naming neither)
-    above = next((p for p in dst.parents if p.exists() or p.is_symlink()), None)
-    if above is not None and not above.is_dir():
+    if (above := non_folder_above(dst)) is not None:
         raise ckpt.CheckpointError(f"{dst}: {above} is not a directory; nothing was changed")
-    if (step := step_folder_of(dst)) is not None:
-        raise ckpt.CheckpointError(f"{dst} is inside the checkpoint {step}: llmc writes there only when training")
+    check_outside_checkpoints(dst, "DST", ckpt.CheckpointError)
     if is_run_dir(dst) or (dst.parent.is_dir() and is_run_dir(dst.parent) and dst.name in ("latest", ".lock")):
         raise ckpt.CheckpointError(f"{dst} belongs to a run directory, not an empty directory: llmc writes there "
                                    "only when training (not even with --force: a run holds its checkpoints); remove "

@@ -199,12 +199,9 @@ class DirectoryLock:
         fd, self._fd = self._fd, None
         try:  # unlinked while still held, so no one can lock the old file after us (see acquire)
             (self.directory / self.name).unlink()
-            for d in self._made:  # what acquire created and nothing was written into after all
-                if any(d.iterdir()):
-                    break
-                d.rmdir()
         except OSError:
             pass
+        self._remove_made()  # what acquire created and nothing was written into after all
         os.close(fd)  # closing drops the flock
 
     def __enter__(self) -> "DirectoryLock":
@@ -267,6 +264,13 @@ def write_dir_beside(dst: str | os.PathLike, write, place=replace_dir) -> None:
         place(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def non_folder_above(path: str | os.PathLike) -> Path | None:
+    """The nearest of `path`'s parents (spelt as `path` is) that exists, when it is not a directory: folders made
+    for a write would fail there with only "File exists" or "Not a directory", naming neither."""
+    above = next((p for p in Path(path).parents if os.path.lexists(p)), None)
+    return above if above is not None and not above.is_dir() else None
 
 
 def check_replaceable(path: str | os.PathLike, magics: Sequence[int], what: str) -> None:

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from llmc_cli.formats.files import DirectoryLock
+from llmc_cli.formats.files import DirectoryLock, non_folder_above
 
 STEP_DIR = re.compile(r"step_\d{8}")
 LOCK_FILE = ".lock"
@@ -61,12 +61,9 @@ def check_out(out: str | Path, resume: bool) -> None:
                           "(new, or holding a run to --resume)")
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file; expected a run directory (new, or holding a run to --resume)")
-    if not os.path.lexists(out):  # (its folder is made at the start: a file where a parent belongs fails there)
-        above = next((p for p in out.absolute().parents if os.path.lexists(p)), None)
-        if above is not None and not above.is_dir():
-            raise RunDirError(f"--out {out}: {above} is not a directory; give a run directory in a directory")
-    if (step := step_folder_of(out)) is not None:
-        raise RunDirError(f"--out {out} is inside the checkpoint {step}; give a directory outside the step folders")
+    if not os.path.lexists(out) and (above := non_folder_above(out.absolute())) is not None:  # (made at the start)
+        raise RunDirError(f"--out {out}: {above} is not a directory; give a run directory in a directory")
+    check_outside_checkpoints(out, "--out")
     if out.is_dir():  # a file or a link to nothing under a step's name: its checkpoint could not be written there
         for p in sorted(out.iterdir()):
             if STEP_DIR.fullmatch(p.name) and not p.is_dir():

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import IO
 
-from llmc_cli.formats.rundir import step_folder_of
+from llmc_cli.formats.rundir import check_outside_checkpoints
 
 
 class LogError(ValueError):
@@ -59,8 +59,7 @@ def is_llmc_log(path: str | Path) -> bool:
 def check_log(path: str | Path) -> None:
     """Refuses a --log path that is not new, not empty and not an llmc log, or that lies in a checkpoint."""
     path = Path(path)
-    if (step := step_folder_of(path)) is not None:
-        raise LogError(f"--log {path}: inside the checkpoint {step}; give a path outside the step folders")
+    check_outside_checkpoints(path, "--log", LogError)
     if not path.exists():
         return
     if not path.is_file():

@@ -34,6 +34,10 @@ def _open_text(path: Path):
     return open(path, "r", encoding="utf-8-sig")
 
 
+def _open_bytes(path: Path):
+    return gzip.open(path, "rb") if _is_gz(path) else open(path, "rb")
+
+
 JSONL_LINE_MAX_BYTES = 256 << 20  # one document that large is read and parsed whole (several times its size in
 # memory); a longer "line" is more likely a file that is not JSON Lines (no newline at all)
 
@@ -51,7 +55,7 @@ def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of a JSON Lines file, split at "\n" only: JSON allows a lone "\r" between its tokens,
     which universal newlines would take for the end of a line. A line over JSONL_LINE_MAX_BYTES is refused before it
     is held whole."""
-    with (gzip.open(path, "rb") if _is_gz(path) else open(path, "rb")) as f:
+    with _open_bytes(path) as f:
         at = 0
         for n in itertools.count(1):
             raw = f.readline(JSONL_LINE_MAX_BYTES + 1)
@@ -68,7 +72,7 @@ def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
 def _whole_text(path: Path) -> str:
     """A text file's content, with universal newlines ("\r\n" and a lone "\r" read as "\n", as Python's text
     mode and nanoGPT's prepare scripts read it) and without a byte-order mark."""
-    with (gzip.open(path, "rb") if _is_gz(path) else open(path, "rb")) as f:
+    with _open_bytes(path) as f:
         raw = f.read()
     start = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
     text = _decoded(path, raw[start:] if start else raw, start)
