@@ -19,6 +19,9 @@
 #                          temperature over the busy samples, per run and GPU, in clocks.log
 #   PEER=1 ...             also a 1-GPU run on GPU 0 whose process first enables peer access to GPU 1 (idle), named
 #                          _1gpu_peer: does a peer mapping alone slow the GPU's own kernels?
+#   LINKS="awake bulk" ... also PAIR=1's two runs with a thread in each copying to the other GPU over the link
+#                          (with_link_traffic.py: awake keeps the link busy with 64 KiB every 5 ms, bulk sends a d12
+#                          rank's 250 MB a step), named _1gpu_<mode>0 / _<mode>1: does link traffic alone cost a step?
 #   PHASES=1 ...           every run writes where its steps' time goes, rank by rank (LLMC_STEP_PHASES), summarized
 #                          by bench/step_phases.py into phases.log
 set -u
@@ -108,6 +111,13 @@ for model in ${MODELS:-d12 d48}; do
       ENVS="CUDA_VISIBLE_DEVICES=0"; run "${model}_1gpu_paired0_$r" $A --zero "${ZERO:-1}"
       wait
     fi
+    for mode in ${LINKS:-}; do
+      (ENVS="CUDA_VISIBLE_DEVICES=1,0 LLMC_LINK_TRAFFIC=$mode" CMD="$PY $HERE/backends/cuda/bench/with_link_traffic.py"
+       run "${model}_1gpu_${mode}1_$r" $A --zero "${ZERO:-1}" > /dev/null) &
+      ENVS="CUDA_VISIBLE_DEVICES=0,1 LLMC_LINK_TRAFFIC=$mode" CMD="$PY $HERE/backends/cuda/bench/with_link_traffic.py"
+      run "${model}_1gpu_${mode}0_$r" $A --zero "${ZERO:-1}"; CMD=""
+      wait
+    done
     for n in ${GPUS:-$N}; do
       for v in ${VARIANTS:-overlap plain}; do
         variant "$v"; run "${model}_${n}gpu_${v}_$r" $A $V --gpus "$n"
