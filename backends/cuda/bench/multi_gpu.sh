@@ -29,6 +29,9 @@ export OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_setup.sh"
 N=${1:-$(nvidia-smi -L | wc -l)}; STEPS=${2:-30}; ROUNDS=${ROUNDS:-2}
 nvidia-smi topo -m 2>&1 | head -9 | tee -a "$OUT/env.log"
+# the links' low-power threshold: a link stays at full power this long after its last traffic, and at the GPUs' power
+# cap that power comes out of the SM clock (docs/performance.md, "The links' low-power threshold")
+nvidia-smi nvlink -gLowPwrInfo -i 0 2>&1 | grep -m2 "Link 0" | tee -a "$OUT/env.log"
 mkdir -p /tmp/llmc_data /tmp/runs
 (cd /tmp/runs && timeout 180 $PY "$HERE/backends/cuda/bench/nccl_check.py" "$N") 2>&1 | tail -n 20 \
   | tee "$OUT/nccl_check.log"
