@@ -16,7 +16,9 @@ from typing import Iterator
 import numpy as np
 
 from llmc_cli.formats.files import DataError
-from llmc_cli.formats.shards import MAX_TOKENS, read_shard, read_shard_header, resolve_shards
+from llmc_cli.formats.shards import HEADER_BYTES, MAX_TOKENS, ShardInfo, read_shard_header, resolve_shards
+
+SCAN_TOKENS = 1 << 22  # tokens read at a time when a shard is checked against the vocabulary
 
 # ----------------------------------------------------------------------------------------------
 # loaders
@@ -28,6 +30,10 @@ def _int_arg(name: str, v, lo: int, extra: str = "") -> int:
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
         raise DataError(f"{name} must be an integer >= {lo}{' ' + extra if extra else ''} (got {v!r})")
     return int(v)
+
+
+def _describe(info: ShardInfo) -> str:
+    return f"{info.num_tokens:,} {info.tokenizer} tokens"
 
 
 class DataLoader:
@@ -81,7 +87,11 @@ class DataLoader:
         self.num_tokens = sum(i.num_tokens for i in self.infos)
         self._window = self.world_size * self.B * self.T
         self._checked: set[int] = set()
-        self._mm: np.ndarray | None = None
+        # each shard's (device, inode, mtime) when its ids were checked: a shard replaced later is checked again
+        self._ident: dict[int, tuple] = {}
+        # the shard being read, through reads at offsets rather than a memory map: a map of a file cut short under
+        # it (`cp` or `truncate` onto the shard) kills the process with SIGBUS, where a read comes back short
+        self._fh = None
         self._mm_file = -1
         self._perm_key = None
         self._perm = None
@@ -134,23 +144,67 @@ class DataLoader:
         self._samples = self._sample_order(epoch, shard_pos, self._file)
         self._open(self._file)
 
+    def _open_checked(self, file_index: int):
+        """The shard opened for reading, refused when it is no longer the shard the loader was made over (a run's
+        positions and sample counts come from the sizes it had then)."""
+        path, was = self.files[file_index], self.infos[file_index]
+        now = read_shard_header(path)
+        fh = open(path, "rb", buffering=0)
+        try:
+            st = os.fstat(fh.fileno())
+            if (now.num_tokens, now.dtype) != (was.num_tokens, was.dtype) or st.st_size != was.nbytes:
+                raise DataError(f"{path}: changed since the data was opened ({_describe(was)} then, now "
+                                f"{_describe(now) if st.st_size == now.nbytes else f'{st.st_size:,} bytes'}); "
+                                "the shards must stay as they are while a run reads them")
+        except BaseException:
+            fh.close()
+            raise
+        ident = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        if self._ident.get(file_index, ident) != ident:  # replaced by a file of the same size: its ids are new
+            self._checked.discard(file_index)
+            self._checked_for = {c for c in self._checked_for if c[0] != file_index}
+        self._ident[file_index] = ident
+        return fh
+
     def _open(self, file_index: int) -> None:
         if self._mm_file != file_index:
-            self._mm = None  # drop the previous map first
-            self._mm = read_shard(self.files[file_index])
+            if self._fh is not None:
+                self._fh.close()
+                self._fh, self._mm_file = None, -1
+            self._fh = self._open_checked(file_index)
             self._mm_file = file_index
         if self.vocab_size is not None and file_index not in self._checked:
-            self._check_shard(file_index, self._mm)
+            self._check_shard(file_index, self._fh)
 
-    def _check_shard(self, file_index: int, tokens: np.ndarray, vocab_size: int | None = None) -> None:
+    def _pread(self, fh, file_index: int, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of a shard; a file cut short under the reader is a DataError."""
+        info = self.infos[file_index]
+        size = info.dtype.itemsize
+        want, at, parts = count * size, HEADER_BYTES + start * size, []
+        while want > 0:
+            b = os.pread(fh.fileno(), want, at)
+            if not b:
+                raise DataError(f"{self.files[file_index]}: cut short while it was read (the header says "
+                                f"{info.num_tokens:,} tokens; the file ends before token {start + count:,}); the "
+                                "shards must stay as they are while a run reads them")
+            parts.append(b)
+            want, at = want - len(b), at + len(b)
+        return np.frombuffer(b"".join(parts) if len(parts) != 1 else parts[0], dtype=info.dtype)
+
+    def _check_shard(self, file_index: int, fh=None, vocab_size: int | None = None) -> None:
         V = self.vocab_size if vocab_size is None else vocab_size
-        hi = int(tokens.max()) if tokens.size else -1
-        if hi >= V:
-            where = int(np.argmax(tokens >= V))
-            raise DataError(
-                f"{self.files[file_index]}: token id {int(tokens[where])} at position {where:,} is >= "
-                f"the model's vocab size {V:,} (shard format: "
-                f"{self.infos[file_index].tokenizer}; tokenized with a different vocabulary?)")
+        if fh is None:
+            with self._open_checked(file_index) as f:
+                return self._check_shard(file_index, f, vocab_size)
+        n = self.infos[file_index].num_tokens
+        for start in range(0, n, SCAN_TOKENS):  # (in pieces: a shard of 2**31 ids is 4-8 GB)
+            tokens = self._pread(fh, file_index, start, min(SCAN_TOKENS, n - start))
+            if int(tokens.max()) >= V:
+                where = int(np.argmax(tokens >= V))
+                raise DataError(
+                    f"{self.files[file_index]}: token id {int(tokens[where])} at position {start + where:,} is >= "
+                    f"the model's vocab size {V:,} (shard format: "
+                    f"{self.infos[file_index].tokenizer}; tokenized with a different vocabulary?)")
         if V == self.vocab_size:
             self._checked.add(file_index)
         else:
@@ -164,9 +218,9 @@ class DataLoader:
             self.vocab_size = vocab_size
         if self.vocab_size is None:
             raise DataError("check_vocab needs a vocab_size")
-        for i, f in enumerate(self.files):
+        for i in range(self.num_shards):
             if i not in self._checked:
-                self._check_shard(i, read_shard(f))
+                self._check_shard(i)
 
     def _advance_shard(self) -> None:
         if self.shard_pos + 1 >= self.num_shards:
@@ -176,7 +230,7 @@ class DataLoader:
 
     def _read(self, idx: int):
         off = idx * self._window + self.rank * self.B * self.T
-        buf = np.asarray(self._mm[off: off + self.B * self.T + 1], dtype=np.int32)
+        buf = self._pread(self._fh, self._file, off, self.B * self.T + 1).astype(np.int32)
         x = buf[:-1].reshape(self.B, self.T)
         y = buf[1:].reshape(self.B, self.T)
         return x, y  # two views of one fresh buffer; callers own them
@@ -252,9 +306,9 @@ class ValLoader(DataLoader):
                 break
             if vocab_size is not None:
                 if (i, vocab_size) not in self._checked_for:
-                    self._check_shard(i, read_shard(self.files[i]), vocab_size)
+                    self._check_shard(i, vocab_size=vocab_size)
             elif self.vocab_size is not None and i not in self._checked:
-                self._check_shard(i, read_shard(self.files[i]))
+                self._check_shard(i)
             covered += self.shard_samples(i)
 
     def batches(self, n: int | None = None) -> Iterator:

@@ -191,7 +191,9 @@ def resolve_shards(pattern: str | os.PathLike | Sequence[str | os.PathLike], spl
         elif os.path.exists(p):  # (a FIFO or device too: read_shard_header says what it is)
             files.append(p)
         elif _GLOB_CHARS & set(p):
-            hits = sorted(h for h in _glob.glob(p) if os.path.isfile(h))
+            # (folders are passed over; anything else the pattern names is a shard: a FIFO, a device or a dangling
+            # link among them is refused when read, as in a directory, rather than left out of the data unsaid)
+            hits = sorted(h for h in _glob.glob(p) if not os.path.isdir(h))
             if not hits:
                 raise DataError(f"no data shards match the pattern {p!r}")
             files += hits

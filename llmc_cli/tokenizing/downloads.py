@@ -47,6 +47,7 @@ def _probe(url: str, timeout: float = 5.0) -> None:
 
 def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
     """Fetch ``url`` to ``dest`` (skipped when dest exists) through urllib, atomically."""
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -55,17 +56,25 @@ def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
     _probe(url)
     try:
         with atomic_file(dest, ".part") as tmp, urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
-            total = int(r.headers.get("Content-Length") or 0) or None
+            length = (r.headers.get("Content-Length") or "").strip()  # (one that is not a number: unknown)
+            total = int(length) if length.isascii() and length.isdigit() and int(length) else None
             with progress(True) as prog:
                 task = prog.add_task(f"download {dest.name}", total=total)
                 got = 0
-                while chunk := r.read(1 << 20):
-                    f.write(chunk)
-                    got += len(chunk)
-                    prog.advance(task, len(chunk))
-            if total is not None and got != total:  # (http.client ends a cut-off body quietly, as if whole)
-                raise DataError(f"download of {url} ended after {got:,} of {total:,} bytes; run the command again, "
-                                "or download it elsewhere and pass it with --local PATH")
+                try:
+                    while chunk := r.read(1 << 20):
+                        f.write(chunk)
+                        got += len(chunk)
+                        prog.advance(task, len(chunk))
+                    if total is not None and got != total:  # (http.client ends a cut-off body quietly, as if whole)
+                        raise DataError(f"download of {url} ended after {got:,} of {total:,} bytes; run the command "
+                                        "again, or download it elsewhere and pass it with --local PATH")
+                except BaseException:  # the error line alone then says what happened, not a bar left above it
+                    prog.discard()
+                    raise
+    except http.client.HTTPException as e:  # a chunked body cut off (IncompleteRead), an answer that is not HTTP
+        raise DataError(f"download of {url} failed (not a whole HTTP answer: {type(e).__name__}); run the command "
+                        "again, or download it elsewhere and pass it with --local PATH") from None
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         raise DataError(f"download of {url} failed ({getattr(e, 'reason', e)}); download it elsewhere "
                         "and pass it with --local PATH") from None

@@ -85,9 +85,12 @@ def _existing_shards(out_dir: Path, name: str) -> list[Path]:
             else [])
 
 
-def _check_manifest(path: Path, m: dict) -> None:
+def _check_manifest(path: Path, m: dict, name: str | None = None, explicit_split: bool = False) -> None:
     """The fields a resume reads, typed: a manifest damaged or edited by hand is one line naming the field, not a
-    traceback or a resume from a position that is none (a negative offset dropped tokens without a word)."""
+    traceback or a resume from a position that is none (a negative offset dropped tokens without a word). With
+    `name`, the shards must also be the ones a run writes, in its order: shard i named NAME_SPLIT_i, val before
+    train (only shard 0 val where the corpus has no split of its own), positions never going back; a shard listed
+    twice, a file of another name, or a second val shard were otherwise kept as finished shards."""
     def bad(what: str):
         raise DataError(f"{path}: {what}; pass --force to redo the shards")
 
@@ -106,6 +109,19 @@ def _check_manifest(path: Path, m: dict) -> None:
             v = sh.get(k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 bad(f"shards[{i}].{k} is {v!r}, expected a whole number >= 0")
+    last = (0, 0)
+    for i, sh in enumerate(shards if name is not None else []):
+        if sh["file"] != _shard_name(name, sh["split"], i):
+            bad(f"shards[{i}].file is {sh['file']!r}, expected {_shard_name(name, sh['split'], i)!r}")
+        prev = shards[i - 1]["split"] if i else None
+        if sh["split"] == "val" and (prev == "train" or (prev is not None and not explicit_split)):
+            bad(f"shards[{i}] is a val shard after {'a train shard' if prev == 'train' else 'the first shard'}")
+        if not explicit_split and i == 0 and sh["split"] != "val":
+            bad("shards[0] is a train shard; the first shard is the val split")
+        if (sh["next_doc"], sh["next_offset"]) < last:
+            bad(f"shards[{i}] ends at document {sh['next_doc']} token {sh['next_offset']}, before the shard ahead of "
+                "it")
+        last = (sh["next_doc"], sh["next_offset"])
     vs = m.get("val_size")
     if vs is not None and (isinstance(vs, bool) or not isinstance(vs, int) or vs < 1):
         bad(f"val_size is {vs!r}, expected a whole number >= 1 or null")
@@ -173,7 +189,7 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
             raise DataError(f"{out_dir} holds {src.name} shards made from other inputs or settings "
                             f"({', '.join(diff)} differ); pass --force to redo them or choose another --out-dir")
         if manifest:
-            _check_manifest(manifest_path, manifest)
+            _check_manifest(manifest_path, manifest, src.name, src.explicit_split)
         for sh in (manifest or {}).get("shards", []):
             p = out_dir / sh["file"]
             try:
@@ -298,11 +314,20 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
             else:
                 return
 
+    in_stream = 0  # documents the input holds (skipped ones too): a resume position past them is a lie
+
     def doc_stream():
+        nonlocal in_stream
         for i, (split, text) in enumerate(src.docs()):
+            in_stream = i + 1
             if i < skip_doc:
                 continue
             yield i, split, text
+
+    def past_the_input(what: str) -> DataError:
+        return DataError(f"{manifest_path}: says the next shard starts at token {skip_off:,} of document "
+                         f"{skip_doc:,}, but {what}; the input is not the one its shards were made from, or the manifest is "
+                         "damaged; pass --force to redo the shards")
 
     task = None
     workers = max(1, int(workers))
@@ -320,6 +345,8 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
                     off += ln
                     start = 0
                     if i == skip_doc and skip_off:
+                        if skip_off >= len(a):  # (a shard never ends at a document's end: the next one starts then)
+                            raise past_the_input(f"that document has {len(a):,} tokens")
                         a, start = a[skip_off:], skip_off
                     if len(a):
                         pieces.append(_Piece(i, start, s, a))
@@ -330,6 +357,8 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
                 el = max(time.perf_counter() - t0, 1e-9)
                 prog.update(task, advance=nbytes, tokens=ntok, tok_s=ntok / el)
                 drain(final=False)
+            if done and (skip_doc > in_stream or (skip_doc == in_stream and skip_off)):
+                raise past_the_input(f"the input holds {in_stream:,} document(s)")
             drain(final=True)
             if not state["shards"]:  # (before any manifest: a rerun must not find an "already complete" empty run)
                 raise DataError(f"{src.name}: the input holds no documents, no shards written")

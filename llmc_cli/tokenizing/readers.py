@@ -278,32 +278,35 @@ def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
     a label of 1.7 or true, or endings given as one string, would otherwise become an example nobody wrote."""
     path = regular_file(path, "--local", pipe_ok=True)
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{n}"
-                ex = _json_line(line, where)
-                if not isinstance(ex, dict) or not {"ctx", "endings", "label"} <= set(ex):
-                    raise DataError(f"{where}: not a HellaSwag example with ctx, endings and label")
-                label, ctx, endings = ex["label"], ex["ctx"], ex["endings"]
-                # (Hugging Face's copy writes the label as a string: "2" is taken, 1.7 and true are not)
-                if isinstance(label, str) and label.strip().isascii() and label.strip().isdigit():
-                    label = int(label)
-                if isinstance(label, bool) or not isinstance(label, int):
-                    raise DataError(f"{where}: not a HellaSwag example: label {label!r} is not an integer")
-                if not isinstance(ctx, str):
-                    raise DataError(f"{where}: not a HellaSwag example: ctx is {type(ctx).__name__}, expected a string")
-                if not isinstance(endings, list) or not all(isinstance(e, str) for e in endings):
-                    raise DataError(f"{where}: not a HellaSwag example: endings must be a list of strings")
-                if len(endings) != 4:
-                    raise DataError(f"{where}: not a HellaSwag example: {len(endings)} endings, expected 4")
-                if not 0 <= label < 4:
-                    raise DataError(f"{where}: not a HellaSwag example: label {label}, expected 0..3 (the ending that "
-                                    "is right)")
-                yield label, checked_text(ctx, where), [checked_text(e, where) for e in endings]
+        # (lines as every JSON Lines input is read: split at "\n" only, a lone "\r" being JSON's blank, and a line
+        # of gigabytes refused before it is held whole)
+        for n, line in _text_lines(path):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            ex = _json_line(line, where)
+            if not isinstance(ex, dict) or not {"ctx", "endings", "label"} <= set(ex):
+                raise DataError(f"{where}: not a HellaSwag example with ctx, endings and label")
+            label, ctx, endings = ex["label"], ex["ctx"], ex["endings"]
+            # (Hugging Face's copy writes the label as a string: "2" is taken, 1.7 and true are not)
+            if isinstance(label, str) and label.strip().isascii() and label.strip().isdigit():
+                label = int(label)
+            if isinstance(label, bool) or not isinstance(label, int):
+                raise DataError(f"{where}: not a HellaSwag example: label {label!r} is not an integer")
+            if not isinstance(ctx, str):
+                raise DataError(f"{where}: not a HellaSwag example: ctx is {type(ctx).__name__}, expected a string")
+            if not isinstance(endings, list) or not all(isinstance(e, str) for e in endings):
+                raise DataError(f"{where}: not a HellaSwag example: endings must be a list of strings")
+            if len(endings) != 4:
+                raise DataError(f"{where}: not a HellaSwag example: {len(endings)} endings, expected 4")
+            if not 0 <= label < 4:
+                raise DataError(f"{where}: not a HellaSwag example: label {label}, expected 0..3 (the ending that "
+                                "is right)")
+            yield label, checked_text(ctx, where), [checked_text(e, where) for e in endings]
     except UnicodeDecodeError as e:
         raise not_utf8(path, e) from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # (a .gz of it is read as its text)
+        raise DataError(f"{path}: truncated or corrupt gzip file ({e or type(e).__name__})") from None
 
 
 def _check_text_column(path: Path, name: str, t, remedy: str | None = None) -> None:

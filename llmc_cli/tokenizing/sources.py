@@ -102,9 +102,15 @@ def extract_tinystories(archive: Path, dest: Path) -> Path:
         with tarfile.open(archive) as tf:
             kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tf.extractall(tmp, **kw)
-        if dest.is_dir():
-            dest.rmdir()  # (empty, checked above)
-        os.replace(tmp, dest)
+        try:
+            if dest.is_dir():
+                dest.rmdir()  # (empty, checked above)
+            os.replace(tmp, dest)
+        except OSError:
+            if dest.is_dir() and any(dest.glob("*.json")):  # another run extracted the same archive meanwhile
+                shutil.rmtree(tmp, ignore_errors=True)
+                return dest
+            raise
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in made:
@@ -114,7 +120,7 @@ def extract_tinystories(archive: Path, dest: Path) -> Path:
                 break
         if isinstance(e, (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)):
             raise DataError(f"{archive}: not a complete, readable tar archive ({e or type(e).__name__}); "
-                            "download it again") from None
+                            "delete it and download it again") from None
         raise
     return dest
 
