@@ -180,8 +180,22 @@ RUN_STATE_VERSION = 1
 _STATE_KEYS = {"step": int, "dataloader": dict, "rng": dict, "args": dict}
 
 
+INT64_MAX = 2**63 - 1  # what numpy and the loaders index with: a larger count is no run's (and overflows there)
+STEP_MAX = 2**31 - 1  # the most steps `--steps` takes: a state at a later step could never be continued
+
+
 def _count(v) -> bool:
-    return type(v) is int and v >= 0
+    return type(v) is int and 0 <= v <= INT64_MAX
+
+
+def _rng_state(v) -> bool:
+    """Does `v` load into numpy's PCG64 (what the trainer restores)? Tried here, where a bad one is one line naming
+    state.json: numpy says OverflowError for a state past 128 bits, which no caller expects."""
+    try:
+        np.random.PCG64().state = v
+    except (TypeError, ValueError, OverflowError, KeyError, AttributeError):
+        return False
+    return True
 
 
 def _number(v) -> bool:
@@ -193,7 +207,8 @@ def _number(v) -> bool:
 # (key, check, what is expected); absent keys are older checkpoints and keep their defaults
 _STATE_FIELDS = (
     ("backend_state", lambda v: isinstance(v, dict), "a JSON object (what the backend carries between steps)"),
-    ("optimizer_steps", _count, "a non-negative integer"),
+    ("rng", _rng_state, "a PCG64 state, as numpy's bit_generator.state gives it"),
+    ("optimizer_steps", lambda v: _count(v) and v <= STEP_MAX, f"an integer in [0, {STEP_MAX}]"),
     ("tokens_per_step", lambda v: type(v) is int and v > 0, "a positive integer"),
     ("world_size", lambda v: type(v) is int and v > 0, "a positive integer"),
     ("tokenizer", lambda v: v in ("gpt2", "llama3"), "'gpt2' or 'llama3'"),
@@ -291,9 +306,17 @@ def read_run_checkpoint(path: str | Path) -> tuple[ModelConfig, np.ndarray, dict
     check_finite(model_path, params)
     state_path, opt_path = step_dir / "state.json", step_dir / "optimizer.npz"
     for p in (state_path, opt_path):
-        if not p.is_file():
-            raise CheckpointError(f"{p}: missing, so {step_dir} cannot be resumed (it holds only a model)")
+        if not p.is_file():  # (a directory or a FIFO there is not read: it is named for what it is)
+            from llmc_cli.formats.files import special_file
+            what = ("missing" if not os.path.lexists(p) else "a directory" if p.is_dir() else special_file(p)
+                    or "a symbolic link to nothing")
+            raise CheckpointError(f"{p}: {what}, so {step_dir} cannot be resumed (it holds only a model)" if what ==
+                                  "missing" else f"{p}: {what} where a file belongs, so {step_dir} cannot be resumed")
     state = read_run_state(state_path)
+    fam = family_of(cfg)
+    if state.get("family", fam.name) != fam.name:  # (the state of another run's model, or a damaged one)
+        raise CheckpointError(f"{state_path}: 'family' is {state['family']!r} but {model_path.name} beside it holds a "
+                              f"{fam.label} model; not this checkpoint's run state")
     opt = read_optimizer_state(opt_path, params.size)
     return cfg, params, opt, state
 
@@ -306,20 +329,21 @@ def read_run_state(state_path: str | Path) -> dict:
         if raw is None:
             raise CheckpointError(f"{state_path}: over {STATE_MAX_BYTES // 2**20} MiB, not an llmc run state")
         state = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # (ValueError: also an integer of over 4300 digits, past int())
         raise CheckpointError(f"{state_path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{state_path}: expected a JSON object (an llmc run state), got {type(state).__name__}")
     version = state.get("version", RUN_STATE_VERSION)  # checkpoints from before the field are version 1
-    if version != RUN_STATE_VERSION:
+    if type(version) is not int or version != RUN_STATE_VERSION:  # (true == 1 in Python)
         raise CheckpointError(f"{state_path}: unsupported run state version {version!r} "
                               f"(expected {RUN_STATE_VERSION})")
     for key, typ in _STATE_KEYS.items():
         if not isinstance(state.get(key), typ) or isinstance(state.get(key), bool):
             raise CheckpointError(f"{state_path}: missing or bad '{key}' (expected a JSON {typ.__name__}; "
                                   "not an llmc run state?)")
-    if state["step"] < 0:
-        raise CheckpointError(f"{state_path}: negative step {state['step']}")
+    if not 0 <= state["step"] <= STEP_MAX:
+        raise CheckpointError(f"{state_path}: step {state['step']!s:.80} is out of range (0 to {STEP_MAX}; a damaged run "
+                              "state)")
     for key, ok, want in _STATE_FIELDS:
         if key in state and not ok(state[key]):
             raise CheckpointError(f"{state_path}: '{key}' must be {want} (got {state[key]!r:.80})")
@@ -334,14 +358,9 @@ def read_optimizer_state(opt_path: str | Path, n: int) -> dict[str, np.ndarray]:
     """optimizer.npz: float32 arrays 'm' and 'v' (and 'master' for bf16 runs), each of `n` values."""
     opt_path = Path(opt_path)
     try:
-        with zipfile.ZipFile(opt_path) as zf:  # sizes from the archive's directory, before anything is inflated
-            big = next((i for i in zf.infolist() if i.file_size > 4 * n + 2**16), None)
-        if big is not None:  # (a small archive can inflate to any size: never more than n float32 values an array)
-            raise ValueError(f"'{big.filename}' inflates to {big.file_size:,} bytes, more than {n:,} float32 values")
-        with np.load(opt_path, allow_pickle=False) as z:
-            if not hasattr(z, "files"):
-                raise ValueError("not an .npz archive")
-            opt = {k: z[k] for k in z.files}
+        opt = _read_npz(opt_path, n)
+    except CheckpointError:
+        raise
     except Exception as e:  # BadZipFile, EOFError, zlib.error, ValueError: all mean a damaged file
         raise CheckpointError(f"{opt_path}: unreadable optimizer state, expected an .npz archive "
                               f"({type(e).__name__}: {e})") from None
@@ -349,9 +368,40 @@ def read_optimizer_state(opt_path: str | Path, n: int) -> dict[str, np.ndarray]:
         if k not in opt:
             raise CheckpointError(f"{opt_path}: no '{k}' array (has: {', '.join(opt) or 'nothing'})")
     for k, a in opt.items():
-        if a.dtype != np.float32:
-            raise CheckpointError(f"{opt_path}: '{k}' is {a.dtype}, expected float32")
-        if a.size != n:
-            raise CheckpointError(f"{opt_path}: '{k}' has {a.size} values, the model has {n} parameters")
         check_finite(f"{opt_path} ('{k}')", a, "values")
+    if (neg := int(np.count_nonzero(opt["v"] < 0))):  # (a mean of squares: sqrt(v) would be NaN at the first step)
+        raise CheckpointError(f"{opt_path}: {neg:,} of {opt['v'].size:,} values of 'v' (Adam's second moment) are "
+                              "negative (a damaged optimizer state); llmc will not use them")
     return opt
+
+
+def _read_npz(path: Path, n: int) -> dict[str, np.ndarray]:
+    """The float32 arrays of an .npz archive, each read only after its .npy header says it holds `n` of them:
+    np.load allocates whatever shape a header claims (a few bytes can claim terabytes) before it finds the data
+    short. Reading stops at n values, however far a member would inflate."""
+    from numpy.lib import format as npy
+    out: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            key = info.filename.removesuffix(".npy")
+            if key == info.filename or key in out:
+                raise ValueError(f"'{info.filename}' is " + ("not an .npy array" if key == info.filename else
+                                                             "in the archive twice"))
+            if info.file_size > 4 * n + 2**16:  # (the archive's own word, before anything is inflated)
+                raise ValueError(f"'{info.filename}' inflates to {info.file_size:,} bytes, more than {n:,} float32 "
+                                 "values")
+            with zf.open(info) as f:
+                version = npy.read_magic(f)
+                read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+                shape, fortran, dtype = read_header(f)
+                if dtype != np.float32:
+                    raise CheckpointError(f"{path}: '{key}' is {dtype}, expected float32")
+                if (count := int(np.prod(shape, dtype=object))) != n:
+                    raise CheckpointError(f"{path}: '{key}' has {count} values, the model has {n} parameters")
+                raw = f.read(4 * n)
+                if len(raw) != 4 * n or f.read(1):  # (reading to the end checks the member's CRC)
+                    raise ValueError(f"'{info.filename}' holds {'less' if len(raw) < 4 * n else 'more'} data than "
+                                     f"its header's {n:,} float32 values")
+            a = np.frombuffer(raw, np.dtype("<f4")).reshape(shape, order="F" if fortran else "C")
+            out[key] = a.reshape(-1).astype(np.float32)  # (C order, native float32, writable)
+    return out

@@ -23,10 +23,13 @@ LLMC_TOKENIZER_KEY = "llmc_tokenizer"  # config.json of a Llama llmc trained wit
 def check_layer_count(path: str | Path, names, pattern: str, key: str, n_layer: int) -> None:
     """Weights of a layer past config.json's count (`pattern` matches a tensor name, its group 1 the layer) are
     refused: the import would drop them without a word and make a shallower model."""
-    found = {int(m.group(1)) for n in names if (m := re.match(pattern, n))}
-    if extra := sorted(i for i in found if i >= n_layer):
-        raise CheckpointError(f"{path}: holds weights of layer {extra[0]} (layers 0..{max(found)} in all) but "
-                              f"config.json says {key} = {n_layer}; correct config.json")
+    # the numbers as digits, compared by length first: int() refuses more than 4300 of them (a damaged name)
+    found = sorted({m.group(1).lstrip("0") or "0" for n in names if (m := re.match(pattern, n))},
+                   key=lambda s: (len(s), s))
+    if extra := [s for s in found if len(s) > 18 or int(s) >= n_layer]:
+        short = lambda s: s if len(s) <= 20 else s[:20] + "..."  # noqa: E731
+        raise CheckpointError(f"{path}: holds weights of layer {short(extra[0])} (layers 0..{short(found[-1])} in "
+                              f"all) but config.json says {key} = {n_layer}; correct config.json")
 
 
 def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
@@ -106,16 +109,17 @@ def read_config_json(path: str | Path) -> dict:
 
 
 HF_MODEL_TYPES = ("gpt2", "llama")
-GPT2_HF_KEYS = {"block_size": "n_positions"}  # llmc's config field -> config.json's key, where they differ
+# llmc's config field (or the option its check names) -> config.json's key, where they differ
+GPT2_HF_KEYS = {"block_size": "n_positions", "--n-embd": "n_embd", "--n-head": "n_head"}
 
 
 def hf_field_names(e: Exception, keys: dict[str, str]) -> str:
-    """A config error in config.json's own words: "n_positions must be ..." rather than llmc's "block_size"."""
-    msg = str(e)
-    for ours, theirs in keys.items():
-        if msg.startswith(ours + " "):
-            return theirs + msg[len(ours):]
-    return msg
+    """A config error in config.json's own words: "n_positions must be ..." rather than llmc's "block_size", every
+    field it names (a check on two fields names both), in one pass so a name is never translated twice."""
+    if not keys:
+        return str(e)
+    names = "|".join(re.escape(k) for k in sorted(keys, key=len, reverse=True))
+    return re.sub(rf"(?<![\w.-])({names})(?![\w-])", lambda m: keys[m.group(1)], str(e))
 
 
 def hf_model_type(path: str | Path) -> str:

@@ -88,6 +88,9 @@ def _write_tokenizer(out: Path, cfg: GPT2Config) -> None:
 
 
 
+LAYERNORM_EPS = 1e-5  # llm.c's, fixed in every backend's layernorm (config.json may say otherwise)
+
+
 def read_hf_config(path: str | Path) -> GPT2Config:
     path = Path(path)
     c = read_config_json(path)
@@ -104,6 +107,16 @@ def read_hf_config(path: str | Path) -> GPT2Config:
     inner = c.get("n_inner")
     if inner not in (None, 4 * cfg.n_embd):
         raise CheckpointError(f"{path}: n_inner {inner} is not 4*n_embd, which llm.c's GPT-2 requires")
+    # what llm.c's GPT-2 does not compute (transformers' defaults are llm.c's): such a config is another model
+    for key, ours in (("tie_word_embeddings", True), ("scale_attn_weights", True),
+                      ("scale_attn_by_inverse_layer_idx", False)):
+        if key in c and c[key] is not ours:
+            raise CheckpointError(f"{path}/config.json: {key} {json.dumps(c[key])[:80]} is not supported (llm.c's "
+                                  f"GPT-2 has {key} {json.dumps(ours)})")
+    eps = c.get("layer_norm_epsilon", LAYERNORM_EPS)
+    if type(eps) not in (int, float) or not abs(eps - LAYERNORM_EPS) <= 1e-3 * LAYERNORM_EPS:  # (NaN too)
+        raise CheckpointError(f"{path}/config.json: layer_norm_epsilon {eps!r:.80} is not {LAYERNORM_EPS}, which "
+                              "llm.c's layernorm kernels use")
     act = c.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         raise CheckpointError(f"{path}: activation {act!r}; llmc's GPT-2 uses the tanh GELU (gelu_new)")

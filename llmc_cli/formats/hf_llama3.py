@@ -58,13 +58,22 @@ def read_hf_config(path: str | Path) -> Llama3Config:
     if c.get("model_type") != "llama":
         raise CheckpointError(f"{path}: config.json is for model_type {c.get('model_type')!r}, not a Llama "
                                    f"(llama)")
+    # what llmc's Llama does not compute: a config asking for it is another model, not one to load without it
+    for key, ours in (("hidden_act", ("silu", "swish")), ("attention_bias", (False,)), ("mlp_bias", (False,))):
+        if key in c and not any(c[key] is v if isinstance(v, bool) else c[key] == v for v in ours):
+            raise CheckpointError(f"{path}/config.json: {key} {json.dumps(c[key])[:80]} is not supported (llmc's "
+                                  f"Llama has {key} {json.dumps(ours[0])})")
+    scaling = c.get("rope_scaling") or None
+    if scaling is not None and not isinstance(scaling, dict):
+        raise CheckpointError(f"{path}/config.json: rope_scaling must be an object or null (got {scaling!r:.80})")
+    if scaling is not None and (kind := scaling.get("rope_type", scaling.get("type"))) != "llama3":
+        raise CheckpointError(f"{path}/config.json: rope_scaling.rope_type {kind!r:.80} is not supported (only "
+                              "llama3 scaling is)")
+    if c.get(LLMC_TOKENIZER_KEY, "llama3") not in ("gpt2", "llama3"):  # (else read as Llama 3's without a word)
+        raise CheckpointError(f"{path}/config.json: {LLMC_TOKENIZER_KEY} {c[LLMC_TOKENIZER_KEY]!r:.80} is not a "
+                              "tokenizer llmc knows ('gpt2' or 'llama3')")
     try:
         C, NH = c["hidden_size"], c["num_attention_heads"]
-        scaling = c.get("rope_scaling") or None
-        if scaling is not None and not isinstance(scaling, dict):
-            raise ValueError(f"rope_scaling must be an object (got {scaling!r})")
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise ValueError(f"rope_scaling type {scaling.get('rope_type')!r} (only llama3 scaling is supported)")
         cfg = Llama3Config(  # the values as JSON typed them: validate() refuses "16", true or 1.5 for a count
             block_size=c.get("max_position_embeddings", 8192), vocab_size=c["vocab_size"],
             n_layer=c["num_hidden_layers"], n_head=NH, n_kv_head=c.get("num_key_value_heads", NH),

@@ -112,6 +112,10 @@ def _tensor_entries(path: Path, header: dict, start: int, size: int) -> dict[str
                 and all(type(v) is int and v >= 0 for v in offs + shape) and offs[0] <= offs[1]):
             raise CheckpointError(f"{path}: tensor {name} has a bad shape {shape!r} or data_offsets "
                                   f"{offs!r} (non-negative integers expected)")
+        if len(shape) > 32 or int(np.prod([d for d in shape if d], dtype=object)) * dt.itemsize >= 2**62:
+            # (numpy cannot make such an array even with no data, a dimension of 0: no tensor of a model is one)
+            raise CheckpointError(f"{path}: tensor {name} has a shape no array can have ({len(shape)} dimensions, "
+                                  f"{str(shape)[:80]})")
         b, e = offs
         if start + e > size or e - b != int(np.prod(shape, dtype=object)) * dt.itemsize:
             raise CheckpointError(f"{path}: tensor {name} data out of bounds or of the wrong size")

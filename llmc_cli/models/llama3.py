@@ -68,6 +68,10 @@ class Llama3Config:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head size {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            # (rope_frequencies divides by their difference: equal ones are a division by zero)
+            raise ValueError(f"rope_high_freq_factor {self.rope_high_freq_factor} must be greater than "
+                             f"rope_low_freq_factor {self.rope_low_freq_factor}")
 
 
 PRESETS: dict[str, Llama3Config] = {
