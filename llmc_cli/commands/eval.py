@@ -14,7 +14,7 @@ from llmc_cli.commands.console import (
     make_backend,
 )
 from llmc_cli.commands.options import COUNT, POSITIVE
-from llmc_cli.commands.sample import load_for_inference
+from llmc_cli.commands.sample import load_for_inference, refuse_empty_paths
 
 
 def _progress(as_json: bool):
@@ -68,10 +68,13 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
       llmc eval --checkpoint checkpoints/shakespeare --data 'datasets/shakespeare/*val*.bin' --json
       llmc eval --checkpoint checkpoints/gpt2 --hellaswag datasets/hellaswag/hellaswag_val.bin
     """
+    import numpy as np
+
     from llmc_cli.data.loader import ValLoader
     from llmc_cli.evals.evaluate import HellaSwag, check_shards_tokenizer, eval_batches, evaluate_loss
     from llmc_cli.formats.files import CheckpointError, DataError
     from llmc_cli.formats.sources import load_config_any, tokenizer_name_for
+    refuse_empty_paths(checkpoint=checkpoint, data=data, hellaswag=hellaswag)
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
     # the data is checked against what the checkpoint records before its weights load (seconds for a large one):
@@ -97,9 +100,9 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
         except DataError as e:
             fail(f"--data: {e}")
     model = load_for_inference(checkpoint, be, batch_size if data else 1, seq_len if data else 1)
-    result = {}
-    try:
-        with _progress(as_json) as bar:
+    result, unscored = {}, 0
+    try:  # (a model whose arithmetic overflows has a NaN loss, said below once, not numpy's warnings per batch)
+        with _progress(as_json) as bar, np.errstate(over="ignore", invalid="ignore"):
             if loader is not None:
                 n = eval_batches(loader, batches)
                 task = bar.add_task("loss", total=n)
@@ -108,9 +111,16 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
                 used = n
             if hs is not None:
                 task = bar.add_task("hellaswag", total=len(hs.examples))
-                result |= hs.evaluate(model, on_example=lambda done, total: bar.update(task, completed=done)).as_dict()
+                scored = hs.evaluate(model, on_example=lambda done, total: bar.update(task, completed=done))
+                result |= scored.as_dict()
+                unscored = scored.unscored
     except (DataError, ValueError) as e:
         fail(str(e))
+    what = (["a loss that is not finite"] if not np.isfinite(result.get("loss", 0.0)) else []) + (
+        [f"NaN losses on {unscored} of {len(hs.examples)} HellaSwag examples (so no accuracy)"] if unscored else [])
+    if what:  # (exit 0 as for any score: the numbers say what the model does, this line why; JSON has null)
+        click.echo(f"warning: --checkpoint: {checkpoint}: {' and '.join(what)}: the model's weights or activations "
+                   "overflow", err=True)
     if as_json:
         click.echo(json_text(result))
         return

@@ -24,6 +24,15 @@ def _stdout_is_terminal() -> bool:
     return sys.stdout.isatty()
 
 
+def refuse_empty_paths(**paths: str | None) -> None:
+    """One line for a path option given as '' (`--checkpoint "$UNSET"`): an empty path is the working directory to
+    the file system, so a model there was loaded without a word; options named by keyword, '_' for '-'."""
+    for name, value in paths.items():
+        if value == "":
+            fail(f"--{name.replace('_', '-')}: an empty path; give a path"
+                 + ("" if name == "checkpoint" else ", or leave the option out"))
+
+
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
     """The model of any --checkpoint (GPT-2 or Llama, llmc file, run directory or Hugging Face directory),
     planned for inference at (B, T)."""
@@ -65,6 +74,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
       llmc sample --checkpoint checkpoints/shakespeare --prompt "ROMEO:" --max-new-tokens 200 --top-k 40
       llmc sample --checkpoint hf/gpt2 --prompt-file prompt.txt --num-samples 3 --top-p 0.9 --temperature 0.8
     """
+    import codecs
     import time
 
     import numpy as np
@@ -73,7 +83,8 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     from llmc_cli.formats import checkpoint as ckpt
     from llmc_cli.formats.sources import load_config_any, tokenizer_for
     from llmc_cli.inference.decode import has_kv_cache
-    from llmc_cli.inference.sampling import generate
+    from llmc_cli.inference.sampling import NonFiniteLogits, generate
+    refuse_empty_paths(checkpoint=checkpoint, prompt_file=prompt_file)
     if prompt is not None and prompt_file is not None:
         fail("give --prompt or --prompt-file, not both")
     if prompt is not None and (bad := next((c for c in prompt if 0xD800 <= ord(c) <= 0xDFFF), None)) is not None:
@@ -87,7 +98,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
             if len(raw) > PROMPT_MAX_BYTES:
                 fail(f"--prompt-file: {prompt_file}: longer than {PROMPT_MAX_BYTES // 2**20} MiB, expected a text "
                      "prompt (the model sees only its last block of tokens)")
-            prompt = raw.decode("utf-8")
+            prompt = raw.decode("utf-8-sig")  # (an editor's byte-order mark is no text: tokenize drops it too)
         except (OSError, UnicodeDecodeError) as e:
             fail(f"--prompt-file: {prompt_file}: {e.strerror if isinstance(e, OSError) else e}")
     prompt = prompt or ""
@@ -127,22 +138,27 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
             click.echo(f"{'' if i == 0 else chr(10)}--- sample {i + 1}/{num_samples} ---")
         if prompt:
             click.echo(show(prompt), nl=False, color=True)  # (color: click would strip some escapes, not all)
-        out: list[int] = []
-        shown = 0  # out[:shown] is printed; decoding only the rest keeps a long sample linear in its length
+        # an incremental decoder holds back only the bytes of an unfinished UTF-8 character: waiting instead for a
+        # decoded text that does not end in U+FFFD printed nothing while the model wrote invalid bytes, and decoded
+        # everything since the last print again per token (quadratic)
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        n = 0
         t0 = time.perf_counter()
         try:
-            for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
-                              kv_cache=kv, vocab_limit=tok.vocab_size):
-                out.append(t)
-                text = tok.decode(out[shown:])
-                if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character before printing
-                    click.echo(show(text), nl=False, color=True)
-                    shown = len(out)
+            with np.errstate(over="ignore", invalid="ignore"):  # (an overflowing model is one line, below)
+                for t in generate(model, ids, max_new_tokens, rng, temperature, top_k, top_p, stop_token=tok.eot,
+                                  kv_cache=kv, vocab_limit=tok.vocab_size):
+                    n += 1
+                    if text := utf8.decode(tok.decode_bytes([t])):
+                        click.echo(show(text), nl=False, color=True)
+        except NonFiniteLogits as e:  # the weights' fault, not the backend's
+            click.echo()
+            fail(f"--checkpoint: {checkpoint}: {e} (at new token {n + 1})")
         except ValueError as e:  # (a backend's kernel that is announced and missing: one line naming both)
             click.echo()
             fail(f"--backend {be.name}: {e}")
         seconds += time.perf_counter() - t0
-        total += len(out)
-        click.echo(show(tok.decode(out[shown:])), color=True)
+        total += n
+        click.echo(show(utf8.decode(b"", final=True)), color=True)
     err_console.print(f"{total} tokens in {seconds:.2f} s: {total / max(seconds, 1e-9):.1f} tok/s "
                       f"({'KV cache' if kv else 'full recomputation'}, {be.name})")

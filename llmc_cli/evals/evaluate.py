@@ -10,6 +10,7 @@ causal attention keeps it from changing the scored positions; its losses are mas
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from typing import Callable
@@ -119,14 +120,15 @@ class HellaSwagResult:
     n: int
     correct: int          # by summed ending loss (acc)
     correct_norm: int     # by mean ending loss per token (acc_norm)
+    unscored: int = 0     # examples whose losses were NaN (a model that overflows): then there is no accuracy
 
     @property
     def acc(self) -> float:
-        return self.correct / max(self.n, 1)
+        return float("nan") if self.unscored else self.correct / max(self.n, 1)
 
     @property
     def acc_norm(self) -> float:
-        return self.correct_norm / max(self.n, 1)
+        return float("nan") if self.unscored else self.correct_norm / max(self.n, 1)
 
     def as_dict(self) -> dict:
         return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm, "hellaswag_examples": self.n}
@@ -146,6 +148,8 @@ class HellaSwag:
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise ValueError(f"HellaSwag: tokenizer must be a tokenizer's name such as 'gpt2', or None (got "
                              f"{tokenizer!r:.80})")
+        if not isinstance(path, (str, os.PathLike)):  # (None or 5 were read as files named 'None' and '5')
+            raise ValueError(f"HellaSwag: path must be an eval file's path (got {path!r:.80})")
         self.path = str(path)
         self.tokenizer = read_evalfile_header(path).tokenizer  # whose ids the file holds
         check_tokenizer(self.path, self.tokenizer, tokenizer, whose, HELLASWAG_REMEDY.format(tokenizer))
@@ -180,13 +184,21 @@ class HellaSwag:
         return sums, sums / np.maximum(mask.sum(axis=1), 1)
 
     def evaluate(self, model: Model, on_example: Callable[[int, int], None] | None = None) -> HellaSwagResult:
-        correct = correct_norm = 0
+        """acc and acc_norm of `model` over the examples; `on_example(done, total)` before each and at the end.
+        An example whose losses hold NaN counts as unscored, and any makes both accuracies NaN: np.argmin
+        picks the first NaN, so such a model scored as if it chose ending 0 every time."""
+        if on_example is not None and not callable(on_example):
+            raise ValueError(f"HellaSwag.evaluate: on_example must be a function or None (got {on_example!r:.80})")
+        correct = correct_norm = unscored = 0
         for i, ex in enumerate(self.examples, 1):
             if on_example is not None:
                 on_example(i - 1, len(self.examples))
             sums, means = self.score(model, ex)
+            if np.isnan(sums).any():
+                unscored += 1
+                continue
             correct += int(np.argmin(sums)) == ex["label"]
             correct_norm += int(np.argmin(means)) == ex["label"]
         if on_example is not None:
             on_example(len(self.examples), len(self.examples))
-        return HellaSwagResult(len(self.examples), correct, correct_norm)
+        return HellaSwagResult(len(self.examples), correct, correct_norm, unscored)

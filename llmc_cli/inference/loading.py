@@ -24,7 +24,7 @@ def load_model(checkpoint: str | Path, backend: Backend, B: int = 1, T: int | No
             raise ValueError(f"load_model: {name} must be an integer >= 1 (got {v!r})")
     # numpy's integers as Python ints: np.uint8(255) or np.int16(2) overflowed the planning's arithmetic
     B, T = int(B), None if T is None else int(T)
-    if not isinstance(checkpoint, (str, os.PathLike)):
+    if not isinstance(checkpoint, (str, os.PathLike)) or str(checkpoint) == "":  # ('' is the working directory)
         raise ValueError(f"load_model: checkpoint must be a path (got {checkpoint!r:.80})")
     try:  # the backend first: its capabilities must be a set of names whose kernels it has (models.base)
         check_backend(backend, "load_model: backend")

@@ -12,9 +12,15 @@ from llmc_cli.models.base import Model
 MIN_TEMPERATURE = 1e-6  # below it (but above 0) the logits' quotient overflows to inf and every draw is token 0
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+class NonFiniteLogits(ValueError):
+    """The model's logits hold NaN or infinity (weights or activations that overflow): no token can be drawn from
+    them (a NaN compares false with everything, so every draw or argmax was token 0, printed as if sampled)."""
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> tuple[float, int, float]:
     """A ValueError of one line for settings that would sample garbage without a sign: a NaN temperature drew
-    token 0 every time, a negative one was greedy, a top_p of NaN or <= 0 and a negative top_k were ignored."""
+    token 0 every time, a negative one was greedy, a top_p of NaN or <= 0 and a negative top_k were ignored.
+    Returns them as float, int, float (a Fraction temperature divided the logits into an array of objects)."""
     import math
     from numbers import Integral, Real
     if isinstance(temperature, (bool, np.bool_)) or not (  # (True is no temperature: bools are not numbers)
@@ -26,6 +32,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"top_k must be an integer >= 0 (0 = all; got {top_k!r})")
     if isinstance(top_p, (bool, np.bool_)) or not (isinstance(top_p, Real) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 = off; got {top_p!r})")
+    return float(temperature), int(top_k), float(top_p)
 
 
 def _is_int(v) -> bool:
@@ -78,7 +85,15 @@ def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: floa
     The draw is numpy's `rng.choice(V, p=probs)` done by hand (one uniform against the cumulative sums, the same
     tokens for the same seed) without its checks, and top-p sorts only the few most likely ids: at a 128k
     vocabulary both would otherwise cost more host time than a decoded token's GPU time."""
+    logits = np.asarray(logits)
+    if logits.ndim != 1 or logits.size == 0:
+        raise ValueError(f"choose_token: logits must be one vector of the vocabulary's scores (got shape "
+                         f"{logits.shape})")
     logits = logits.astype(np.float64)
+    if not np.isfinite(logits).all():
+        bad = int(np.count_nonzero(~np.isfinite(logits)))
+        raise NonFiniteLogits(f"the model's logits are not finite ({bad:,} of {logits.size:,} are NaN or infinite): "
+                              "its weights or activations overflow, so there is nothing to sample from")
     if temperature <= 0:
         return int(np.argmax(logits))
     logits = logits / temperature
@@ -127,7 +142,7 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
     `vocab_limit` keeps ids below the tokenizer's size where the model's vocabulary is larger (rows no tokenizer
     id names)."""
     ids = check_generate(model, prompt, max_new_tokens, rng, stop_token, kv_cache, vocab_limit)
-    check_sampling(temperature, top_k, top_p)
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     from llmc_cli.inference.decode import decoder_for, has_kv_cache
     from llmc_cli.models.base import unimplemented_kernel
     if kv_cache is None:
@@ -139,6 +154,9 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
         if kv_cache:
             dec = decoder_for(model)
             dec.reset()
+            # the model's one cache now holds this generator's tokens; a second generate() on the model resets it,
+            # and this one, resumed, went on from the other's context without a sign
+            dec.owner = me = object()
             logits = dec.feed(np.asarray(tokens, dtype=np.int32))[0]
         buf = np.zeros((1, window), dtype=np.int32)
         for i in range(max_new_tokens):
@@ -154,6 +172,10 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
             tokens.append(nxt)
             yield nxt
             if kv_cache and i + 1 < max_new_tokens:
+                if getattr(dec, "owner", None) is not me:
+                    raise ValueError("generate: another generate() on this model began since this one did, and the "
+                                     "model's key/value cache holds its tokens now; run them one after the other, "
+                                     "pass kv_cache=False, or load the model twice")
                 logits = dec.feed(np.asarray([nxt], dtype=np.int32))[0]
     except NotImplementedError as e:
         raise ValueError(unimplemented_kernel(model.backend, e)) from None
