@@ -80,11 +80,15 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
         raise click.BadParameter(f"{value}: not valid TOML ({why})", ctx, param) from None
     names = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
-    defaults = {}
+    defaults, spelt = {}, {}
     for key, v in data.items():
         name = key.replace("-", "_")
         if name not in names or name == "config":
             raise click.BadParameter(f"{value}: {key!r} is not an option of `llmc train`", ctx, param)
+        if name in spelt:  # (TOML refuses a key twice, but not `overfit-batch` beside `overfit_batch`: the last won)
+            raise click.BadParameter(f"{value}: {spelt[name]!r} and {key!r} are the same option; give it once", ctx,
+                                     param)
+        spelt[name] = key
         opt = names[name]
         if opt.multiple and isinstance(v, str):  # one string for a list of one
             v = [v]
@@ -272,6 +276,7 @@ def train(**o) -> None:
         except DataError as e:
             fail(f"--hellaswag: {e}")
     _check_combination(o)
+    _check_init_model(o, click.get_current_context())
     if o.pop("dry_run"):
         return dry_run(o)
     taken = _options_from_run(o) if (o["resume"] and o["out"]) else []  # said once the run has started
@@ -561,6 +566,37 @@ def _check_combination(o: dict) -> None:
             break
 
 
+def _check_init_model(o: dict, ctx: click.Context) -> None:
+    """--init gives the model, weights and shape: a --model given beside it that names another model (a Llama preset
+    for GPT-2 weights, d6 for d12's) was ignored silently, a run of another model than the one asked for. Only a
+    --model typed on this command line: a --config or a run's config.toml records the default beside --init."""
+    from click.core import ParameterSource
+    if not o["init"] or o["resume"] or ctx.get_parameter_source("model") is not ParameterSource.COMMANDLINE:
+        return
+    from llmc_cli.formats.sources import load_config_any
+    from llmc_cli.models.families import family_for, family_of
+    from llmc_cli.training.trainer import SHAPE_OPTIONS, TrainArgs, check_init_shape, model_config
+    try:
+        have = load_config_any(o["init"])
+    except (ValueError, OSError):
+        return  # (what is wrong with --init is said where its weights are read)
+    given = {k: o.get(k) for k in SHAPE_OPTIONS}
+    try:
+        family_for(o["model"])
+        check_init_shape(o["init"], have, given)  # (a shape option that differs: said as training says it)
+    except ValueError as e:
+        fail(str(e))
+    try:  # the preset with the shape options given, which match --init's now
+        want = model_config(TrainArgs(data="", model=o["model"], **{k: v for k, v in given.items() if k != "vocab_size"}))
+    except ValueError:  # (d6's 6 heads over --init's 64 channels: not --init's model either)
+        want = None
+    shape = lambda c: (family_of(c).label, *(getattr(c, k, None) for k in ("n_layer", "n_head", "n_embd")))  # noqa: E731
+    if want is None or shape(have) != shape(want):
+        label, L, NH, C = shape(have)
+        fail(f"--model {o['model']}: --init {o['init']} is another model ({label}, {L} layers, {NH} heads, {C} "
+             "channels) and gives the model, its shape and its weights; leave --model out")
+
+
 def _check_gpus(backend: str, n: int) -> None:
     """--gpus N starts N processes here, one a GPU, that reduce through the backend's own communicator: refused in
     one line, before any starts, for a backend without one (cpu, OpenCL: --procs) or with fewer devices."""
@@ -618,7 +654,7 @@ def dry_run(o: dict) -> None:
     """Plans the model's memory on the host, allocating nothing: works for models this machine cannot hold."""
     from llmc_cli.models.families import memory_plan
     from llmc_cli.training.trainer import TrainArgs, model_config
-    plugin = _check_backend_opt_names(o["backend"], o["backend_opt"])
+    plugin, unusable = _check_backend_opt_names(o["backend"], o["backend_opt"])
     source = o["out"] if o["resume"] and o["out"] else o["init"]
     if source:  # the model is the checkpoint's, not --model's preset: its config alone, no weights read
         from llmc_cli.formats.sources import load_config_any
@@ -643,8 +679,8 @@ def dry_run(o: dict) -> None:
         fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
     ranks = max(o["gpus"], o["procs"], 1)
     try:
-        plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"], world_size=ranks, zero=int(o["zero"]),
-                           overlap=bool(o.get("overlap")))
+        plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"], world_size=ranks,
+                           zero=int(o["zero"]) if ranks > 1 else 0, overlap=bool(o.get("overlap")) and ranks > 1)
     except ValueError as e:
         fail(str(e))
     from llmc_cli.models.families import family_of
@@ -664,26 +700,37 @@ def dry_run(o: dict) -> None:
         table.add_row(k, f"{v / 2**30:.2f}")
     table.add_row("total", f"{sum(plan.values()) / 2**30:.2f}")
     console.print(table)
+    if unusable:  # (after the plan: a bad option value above is still the one line of a refusal)
+        err_console.print(f"note: --backend {o['backend']}: {unusable}; planned as on a machine where it runs",
+                          markup=False, soft_wrap=True)
 
 
-def _check_backend_opt_names(backend: str, pairs) -> BackendPlugin | None:
+def _check_backend_opt_names(backend: str, pairs) -> tuple[BackendPlugin, str | None]:
     """--dry-run opens no backend, so its --backend-opt are checked here as far as that allows: KEY=VALUE, each
     key once, and a key the backend declares (the values are the backend's planned_scratch checks). Returns the
-    plugin the run would take (None where --backend auto finds none usable)."""
-    from llmc_cli.registry import check_option_names, discover, load_plugin
-    opts = backend_options(pairs)
-    if backend == "auto":
-        plugin = next((p.plugin for p in discover() if p.usable and p.plugin is not None), None)
-    else:
-        plugin = load_plugin(backend)
-    if plugin is None or not opts:
-        return plugin
+    plugin the run would take, and why it cannot run here (None where it can); one that is not installed, or does
+    not load, is one line (exit 2)."""
     from llmc_cli.kernels import BackendUnavailable
+    from llmc_cli.registry import check_option_names, load_plugin, usable_plugin
+    opts = backend_options(pairs)
     try:
-        check_option_names(plugin, opts)
+        plugin = usable_plugin(backend)
     except BackendUnavailable as e:
-        fail(f"--backend {plugin.name}: {e}")
-    return plugin
+        # a backend that is installed but cannot run here (no GPU on this laptop) is still planned for, where it
+        # can; a name that is no backend, or one that does not load, has nothing to plan with: it planned float32
+        # with no workspaces and exited 0, a preflight that passed for a run that cannot start
+        plugin = load_plugin(backend) if backend != "auto" else None
+        if plugin is None:
+            fail(f"--backend {backend}: {e}")
+        unusable = one_line(e)
+    else:
+        unusable = None
+    if opts:
+        try:
+            check_option_names(plugin, opts)
+        except BackendUnavailable as e:
+            fail(f"--backend {plugin.name}: {e}")
+    return plugin, unusable
 
 
 def resume_command(ctx) -> str:

@@ -63,11 +63,13 @@ def discover(env: dict | None = None) -> RankInfo:
             except ValueError:
                 raise CommError(f"{source}: {var}={env[var]!r} is not an integer") from None
         rank, size = int(env[rank_var]), int(env[size_var])
+        if size < 1:
+            raise CommError(f"{source}: {size_var}={size} is not a number of ranks (expected 1 or more)")
+        if not 0 <= rank < size:  # (before the local rank: without a variable of its own, it is this one)
+            raise CommError(f"{source}: rank {rank} is not in 0..{size - 1} ({rank_var}, {size_var})")
         local = int(env[local_var]) if local_var else rank
         if local < 0:
             raise CommError(f"{source}: {local_var}={local} is negative (a rank's index on its node)")
-        if size < 1 or not 0 <= rank < size:
-            raise CommError(f"{source}: rank {rank} is not in 0..{size - 1} ({rank_var}, {size_var})")
         return RankInfo(rank, size, local, source)
     return RankInfo()
 

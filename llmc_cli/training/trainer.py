@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
@@ -20,7 +21,7 @@ from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, is_runs_own_log, log_lock, open_log, record_line
 from llmc_cli.formats.shards import has_split
 from llmc_cli.formats.tensorboard import EventWriter
-from llmc_cli.inference.sampling import generate
+from llmc_cli.inference.sampling import NonFiniteLogits, generate
 from llmc_cli.kernels import BFLOAT16, CAP_GRAPHS, MAX, Backend, update_applies
 from llmc_cli.models.base import (STAGED, backend_capabilities, check_backend, check_recompute,
                                    unimplemented_kernel)
@@ -42,6 +43,17 @@ def _append_record(log, path: str, rec: dict) -> None:
         log.flush()
     except OSError as e:
         raise OSError(e.errno, f"{e.strerror} (writing the --log records)", str(path)) from None
+
+
+@contextmanager
+def _option_named(flag: str):
+    """A DataError raised inside, with `flag` in front of its message (unless it names an option already)."""
+    try:
+        yield
+    except DataError as e:
+        if str(e).startswith("--"):
+            raise
+        raise DataError(f"{flag}: {e}") from None
 
 
 class TrainError(ValueError):
@@ -378,14 +390,21 @@ class Trainer:
         if a.zero == 2 and a.overlap:
             raise TrainError("--overlap: --zero 2 already reduces each layer's gradients during the backward pass "
                              "(into the ranks' shards, on the compute stream); leave --overlap out")
+        # ZeRO shards over ranks: alone, a run takes the whole-state optimizer, the same update (--zero 2 kept a
+        # second copy of the gradients and reduced each layer into itself on every micro-step, to no end). The
+        # option stays recorded: a resume on more ranks shards as it asked
+        zero = a.zero if self.comm.world_size > 1 else 0
+        if zero != a.zero or (a.overlap and self.comm.world_size == 1):
+            given = " ".join(f for f, on in ((f"--zero {a.zero}", zero != a.zero), ("--overlap", a.overlap)) if on)
+            self.say(f"{given}: data parallel only, and this run has one rank: trained without (the same updates)")
         try:
-            self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute, layer_grads=a.zero == 2)
+            self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute, layer_grads=zero == 2)
             self.model.load_parameters(params)
-            self.opt = make_optimizer(backend, self.model, a.optim, self.comm, a.zero)
+            self.opt = make_optimizer(backend, self.model, a.optim, self.comm, zero)
         except Exception as e:
             if backend.is_out_of_memory(e):
                 raise TrainError(out_of_memory_message(e, backend, cfg, B, T, a.recompute, self.comm.world_size,
-                                                       a.zero)) from None
+                                                       zero)) from None
             raise
         self.opt.sync_master_from_params()
         where = os.environ.get(PHASES_ENV)
@@ -404,7 +423,7 @@ class Trainer:
         # communicator's own stream where it has one; that reduction is queued from inside the micro-step, so
         # such runs replay no captured graphs. ZeRO-2 reduces each layer's gradients into the shards on every
         # micro-step, in order on the backend's stream
-        if a.zero == 2:
+        if zero == 2:
             self.reducer = LayerShardedReduction(self.opt, self.model.grads, self.comm)
         else:
             self.reducer = OverlappedReduction(self.opt, self.model.grads, self.comm) \
@@ -424,11 +443,15 @@ class Trainer:
         self._last_checkpoint = time.monotonic()  # (run() restarts the clock)
 
         # token ids are checked against the model's vocabulary as each shard is first opened
-        self.train_loader = DataLoader(a.data, B, T, rank=self.comm.rank, world_size=self.comm.world_size,
-                                       shuffle=a.shuffle, seed=a.seed, vocab_size=cfg.vocab_size)
+        # (a missing or damaged shard named with the option that led to it: "data shard x not found" did not say
+        # whether --data or --val-data)
+        with _option_named("--data"):
+            self.train_loader = DataLoader(a.data, B, T, rank=self.comm.rank, world_size=self.comm.world_size,
+                                           shuffle=a.shuffle, seed=a.seed, vocab_size=cfg.vocab_size)
         # a directory given as --data serves its train shards; its val shards validate unless --val-data says else
         val_data = a.val_data or (a.data if isinstance(a.data, str) and has_split(a.data, "val") else None)
-        self.val_loader = ValLoader(val_data, B, T, vocab_size=cfg.vocab_size) if val_data else None
+        with _option_named("--val-data" if a.val_data else "--data"):
+            self.val_loader = ValLoader(val_data, B, T, vocab_size=cfg.vocab_size) if val_data else None
         for opt, loader in (("--data", self.train_loader), ("--val-data", self.val_loader)):
             need = SHARD_VOCAB.get(loader.tokenizer) if loader is not None else None
             if need and cfg.vocab_size < need:
@@ -652,8 +675,17 @@ class Trainer:
             window = min(self.cfg.block_size, max(self.a.seq_len, 64))
             self.sampler = self.family.model_class(self.cfg, self.backend, 1, window, training=False,
                                                    share_params=self.model)
-        ids = list(generate(self.sampler, self.sample_prompt or [self.eot], self.a.sample_tokens, self.rng,
-                            temperature=1.0, stop_token=self.eot))
+        ids = []
+        try:
+            for t in generate(self.sampler, self.sample_prompt or [self.eot], self.a.sample_tokens, self.rng,
+                              temperature=1.0, stop_token=self.eot):
+                ids.append(t)
+                # (only rank 0 samples, so no rank waits on this one: a stop request cuts a long --sample-tokens
+                # short, where it held the graceful stop, and a scheduler's grace, until the whole sample was done)
+                if self.stop_requested():
+                    break
+        except NonFiniteLogits as e:  # a sample is a look at the run, not a reason to end it (the guard judges steps)
+            return f"{self.decode(ids)}[no more sample: {e}]"
         return self.decode(ids)
 
     def save(self, step: int, loader_state: dict | None = None) -> Path:

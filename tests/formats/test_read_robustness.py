@@ -87,10 +87,11 @@ def test_llmc_llama_metadata_field_types(tmp_path):
 
 
 def test_nonfinite_weights_are_refused_everywhere(tmp_path, shards):
-    p = init_parameters(GPT2Config(n_layer=1, n_head=2, n_embd=64), 0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=64)  # (TINY's model: train's --model must name --init's)
+    p = init_parameters(cfg, 0)
     p[[3, 99]] = [np.nan, np.inf]
     bad = tmp_path / "diverged.bin"
-    write_model(bad, GPT2Config(n_layer=1, n_head=2, n_embd=64), p)
+    write_model(bad, cfg, p)
     for args in (["sample", "--backend", "cpu", "--checkpoint", bad, "--max-new-tokens", 2],
                  ["eval", "--backend", "cpu", "--checkpoint", bad, "--data", shards / "*val*.bin"],
                  ["convert", bad, tmp_path / "x.bin"],

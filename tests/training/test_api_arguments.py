@@ -237,3 +237,23 @@ def test_an_unimplemented_kernel_during_a_run_is_one_train_error(shards):
             t.run()
     finally:
         t.close()
+
+
+def test_a_sample_whose_logits_overflow_does_not_end_the_run(shards, monkeypatch):
+    """The sample during training is a look at the run: logits that overflow end the sample with a note, where
+    generate()'s NonFiniteLogits would otherwise stop training that the step guard judges on its own."""
+    from llmc_cli.inference import sampling
+    from llmc_cli.training import trainer as trainer_module
+
+    def overflowing(*args, **kw):
+        yield 5
+        raise sampling.NonFiniteLogits("the model's logits are not finite (3 of 50,257 are NaN or infinite)")
+
+    monkeypatch.setattr(trainer_module, "generate", overflowing)
+    t = Trainer(TrainArgs(**base(shards)), create_backend("cpu"), say=lambda s: None,
+                decode=lambda ids: "".join(f"<{i}>" for i in ids), eot=50256)
+    try:
+        text = t.sample_text()
+    finally:
+        t.close()
+    assert text.startswith("<5>[no more sample: the model's logits are not finite"), text
