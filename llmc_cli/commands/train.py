@@ -680,7 +680,7 @@ def dry_run(o: dict) -> None:
     ranks = max(o["gpus"], o["procs"], 1)
     try:
         plan = memory_plan(cfg, B, T, dtype, recompute=o["recompute"], world_size=ranks,
-                           zero=int(o["zero"]) if ranks > 1 else 0, overlap=bool(o.get("overlap")) and ranks > 1)
+                           zero=int(o["zero"]), overlap=bool(o.get("overlap")) and ranks > 1)
     except ValueError as e:
         fail(str(e))
     from llmc_cli.models.families import family_of
