@@ -964,7 +964,8 @@ extern "C" __global__ void classifier_fwd_bwd(act_t* logits, float* losses, cons
     int row = blockIdx.x;
     act_t* x = logits + (long long)row * Vp;
     int tid = threadIdx.x, nt = blockDim.x, lane = tid % 32, warp = tid / 32, nw = nt / 32;
-    // pass 1: online max / sum of exp
+    // pass 1: online max / sum of exp (a -inf logit adds nothing: while m is still -inf, exp(v - m) would be
+    // exp(NaN); a NaN logit still makes the row's loss NaN)
     float m = -LLMC_INF, s = 0.0f;
     int Vv = vec ? (V / PACK) * PACK : 0;
     for (int i = tid * PACK; i < Vv; i += nt * PACK) {
@@ -972,12 +973,12 @@ extern "C" __global__ void classifier_fwd_bwd(act_t* logits, float* losses, cons
         #pragma unroll
         for (int k = 0; k < PACK; k++) {
             float v = to_f(p.v[k]);
-            if (v > m) { s = s * expf(m - v) + 1.0f; m = v; } else { s += expf(v - m); }
+            if (v > m) { s = s * expf(m - v) + 1.0f; m = v; } else if (v != -LLMC_INF) { s += expf(v - m); }
         }
     }
     for (int i = Vv + tid; i < V; i += nt) {
         float v = to_f(x[i]);
-        if (v > m) { s = s * expf(m - v) + 1.0f; m = v; } else { s += expf(v - m); }
+        if (v > m) { s = s * expf(m - v) + 1.0f; m = v; } else if (v != -LLMC_INF) { s += expf(v - m); }
     }
     // block reduce (m, s): fixed tree
     float wm = warp_max(m);

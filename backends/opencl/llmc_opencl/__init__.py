@@ -36,7 +36,7 @@ __all__ = ["OpenCLBackend", "OpenCLPlugin", "list_devices", "select_device"]
 _HERE = Path(__file__).resolve().parent
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
 _SCALAR = {"int": np.int32, "long": np.int64, "float": np.float32, "uint": np.uint32, "ulong": np.uint64}
-_DECODE_MAX_HD = 256  # kernels.cl's DECODE_MAX_HD: the query row lives in local memory
+_DECODE_MAX_HD = 256  # kernels.cl's DECODE_MAX_HD: output elements of a head per attention_decode launch
 _ATTN_SCRATCH_BYTES = 256 << 20  # per (S, dP) scratch; attention is chunked over the batch to stay under it
 # elementwise kernels (each its kernels.cl name) whose work-group size a variant sets: "wg<n>" (Backend.variants)
 _WG_VARIANTS = ("residual_forward", "gelu_forward", "gelu_backward", "swiglu_forward", "swiglu_backward",
@@ -726,16 +726,15 @@ class OpenCLBackend(Backend):
                 raise ValueError("attention_decode: a position held in a buffer takes one new token at a time")
             pos = int(pos.get().reshape(-1)[0])
         check_decode_chunk(pos, Tn, S)
-        if hd > _DECODE_MAX_HD:
-            raise NotImplementedError(f"opencl attention_decode supports head sizes up to {_DECODE_MAX_HD}, got {hd}")
         kb, ko = _bo(k_cache)
         vb, vo = _bo(v_cache)
         qb, qo = _bo(qkv)
         ob, oo = _bo(out)
         n = B * Tn * NKV * hd
         self._ew("kv_cache_append", n, kb, ko, vb, vo, qb, qo, Tn, NH, NKV, hd, S, pos, n)
-        self._rows("attention_decode", B * NH * Tn, ob, oo, qb, qo, kb, ko, vb, vo, Tn, NH, NKV, hd, S, pos,
-                   1.0 / math.sqrt(hd))
+        for d0 in range(0, hd, _DECODE_MAX_HD):  # a head larger than the kernel's output block: one launch a block
+            self._rows("attention_decode", B * NH * Tn, ob, oo, qb, qo, kb, ko, vb, vo, Tn, NH, NKV, hd, S, pos,
+                       1.0 / math.sqrt(hd), d0)
 
     # ---- fused classifier -----------------------------------------------------------------------------------
     def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):

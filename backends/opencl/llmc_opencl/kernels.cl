@@ -394,12 +394,14 @@ __kernel void kv_cache_append(__global float* kc, const long ko, __global float*
 }
 
 // One work-group per query row (b, h, t): an online softmax over the positions it sees (the S up to its own),
-// RED_LS keys at a time; item lid accumulates output elements lid, lid + RED_LS, ... (hd <= DECODE_MAX_HD).
+// RED_LS keys at a time; item lid accumulates output elements d0 + lid, d0 + lid + RED_LS, ... of the at most
+// DECODE_MAX_HD from d0 on: a head larger than that takes one launch per DECODE_MAX_HD of its output (each
+// scores the keys again), with the query row read from global memory instead of local memory.
 __kernel __attribute__((reqd_work_group_size(RED_LS, 1, 1)))
 void attention_decode(__global float* out, const long oo, __global const float* qkv, const long qo,
                       __global const float* kc, const long ko, __global const float* vc, const long vo,
                       const int Tn, const int NH, const int NKV, const int hd, const int S, const long pos,
-                      const float scale) {
+                      const float scale, const int d0) {
     __local float scratch[RED_LS];
     __local float p[RED_LS];
     __local float q[DECODE_MAX_HD];
@@ -410,7 +412,11 @@ void attention_decode(__global float* out, const long oo, __global const float* 
     const int lid = get_local_id(0);
     const int W = (NH + 2 * NKV) * hd;
     const int kvh = h / (NH / NKV);
-    for (int d = lid; d < hd; d += RED_LS) q[d] = qkv[qo + (b * Tn + t) * W + h * hd + d] * scale;
+    __global const float* qg = qkv + qo + (b * Tn + t) * W + h * hd;
+    const int qloc = hd <= DECODE_MAX_HD;  // the query row fits local memory
+    const int dn = min(hd - d0, DECODE_MAX_HD);  // output elements d0 .. d0 + dn - 1 in this launch
+    if (qloc)
+        for (int d = lid; d < hd; d += RED_LS) q[d] = qg[d] * scale;
     barrier(CLK_LOCAL_MEM_FENCE);
     const long hi = pos + t;
     const long lo = hi - S + 1 > 0 ? hi - S + 1 : 0;
@@ -426,7 +432,10 @@ void attention_decode(__global float* out, const long oo, __global const float* 
         if (j < n) {
             __global const float* k = K + ((lo + j) % S) * hd;
             float dot = 0.0f;
-            for (int c = 0; c < hd; c++) dot += q[c] * k[c];
+            if (qloc)
+                for (int c = 0; c < hd; c++) dot += q[c] * k[c];
+            else
+                for (int c = 0; c < hd; c++) dot += (qg[c] * scale) * k[c];
             s = dot;
         }
         const float mn = fmax(m, group_max(s, scratch));  // finite: every tile holds at least one position
@@ -435,15 +444,15 @@ void attention_decode(__global float* out, const long oo, __global const float* 
         const float corr = exp(m - mn);
         l = l * corr + group_sum(e, scratch);  // (its barriers also publish p)
         const int cnt = min(RED_LS, n - j0);
-        for (int i = 0, d = lid; d < hd; i++, d += RED_LS) {
+        for (int i = 0, d = lid; d < dn; i++, d += RED_LS) {
             float a = acc[i] * corr;
-            for (int jj = 0; jj < cnt; jj++) a += p[jj] * V[((lo + j0 + jj) % S) * hd + d];
+            for (int jj = 0; jj < cnt; jj++) a += p[jj] * V[((lo + j0 + jj) % S) * hd + d0 + d];
             acc[i] = a;
         }
         m = mn;
         barrier(CLK_LOCAL_MEM_FENCE);  // the next tile rewrites p
     }
-    for (int i = 0, d = lid; d < hd; i++, d += RED_LS) out[oo + (b * Tn + t) * NH * hd + h * hd + d] = acc[i] / l;
+    for (int i = 0, d = lid; d < dn; i++, d += RED_LS) out[oo + (b * Tn + t) * NH * hd + h * hd + d0 + d] = acc[i] / l;
 }
 
 // ---- fused classifier ---------------------------------------------------------------------------------------
