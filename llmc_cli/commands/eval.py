@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from click.core import ParameterSource
 
 from llmc_cli.commands.console import (
     BACKEND_OPT_HELP,
@@ -77,6 +78,11 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
     refuse_empty_paths(checkpoint=checkpoint, data=data, hellaswag=hellaswag)
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
+    ctx = click.get_current_context()
+    for option, name, needs, given in (("--batches", "batches", "--data", data),
+                                       ("--hellaswag-limit", "hellaswag_limit", "--hellaswag", hellaswag)):
+        if given is None and ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:  # (else ignored unsaid)
+            fail(f"{option}: only with {needs}; give {needs} too, or leave {option} out")
     # the data is checked against what the checkpoint records before its weights load (seconds for a large one):
     # a file of another tokenizer than the model's is one line now, not a score on ids that mean other words
     try:

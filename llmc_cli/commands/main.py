@@ -131,18 +131,28 @@ def _flush_quietly() -> None:
         pass
 
 
+def _note(message: str) -> None:
+    """A reader's note (llmc_cli.formats.notes) as one line on stderr; of data parallel ranks, rank 0's alone."""
+    from llmc_cli.commands.console import _RANK, err_console, printable
+    if _RANK.get("rank", 0) == 0:
+        err_console.print(f"note: {printable(message)}", markup=False, highlight=False, soft_wrap=True)
+
+
 class _Main(click.Group):
     """Last line of defence: a missing optional package or exhausted memory is one line, not a traceback."""
 
     def invoke(self, ctx):
         from llmc_cli.commands import interrupts
+        from llmc_cli.formats import notes
         _tolerant_streams()
         _guard_stdout()
         interrupts.install()
+        was = notes.listen(_note)
         try:
             return self._invoke(ctx)
         finally:
             interrupts.uninstall()  # (in-process use only: the `llmc` command keeps them until it exits)
+            notes.listen(was)
 
     def _invoke(self, ctx):
         import sys

@@ -33,7 +33,7 @@ from llmc_cli.formats.rundir import check_outside_checkpoints
 from llmc_cli.formats.shards import MAX_TOKENS
 from llmc_cli.tokenizing.downloads import URLS, download, hf_check, hf_stream
 from llmc_cli.tokenizing.pipeline import Summary, run_pipeline
-from llmc_cli.tokenizing.readers import _field, expand_inputs, iter_hellaswag, regular_file
+from llmc_cli.tokenizing.readers import _field, expand_inputs, files_in, iter_hellaswag, regular_file
 from llmc_cli.tokenizing.sources import (
     Source,
     extract_tinystories,
@@ -296,7 +296,7 @@ def tinystories(local, **o):
     if not local.is_dir():
         local = extract_tinystories(regular_file(local, "--local"), out / "TinyStories_all_data")
     manifest = (out / "tinystories_manifest.json").resolve()  # (an input of its own rerun, were it in --local)
-    files = sorted(f for f in local.rglob("*.json") if f.is_file() and f.resolve() != manifest)
+    files = files_in(local, lambda f: f.name.endswith(".json"), exclude=manifest)
     if not files:
         raise DataError(f"no TinyStories .json files in {local}")
     _run(tinystories_source(files), o)

@@ -476,7 +476,7 @@ def _has_checkpoint(out: str | None) -> bool:
         return False
     from llmc_cli.formats import checkpoint as ckpt
     try:
-        ckpt.resolve_checkpoint(out)
+        ckpt.resolve_checkpoint(out, note_as=None)
         return True
     except (ckpt.CheckpointError, OSError):
         return False
@@ -800,7 +800,7 @@ def _options_from_run(o: dict) -> list[str]:
 
     from llmc_cli.formats import checkpoint as ckpt
     try:
-        step = ckpt.resolve_checkpoint(o["out"]).parent
+        step = ckpt.resolve_checkpoint(o["out"], note_as=None).parent  # (the trainer's read says a fallback)
         recorded = ckpt.read_run_state(step / "state.json").get("args") or {}
     except (ckpt.CheckpointError, OSError):
         return []  # the trainer says what is wrong with the run directory

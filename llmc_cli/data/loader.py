@@ -36,6 +36,18 @@ def _describe(info: ShardInfo) -> str:
     return f"{info.num_tokens:,} {info.tokenizer} tokens"
 
 
+class DataSetupChanged(DataError):
+    """A saved position that cannot be continued with this loader: `changes` maps what differs (num_shards, B, T,
+    world_size, shuffle, seed; shard_file: the name of the shard at the saved position) to (then, now), so that a
+    caller can name its own options for them (the trainer: --data, -b, --shuffle)."""
+
+    def __init__(self, changes: dict[str, tuple], shard: int | None = None):
+        self.changes, self.shard = changes, shard
+        said = ", ".join(f"shard {shard} {a!r} -> {b!r}" if k == "shard_file" else f"{k} {a!r} -> {b!r}"
+                         for k, (a, b) in changes.items())
+        super().__init__(f"cannot resume the data position, the data setup changed: {said}")
+
+
 class DataLoader:
     """Distributed, optionally shuffled loader over token shards (llm.c's semantics).
 
@@ -265,16 +277,17 @@ class DataLoader:
                "shuffle": self.shuffle}
         if self.shuffle:
             now["seed"] = self.seed
-        diff = [f"{k} {state.get(k)!r} -> {v!r}" for k, v in now.items() if state.get(k) != v]
-        if diff:
-            raise DataError("cannot resume the data position, the data setup changed: " + ", ".join(diff))
+        changes = {k: (state.get(k), v) for k, v in now.items() if state.get(k) != v}
+        if changes:
+            raise DataSetupChanged(changes)
         epoch, shard, sample = int(state["epoch"]), int(state["shard"]), int(state["sample"])
         if not 0 <= shard < self.num_shards:
             raise DataError(f"data loader state: shard {shard} out of range 0..{self.num_shards - 1}")
+        file = int(self._shard_order(epoch)[shard])
+        name = os.path.basename(self.files[file])
+        if name != state.get("shard_file", name):  # (checked before it is opened: the setup, not the file, is wrong)
+            raise DataSetupChanged({"shard_file": (state["shard_file"], name)}, shard)
         self._set_position(epoch, shard, sample)
-        if os.path.basename(self.files[self._file]) != state.get("shard_file", os.path.basename(self.files[self._file])):
-            raise DataError(f"cannot resume the data position: shard {shard} is now "
-                            f"{self.files[self._file]}, was {state['shard_file']}")
         if not 0 <= sample <= self.shard_samples(self._file):
             raise DataError(f"data loader state: sample {sample} out of range for {self.files[self._file]}")
 

@@ -34,6 +34,7 @@ from llmc_cli.formats.files import (
     read_at_most,
     replace_dir,
 )
+from llmc_cli.formats import notes
 from llmc_cli.formats.hf import TOKENIZER_FILE
 from llmc_cli.formats.rundir import step_dirs
 from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
@@ -228,27 +229,39 @@ LATEST_MAX_BYTES = 4096
 STATE_MAX_BYTES = 64 * 2**20
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run directory (its `latest`), a step directory or a model file -> the model file to load."""
+def resolve_checkpoint(path: str | Path, note_as: str | None = "using") -> Path:
+    """A run directory (its `latest`), a step directory or a model file -> the model file to load.
+
+    A `latest` that names no step with a model (garbage, `../x`, a step since removed; a crash between moving a step
+    aside and writing `latest`) falls back to the newest complete step, and says so (notes.note) with `note_as` for
+    what is done with it ("resuming from"); None says nothing (a caller that only looks, before the reader that
+    loads it)."""
     path = Path(path)
     if path.is_file():
         _check_model_file_kind(path)
         return path
-    if (path / "latest").is_file():
+    latest = path / "latest"
+    if latest.is_file():
         try:
-            raw = read_at_most(path / "latest", LATEST_MAX_BYTES)  # a step's name: never a big file put there
-            name = raw.decode().strip() if raw is not None else None
-        except (OSError, UnicodeDecodeError) as e:
+            raw = read_at_most(latest, LATEST_MAX_BYTES)  # a step's name: never a big file put there
+        except OSError as e:
             raise CheckpointError(f"{path}/latest: unreadable ({e})") from None
+        name = raw.decode("utf-8", "backslashreplace").strip() if raw is not None else None
         step = path / (name or "")
         if name is None or "/" in name or "\\" in name or not name.startswith("step_") or _model_in(step) is None:
-            complete = _complete_steps(path)  # a crash between moving a step aside and `latest`: newest complete
+            complete = _complete_steps(path)
             if complete:
+                _fell_back(latest, _latest_names(name, step), complete[-1], note_as)
                 return _model_in(complete[-1])
             what = f"is a file of over {LATEST_MAX_BYTES} bytes" if name is None else f"points to {name!r}"
             raise CheckpointError(f"{path}/latest {what}, which is not a step directory with a model.bin or "
                                   "model.safetensors")
         return _model_in(step)
+    if os.path.lexists(latest) and (complete := _complete_steps(path)):  # (a missing `latest` is a crash's: quiet)
+        from llmc_cli.formats.files import special_file
+        what = "a directory" if latest.is_dir() else special_file(latest) or "a link to nothing"
+        _fell_back(latest, f"is {what}, not a file naming a step", complete[-1], note_as)
+        return _model_in(complete[-1])
     if path.is_dir() and (model := _model_in(path)) is not None:
         return model
     if path.is_dir() and (complete := _complete_steps(path)):  # killed before its first `latest` was written
@@ -260,6 +273,24 @@ def resolve_checkpoint(path: str | Path) -> Path:
                               f"model.safetensors with optimizer.npz and state.json, and there is no 'latest'")
     raise CheckpointError(f"{path}: not a model file, a run directory with 'latest', or a step directory "
                           f"(model.bin or model.safetensors)")
+
+
+def _latest_names(name: str | None, step: Path) -> str:
+    """What is wrong with the step a `latest` names, which is not one to load."""
+    if name is None:
+        return f"is a file of over {LATEST_MAX_BYTES} bytes"
+    if not name:
+        return "is empty"
+    if "/" in name or "\\" in name or not name.startswith("step_"):
+        return f"names {name!r}, not a step folder of the run"
+    if not os.path.lexists(step):
+        return f"names {name}, which does not exist"
+    return f"names {name}, which holds no model.bin or model.safetensors"
+
+
+def _fell_back(latest: Path, why: str, step: Path, note_as: str | None) -> None:
+    if note_as:  # the documented recovery after a crash, but a `latest` naming another step must not pass unsaid
+        notes.note(f"{latest} {why}; {note_as} the newest complete step, {step.name}")
 
 
 def _check_model_file_kind(path: Path) -> None:
@@ -297,7 +328,7 @@ def check_finite(path: str | Path, params: np.ndarray, what: str = "weights") ->
 
 def read_run_checkpoint(path: str | Path) -> tuple[ModelConfig, np.ndarray, dict[str, np.ndarray], dict]:
     """(config, float32 params, optimizer arrays, state) of a run directory's latest (or a step directory)."""
-    model_path = resolve_checkpoint(path)
+    model_path = resolve_checkpoint(path, "resuming from")
     step_dir = model_path.parent
     try:
         cfg, params = read_model_file(model_path)

@@ -40,7 +40,7 @@ def atomic_file(path: str | os.PathLike, suffix: str = ".tmp", through_links: bo
         # link kept (a rename over the link would leave its file stale). llmc's own files (`latest`, state) are not:
         # a link planted there would have llmc write into whatever file it names.
         path = Path(os.path.realpath(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    made = make_folders(path.parent)
     tmp = path.with_name(f".{sibling_stem(path.name)}.{os.getpid()}{suffix}")
     remove_dead_siblings(path, suffix)  # what an earlier writer of `path` killed mid-write (SIGKILL, SIGTERM) left
     try:
@@ -53,10 +53,34 @@ def atomic_file(path: str | os.PathLike, suffix: str = ".tmp", through_links: bo
             tmp.unlink()
         except OSError:  # never created (on a read-only file system unlink says so rather than ENOENT)
             pass
+        remove_made_folders(made)  # (a failed download left the empty dataset folder made for it)
         if isinstance(e, OSError) and e.errno is not None:  # name the file being written, not its temporary name
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     fsync_dir(path.parent)  # make the rename itself durable
+
+
+def make_folders(folder: str | os.PathLike) -> list[Path]:
+    """`folder` and its missing parents created (mkdir -p); returns those it created, deepest first, for
+    remove_made_folders when the write they were made for fails (a failed command leaves no folder of its own)."""
+    folder = Path(folder)
+    made = [d for d in (folder, *folder.parents) if not os.path.lexists(d)]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        remove_made_folders(made)
+        raise
+    return made
+
+
+def remove_made_folders(made: Sequence[Path]) -> None:
+    """Removes the folders make_folders created that are still empty, deepest first (rmdir leaves one another writer
+    has put something in)."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:  # (never made, as mkdir stopped above it; not empty; or not searchable: its parent is tried)
+            continue
 
 
 def remove_dead_siblings(path: str | os.PathLike, suffix: str = ".tmp") -> list[Path]:
@@ -257,11 +281,16 @@ def write_dir_beside(dst: str | os.PathLike, write, place=replace_dir) -> None:
     dst = Path(dst)
     tmp = dst.parent / f".{sibling_stem(dst.name)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    made: list[Path] = []
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        made = make_folders(dst.parent)
         remove_dead_siblings(dst)
         write(tmp)
         place(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_made_folders(made)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -417,15 +417,16 @@ def make_optimizer(backend: Backend, model, cfg: AdamWConfig, comm: Communicator
 
 def reshard_loader_state(state: dict, world_size: int) -> dict:
     """A data loader position saved by `W_old` ranks, as `world_size` ranks with the same B and T see it: the
-    same tokens consumed, so the continuation reads the same data (llm.c's window of W*B*T tokens per sample)."""
+    same tokens consumed, so the continuation reads the same data (llm.c's window of W*B*T tokens per sample). A
+    position that cannot move is a ValueError, which the caller prefixes with the run it resumes."""
     old = int(state.get("world_size", 1))
     if old == world_size:
         return state
     if state.get("shuffle"):
-        raise ValueError(f"--resume: the run was shuffled over {old} ranks; shuffled positions cannot move to "
+        raise ValueError(f"the run was shuffled over {old} ranks; shuffled positions cannot move to "
                          f"{world_size} ranks (resume on {old} ranks, or train without --shuffle)")
     tokens = int(state["sample"]) * old
     if tokens % world_size:
-        raise ValueError(f"--resume: the data position (sample {state['sample']} of {old}-rank windows) does not "
+        raise ValueError(f"the data position (sample {state['sample']} of {old}-rank windows) does not "
                          f"fall on a {world_size}-rank window")
     return dict(state, sample=tokens // world_size, world_size=world_size)

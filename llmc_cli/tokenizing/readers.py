@@ -9,7 +9,7 @@ import json
 import os
 import zlib
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from llmc_cli.formats.files import DataError, special_file
 
@@ -145,16 +145,31 @@ def _files_under(top: Path) -> Iterator[Path]:
             yield Path(folder) / n
 
 
+def files_in(top: Path, wanted: Callable[[Path], bool], exclude: str | os.PathLike | None = None) -> list[Path]:
+    """The files below the directory `top` whose names `wanted` accepts (not hidden ones, nor `exclude`), sorted. One
+    such name that is no regular file (a FIFO, a socket, a device, a link to nothing) is refused, naming it: left out
+    without a word, its documents would be missing from the corpus, and a FIFO cannot be split among workers."""
+    skip = Path(exclude).resolve() if exclude is not None else None
+    found = []
+    for f in _files_under(top):
+        if f.name.startswith(".") or not wanted(f) or (skip is not None and f.name == skip.name
+                                                       and f.resolve() == skip):
+            continue
+        if not f.is_file():
+            what = special_file(f) or ("a link to nothing" if f.is_symlink() else "no longer there")
+            raise DataError(f"input {f} is {what}, not a regular file; give a file there or move it out of {top}")
+        found.append(f)
+    return sorted(found)
+
+
 def expand_inputs(paths: Iterable[str | os.PathLike], exclude: str | os.PathLike | None = None) -> list[Path]:
     """Files and directories (searched recursively, sorted) -> the supported input files. `exclude` (the run's
     manifest) is never found in a directory: written into an input directory, it would become an input of the
     rerun, which then no longer matches the manifest it resumes from."""
     out: list[Path] = []
-    skip = Path(exclude).resolve() if exclude is not None else None
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in _files_under(p) if f.is_file() and _kind(f) and not f.name.startswith(".")
-                           and not (skip is not None and f.name == skip.name and f.resolve() == skip))
+            found = files_in(p, _kind, exclude)
             if not found:
                 raise DataError(f"no input files ({', '.join(SUPPORTED)}) in directory {p}")
             out += found

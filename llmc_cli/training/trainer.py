@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from llmc_cli.data.loader import DataLoader, ValLoader
+from llmc_cli.data.loader import DataLoader, DataSetupChanged, ValLoader
 from llmc_cli.data.prefetch import Feed
 from llmc_cli.evals.evaluate import check_shards_tokenizer, eval_batches, evaluate_loss
 from llmc_cli.formats import checkpoint as ckpt
@@ -140,6 +140,30 @@ def model_config(a: TrainArgs):
 
 
 SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "vocab_size")
+
+
+def data_setup_changes(e: DataSetupChanged) -> str:
+    """What differs between a run's saved data position and the loader of its resume, by the options that set it:
+    the loader's own words (num_shards 2 -> 1) named neither the option to give again nor its value then."""
+    said = []
+    for key, (then, now) in e.changes.items():
+        if key == "num_shards":
+            said.append(f"--data gives {now} shard(s) where the run read {then}")
+        elif key == "shard_file":
+            said.append(f"--data's shard {e.shard} (in the order the run reads them) is {now} where the run's was "
+                        f"{then}")
+        elif key == "shuffle":
+            said.append("--shuffle is given where the run read its data in order" if now else
+                        "the run was shuffled (--shuffle) and this one is not")
+        elif key in ("B", "T"):
+            said.append(f"{'-b' if key == 'B' else '-t'} {now} where the run read {then}")
+        elif key == "seed":
+            said.append(f"--seed {now} where the run shuffled with --seed {then}")
+        elif key == "world_size":
+            said.append(f"{now} rank(s) (--gpus / --procs) where the run had {then}")
+        else:
+            said.append(f"{key} {now!r} where the run had {then!r}")
+    return "; ".join(said)
 
 
 def check_init_shape(init: str, cfg, given: dict) -> None:
@@ -509,7 +533,13 @@ class Trainer:
                 raise TrainError(f"--resume: the run in {a.out} took {old_total} tokens per step, now "
                                  f"{self.tokens_per_step} ({self.comm.world_size} rank(s) x B*T); give "
                                  f"--total-batch-size {old_total}")
-            self.train_loader.load_state(reshard_loader_state(resume_state["dataloader"], self.comm.world_size))
+            try:
+                self.train_loader.load_state(reshard_loader_state(resume_state["dataloader"], self.comm.world_size))
+            except DataSetupChanged as e:
+                raise TrainError(f"--resume {a.out}: {data_setup_changes(e)}; give the run's options, or start a new "
+                                 "--out") from None
+            except (DataError, ValueError) as e:  # (a position of other ranks, a damaged or foreign state)
+                raise TrainError(f"--resume {a.out}: {e}") from None
             try:
                 self.backend.load_carried_state(resume_state.get("backend_state", {}))
             except ValueError as e:
@@ -819,7 +849,10 @@ class Trainer:
                     text = self.sample_text()
                     if text:
                         self.say(f"sample at step {step}:\n{text}\n---")
-                if a.out and step > self.start_step and (last or self._checkpoint_due(step)):
+                # a resumed run's first step is on disk already; a fresh run's step 0 is written only as its last
+                # (--steps 0 --out: the initial model as a run, which --resume, sample and eval take)
+                unsaved = step > self.start_step or (last and not a.resume)
+                if a.out and unsaved and (last or self._checkpoint_due(step)):
                     self.say(f"checkpoint: {self.save(step)}")
                     self._last_checkpoint = time.monotonic()
                 if rec is not None:
