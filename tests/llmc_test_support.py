@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from llmc_cli.formats.shards import write_shard  # noqa: E402
 from llmc_cli.testing.backends import make_backend, unusable_reason  # noqa: F401
 from llmc_cli.testing.helpers import (  # noqa: F401
     POISON,
@@ -140,6 +142,50 @@ def one_line_error(r, *needles) -> str:
     for n in needles:
         assert str(n) in msg, msg
     return msg
+
+
+def last_line_error(r, *needles) -> str:
+    """A training command's failure: exit 2, no traceback, the last line an "error:" naming each of `needles`
+    (lines the run printed before it, the model's and the data's, may precede it); returns that line."""
+    out = r.output.strip()
+    assert r.exit_code == 2 and "Traceback" not in out, out
+    line = out.splitlines()[-1]
+    assert line.startswith("error:"), out
+    for n in needles:
+        assert n in line, line
+    return line
+
+
+def two_shard_dir(tmp_path: Path) -> str:
+    """A data folder of one val and one train shard of random GPT-2 ids (4,096 and 8,192 tokens)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    write_shard(d / "x_val_000000.bin", rng.integers(0, 50257, 4096))
+    write_shard(d / "x_train_000001.bin", rng.integers(0, 50257, 8192))
+    return str(d)
+
+
+def local_http_server(answer: bytes) -> int:
+    """The port of a local server giving every request `answer` (a connection that sends nothing, a reachability
+    probe, gets nothing): downloads tested without the internet."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+
+    def serve():
+        while True:
+            c, _ = s.accept()
+            c.settimeout(5)
+            try:
+                if c.recv(65536):
+                    c.sendall(answer)
+            except OSError:
+                pass
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

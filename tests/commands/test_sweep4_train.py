@@ -13,31 +13,19 @@ import time
 
 import numpy as np
 import pytest
-from llmc_test_support import TINY, run
+from llmc_test_support import TINY, last_line_error, run, two_shard_dir
 
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.parallel.comm import CommError, discover
 from llmc_cli.training.signals import StopSignals
 
 
-def one_line_error(r, *needles) -> str:
-    out = r.output.strip()
-    assert r.exit_code == 2 and "Traceback" not in out, out
-    line = out.splitlines()[-1]
-    assert line.startswith("error:"), out
-    for n in needles:
-        assert n in line, line
-    return line
+one_line_error = last_line_error
 
 
 @pytest.fixture
 def data(tmp_path):
-    d = tmp_path / "data"
-    d.mkdir()
-    rng = np.random.default_rng(0)
-    write_shard(d / "x_val_000000.bin", rng.integers(0, 50257, 4096))
-    write_shard(d / "x_train_000001.bin", rng.integers(0, 50257, 8192))
-    return str(d)
+    return two_shard_dir(tmp_path)
 
 
 def train(data, *args, ok=True):

@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from llmc_test_support import TINY, fifo, one_line_error, run
+from llmc_test_support import TINY, fifo, local_http_server, one_line_error, run
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import atomic_file, write_dir_beside
@@ -140,23 +138,7 @@ def test_an_unlistable_folder_under_tinystories_local_is_named(tmp_path):
 @pytest.fixture
 def failing_server(monkeypatch) -> None:
     """Every download URL points at a local server that answers 404."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(8)
-
-    def serve():
-        while True:
-            c, _ = s.accept()
-            c.settimeout(5)
-            try:
-                if c.recv(65536):
-                    c.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    port = s.getsockname()[1]
+    port = local_http_server(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     for k in list(downloads.URLS):
         monkeypatch.setitem(downloads.URLS, k, f"http://127.0.0.1:{port}/{k}")
 

@@ -7,16 +7,14 @@ import gzip
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tarfile
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from llmc_test_support import fifo
+from llmc_test_support import fifo, local_http_server
 from llmc_test_support import run as llmc
 
 from llmc_cli.data.loader import DataLoader
@@ -132,26 +130,7 @@ def test_a_glob_naming_a_fifo_or_a_dangling_link_refuses_it(tmp_path):
 # downloads
 
 
-def _server(answer: bytes) -> int:
-    """A local server giving every request `answer` (connections that send nothing, the reachability probe, get
-    nothing)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(4)
-
-    def serve():
-        while True:
-            c, _ = s.accept()
-            c.settimeout(5)
-            try:
-                if c.recv(65536):
-                    c.sendall(answer)
-            except OSError:
-                pass
-            c.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return s.getsockname()[1]
+_server = local_http_server
 
 
 @pytest.mark.parametrize("answer,what", [
