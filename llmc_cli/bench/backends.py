@@ -72,7 +72,13 @@ def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | No
         p = by_name.get(name)
         if p is None:
             installed = list(by_name) if given else (registry.installed_names() or list(by_name))
-            raise BenchError(f"--backend {name}: not installed (installed: {', '.join(installed) or 'none'})")
+            listed = f"installed: {', '.join(installed) or 'none'}"
+            if not name.strip():
+                raise BenchError(f"--backend: an empty name; give one of the installed backends ({listed})")
+            if "," in name:  # (a list in one option: each backend is an option of its own)
+                raise BenchError(f"--backend {name}: not installed ({listed}); give one backend per --backend, "
+                                 "e.g. --backend cpu --backend opencl")
+            raise BenchError(f"--backend {name}: not installed ({listed})")
         if p.plugin is None or not p.usable:
             if names:
                 raise BenchError(f"--backend {name}: installed but cannot run here: {registry.one_line(p.reason)}")

@@ -465,6 +465,42 @@ def _fastest(r: dict) -> str | None:
     return min(good, key=lambda nm: nm[1])[0] if good else None
 
 
+def _host_available() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes); None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_bytes_needed(case: KernelCase, cfg, B: int, T: int) -> int:
+    """A lower bound on the host memory a case takes: its inputs drawn on the host, the reference's copy of them
+    and the outputs compared (3x its buffers), and for attention the (B, NH, T, T) scores the numpy reference
+    makes. Backends' own scratch comes on top."""
+    n = 3 * sum(math.prod(b.shape) * 4 for b in case.bufs.values())
+    if case.name in ("attention_fwd", "attention_bwd"):
+        n += 4 * B * cfg.n_head * T * T
+    return n
+
+
+def check_host_memory(cases: Sequence[KernelCase], cfg, B: int, T: int, available: int | None = None) -> None:
+    """Refuses shapes whose largest case cannot fit in the host memory available, before any is allocated: a
+    case's buffers are allocated lazily, so past it the system's out-of-memory killer ended the command (SIGKILL,
+    exit 137, no line) instead of a MemoryError."""
+    available = _host_available() if available is None else available
+    if available is None or not cases:
+        return
+    need, case = max((host_bytes_needed(c, cfg, B, T), c.name) for c in cases)
+    if need > available:
+        raise BenchError(f"-b {B} -t {T}: the kernel case {case} needs at least {need / 2**30:.1f} GiB of host memory "
+                         f"(inputs, copies and outputs{', scores' if case.startswith('attention') else ''}), "
+                         f"{available / 2**30:.1f} GiB is available; lower -b/--batch-size or -t/--seq-len, or leave it out with --only")
+
+
 def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, T: int, *, repeat: int = 10,
                 warmup: int = 2, seed: int = 1337, reference: Backend | None = None,
                 tol: float | None = None, only: Sequence[str] | None = None, variants: bool = False,
@@ -483,6 +519,7 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
         cases = [c for c in cases if any(c.name.startswith(o) for o in only)]
         if not cases:
             raise BenchError(f"--only {' '.join(only)}: matches no kernel")
+    check_host_memory(cases, cfg, B, T)
     results, mismatches, failed = [], [], []
     for case in cases:
         host = _host_inputs(case, seed)

@@ -22,6 +22,7 @@ from llmc_cli.kernels import (
     FLOAT32,
     Backend,
 )
+from llmc_cli.models.base import INT32_MAX
 from llmc_cli.models.families import family_of, flops_per_token
 from llmc_cli.models.family import Config
 
@@ -84,8 +85,18 @@ def _preset_for(cfg: Config) -> tuple[str, dict]:
                      f"--vocab-size overrides: {cfg}")
 
 
+def _steps_progress(progress: Callable[[str], None] | None, what: str) -> Callable[[int, int, int], None] | None:
+    """(step, warmup, total) -> `what: step 3/12 (warm-up)` for a training loop: a long run's status line moves
+    with its steps (it said only `training on cpu` for hours)."""
+    if progress is None:
+        return None
+    return lambda s, warmup, total: progress(f"{what}: step {s + 1:,}/{total:,}"
+                                             + (" (warm-up)" if s < warmup else ""))
+
+
 def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: str, *, steps: int,
-               warmup: int, seed: int, recompute: str = "none", graphs: bool = True, prefetch: bool = True) -> dict:
+               warmup: int, seed: int, recompute: str = "none", graphs: bool = True, prefetch: bool = True,
+               progress: Callable[[int, int, int], None] | None = None) -> dict:
     """`steps` timed training steps after `warmup` ones, through llmc's Trainer (data loader + optimizer).
     `data_waits`: how often the timed steps found a batch not ready when they asked for it (the next one, read
     ahead; without `prefetch` each is read inside its step: all of them), `data_wait_ms` the time that took,
@@ -100,6 +111,8 @@ def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: 
     times, losses = [], []
     try:
         for s in range(warmup + steps):
+            if progress is not None:
+                progress(s, warmup, warmup + steps)
             if s == warmup:
                 feed = trainer.feed
                 waits0, wait_s0 = feed.waits, feed.wait_s
@@ -138,7 +151,8 @@ def torch_adamw(groups: list[dict], device: str, oc) -> tuple[object, str]:
 
 
 def train_torch(cfg: Config, B: int, T: int, data: str, *, steps: int, warmup: int, seed: int,
-                compile: bool = False, dtype: str = FLOAT32, device: str | None = None) -> dict:
+                compile: bool = False, dtype: str = FLOAT32, device: str | None = None,
+                progress: Callable[[int, int, int], None] | None = None) -> dict:
     """PyTorch on the same model (llmc's initial weights), data loader, AdamW and clipping. Raises on failure.
     `device`: None = CUDA when torch sees one, else the CPU."""
     import torch
@@ -166,6 +180,8 @@ def train_torch(cfg: Config, B: int, T: int, data: str, *, steps: int, warmup: i
         torch.cuda.reset_peak_memory_stats()
     times, losses, first = [], [], None
     for s in range(warmup + steps):
+        if progress is not None:
+            progress(s, warmup, warmup + steps)
         t0 = time.perf_counter()
         x, y = loader.next_batch()
         xt = torch.from_numpy(x.astype(np.int64)).to(device)
@@ -234,6 +250,9 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
     that raises (other than the trainer refusing the options) is a line in "failed" while the others train."""
     if steps < 1 or warmup < 0:
         raise BenchError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    if steps + warmup > INT32_MAX:  # (the trainer, given their sum, named a --steps no one had typed)
+        raise BenchError(f"--steps {steps} --warmup {warmup}: {steps + warmup:,} steps in all, more than a run "
+                         f"counts ({INT32_MAX:,})")
     if T > cfg.block_size:
         raise BenchError(f"-t {T} is longer than the model's block size {cfg.block_size}")
     if recompute != "none" and any(m.startswith("torch") for m in compare):
@@ -255,7 +274,8 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
                 progress(f"training on {label}")
             try:
                 results.append(train_llmc(label, be, cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
-                                          recompute=recompute, graphs=graphs, prefetch=prefetch))
+                                          recompute=recompute, graphs=graphs, prefetch=prefetch,
+                                          progress=_steps_progress(progress, f"training on {label}")))
             except ValueError as e:  # TrainError / DataError: options the trainer refuses
                 raise BenchError(f"training on {label}: {e}") from None
             except Exception as e:  # noqa: BLE001  (a backend's failure is its line; the others still train)
@@ -276,7 +296,8 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
                 progress(f"training with {mode}")
             try:
                 r = train_torch(cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
-                                compile=mode == "torch-compile", dtype=torch_dtype)
+                                compile=mode == "torch-compile", dtype=torch_dtype,
+                                progress=_steps_progress(progress, f"training with {mode}"))
                 results.append(r)
                 notes.append(f"{r['name']}: {r['describe']}; {r['optimizer']} (torch.optim.AdamW"
                              f"{'(fused=True)' if r['optimizer'].endswith('fused') else '(foreach=True)'}), "

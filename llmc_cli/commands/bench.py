@@ -65,15 +65,38 @@ def print_wide(console, renderable) -> None:
 
 def _check_plot(path: str | None) -> None:
     """--plot: matplotlib installed and a .png path that can be written, checked before anything runs."""
-    if not path:
+    if path is None:
         return
     from llmc_cli.charts import PlotError, check_png_target
     from llmc_cli.commands.console import fail
+    if not path:  # (an empty --plot was taken as none: the run's picture silently not drawn)
+        fail("--plot: an empty path; give a .png file name")
     try:
         require_matplotlib()
         check_png_target(path, "--plot")
     except (BenchError, PlotError) as e:
         fail(str(e))
+    _check_writable_folder(path)
+
+
+def _check_writable_folder(path: str) -> None:
+    """The folder the picture goes into (or the nearest one that exists, where its folders will be made) takes a
+    new file: a read-only or pseudo file system failed the command only after the whole benchmark, its results
+    lost. Tried with a file that has no name (O_TMPFILE) or is removed at once."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from llmc_cli.commands.console import fail
+    target = Path(os.path.realpath(path))  # (an existing PNG through a link: written where the link points)
+    folder = next((q for q in target.parents if q.is_dir()), None)
+    if folder is None:
+        return
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=f".{target.name}.probe-"):
+            pass
+    except OSError as e:
+        fail(f"--plot {path}: cannot write in {folder} ({e.strerror or e}); nothing was run")
 
 
 def _write_plot(draw, res: dict, path: str) -> None:
@@ -394,7 +417,7 @@ def decode(**o) -> None:
     from llmc_cli.bench.decode import run_decode
     from llmc_cli.bench.report import decode_table
     from llmc_cli.commands.console import console, fail
-    if o["plot"]:  # refused before the benchmark runs, not after it
+    if o["plot"] is not None:  # refused before the benchmark runs, not after it
         fail("--plot: `llmc bench decode` draws no plot; use --json")
     cfg, B, S, backends, skipped = _setup(o)
     with _progress(o["as_json"]) as progress:

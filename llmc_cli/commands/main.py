@@ -138,8 +138,35 @@ def _note(message: str) -> None:
         err_console.print(f"note: {printable(message)}", markup=False, highlight=False, soft_wrap=True)
 
 
+# click >= 8.2 raises it for a group given no command: its help, on stderr, exit 2 (8.1 printed it and exited 0)
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class _Main(click.Group):
     """Last line of defence: a missing optional package or exhausted memory is one line, not a traceback."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        """The group's own options are read here, before `invoke`: `--help` and `--version` printed into a full
+        disk or a closed pipe (a traceback, exit 1, or exit 0 with the text lost under `>&-`) and a misspelt
+        `llmc --bogus` (click's four-line usage) get the same streams and one-line errors as every command."""
+        import sys
+        _tolerant_streams()
+        _guard_stdout()
+        try:
+            try:
+                return super().make_context(info_name, args, parent=parent, **extra)
+            except click.exceptions.Exit as e:  # --help, --version: done, if what they printed was written
+                if e.exit_code == 0 and sys.stdout is not None:
+                    sys.stdout.flush()
+                raise
+        except StdoutClosed:
+            sys.exit(BROKEN_PIPE_EXIT)
+        except _NO_ARGS_IS_HELP:
+            raise
+        except click.UsageError as e:
+            fail(usage_error_line(e), code=e.exit_code)
+        except OSError as e:
+            fail(one_line(e))
 
     def invoke(self, ctx):
         from llmc_cli.commands import interrupts
@@ -171,6 +198,8 @@ class _Main(click.Group):
             return rv
         except StdoutClosed:
             sys.exit(BROKEN_PIPE_EXIT)
+        except _NO_ARGS_IS_HELP:  # `llmc bench` alone: its help as `llmc` alone shows it, not squeezed into a line
+            raise
         except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2
             fail(usage_error_line(e), code=e.exit_code)
         except ModuleNotFoundError as e:

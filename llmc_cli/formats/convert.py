@@ -39,6 +39,14 @@ def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
     src, dst = Path(src), Path(dst)
     if dst.exists() and src.exists() and os.path.samefile(src, dst):
         raise ckpt.CheckpointError(f"{dst} is the source itself; write the conversion somewhere else")
+    if src.exists():  # (a new file among the source's would change it; a source inside DST would be replaced)
+        rs, rd = Path(os.path.realpath(src)), Path(os.path.realpath(dst))  # (a loop of links: as it is)
+        if rs.is_dir() and rs in rd.parents:
+            raise ckpt.CheckpointError(f"{dst} is inside the source {src}; write the conversion outside it; "
+                                       "nothing was changed")
+        if rd in rs.parents:
+            raise ckpt.CheckpointError(f"{dst} holds the source {src}; write the conversion somewhere else; "
+                                       "nothing was changed")
     # (creating the folders would fail on a file among them with "File exists", naming neither)
     if (above := non_folder_above(dst)) is not None:
         raise ckpt.CheckpointError(f"{dst}: {above} is not a directory; nothing was changed")
@@ -66,6 +74,9 @@ def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "aut
     One conversion to a destination at a time: a second `convert` to the same DST while one runs is refused
     (`DST.parent/.DST.lock`), rather than both passing the check for a new destination and the later one replacing
     the other's output unasked, or failing half-way on the other's rename."""
+    for name, path in (("SRC", src), ("DST", dst)):
+        if os.fspath(path) == "":  # (Path("") is ".": the working directory, read or written unasked)
+            raise ckpt.CheckpointError(f"{name}: an empty path; give a model file or directory")
     d = Path(os.path.abspath(dst))  # ("." or "..": the lock beside the folder they name)
     try:
         lock = DirectoryLock(d.parent, f".{sibling_stem(d.name)}.lock", "DST", "its directory", ckpt.CheckpointError,
@@ -81,11 +92,30 @@ def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "aut
         lock.release()
 
 
+# names of files of other formats: DST with one would become a Hugging Face directory under a file's name
+_FILE_SUFFIXES = (".pt", ".pth", ".ckpt", ".gguf", ".ggml", ".npz", ".npy", ".onnx", ".h5", ".pkl", ".pickle",
+                  ".json", ".txt", ".tar", ".zip", ".gz")
+
+
+def check_destination_name(dst: str | Path, to: str) -> None:
+    """DST's name must say what is written there: a model file only under its suffix (in any case: `m.BIN` is a
+    .bin), a directory (a run, a Hugging Face model) never under a model file's or another format's suffix."""
+    suffix = Path(dst).suffix.lower()
+    if to == "run" and suffix in MODEL_SUFFIXES:
+        raise ckpt.CheckpointError(f"{dst}: --to run writes a run directory, not a {suffix} model file; give a "
+                                   f"directory name, or leave out --to run for a model file; nothing was changed")
+    if to != "run" and suffix in _FILE_SUFFIXES:
+        raise ckpt.CheckpointError(f"{dst}: llmc writes a model to {' or '.join(MODEL_SUFFIXES)} or a Hugging Face "
+                                   f"directory, not a {suffix} file; give one of those names; nothing was changed")
+
+
 def _convert(src: str | Path, dst: str | Path, bf16: bool, to: str, force: bool):
     try:
+        check_destination_name(dst, to)
         check_destination(src, dst, force)
-    except ckpt.CheckpointError as e:
-        raise ckpt.CheckpointError(f"DST: {e}") from None
+    except ckpt.CheckpointError as e:  # (the checkpoint check's "DST PATH ...": named once, as "DST: PATH ...")
+        msg = str(e)
+        raise ckpt.CheckpointError(f"DST: {msg[4:] if msg.startswith(f'DST {dst} ') else msg}") from None
     try:
         cfg, params, kind = load_model_any(src)
     except ckpt.CheckpointError as e:
@@ -108,10 +138,10 @@ def _convert(src: str | Path, dst: str | Path, bf16: bool, to: str, force: bool)
         if to == "run":
             export_run(d, cfg, params, bf16=bf16, tokenizer=tok_name, tokenizer_file=tok_file)
             return cfg, kind, f"run directory ({ckpt.step_dir_name(0)}/{fam.model_file.name}, latest; model only)"
-        if d.suffix in MODEL_SUFFIXES:
+        if d.suffix.lower() in MODEL_SUFFIXES:
             if d.is_dir():
                 raise ckpt.CheckpointError(f"{d} is a directory")
-            if d.suffix != suffix:
+            if d.suffix.lower() != suffix:
                 raise ckpt.CheckpointError(f"{d}: a {fam.label} model is written to a {suffix} file "
                                            f"({fam.model_file.label(bf16)}) or a directory (Hugging Face)")
             d.parent.mkdir(parents=True, exist_ok=True)
