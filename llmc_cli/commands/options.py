@@ -133,9 +133,11 @@ def check_tokens(B: int, T: int) -> str | None:
 
 def usage_error_line(e: click.UsageError) -> str:
     """click's usage errors as one line: `--lr must be ... (got ...)`, `--dtype: 'x' is not one of ...`."""
-    msg = e.format_message() if not isinstance(e, click.BadParameter) else e.message
+    # (a missing one has no message of its own: "SRC: " alone; click's own says "Missing argument 'SRC'.")
+    named = isinstance(e, click.BadParameter) and not isinstance(e, click.MissingParameter)
+    msg = e.format_message() if not named else e.message
     param = getattr(e, "param", None)
-    if isinstance(e, click.BadParameter) and param is not None:
+    if named and param is not None:
         name = max(param.opts, key=len) if getattr(param, "opts", None) else param.name
         if isinstance(param, click.Argument):
             name = param.human_readable_name

@@ -144,6 +144,11 @@ class DataLoader:
             self._perm_key = key
         return self._perm
 
+    def __del__(self) -> None:  # (the shard being read stays open between batches; a dropped loader closes it)
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            fh.close()
+
     # -- position
     def reset(self) -> None:
         """Back to the first batch of epoch 0."""

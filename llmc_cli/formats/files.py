@@ -64,8 +64,18 @@ def make_folders(folder: str | os.PathLike) -> list[Path]:
     """`folder` and its missing parents created (mkdir -p); returns those it created, deepest first, for
     remove_made_folders when the write they were made for fails (a failed command leaves no folder of its own)."""
     folder = Path(folder)
-    made = [d for d in (folder, *folder.parents) if not os.path.lexists(d)]
+    made: list[Path] = []
     try:
+        # one level at a time, top down, each counted only where this mkdir made it: a folder that another process
+        # (a second writer of the same new parent) made after it was found missing is that process's, never removed
+        for d in reversed([d for d in (folder, *folder.parents) if not os.path.lexists(d)]):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue
+            except OSError:
+                break  # (mkdir -p below says why, in its own words)
+            made.insert(0, d)
         folder.mkdir(parents=True, exist_ok=True)
     except BaseException:
         remove_made_folders(made)

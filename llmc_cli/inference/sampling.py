@@ -90,8 +90,9 @@ def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: floa
         raise ValueError(f"choose_token: logits must be one vector of the vocabulary's scores (got shape "
                          f"{logits.shape})")
     logits = logits.astype(np.float64)
-    if not np.isfinite(logits).all():
-        bad = int(np.count_nonzero(~np.isfinite(logits)))
+    # NaN or +inf anywhere, or no finite logit at all (-inf alone is a masked token: a caller's ban, drawn never)
+    if np.isnan(logits).any() or np.isposinf(logits).any() or np.isneginf(logits).all():
+        bad = int(np.count_nonzero(np.isnan(logits) | np.isposinf(logits))) or logits.size
         raise NonFiniteLogits(f"the model's logits are not finite ({bad:,} of {logits.size:,} are NaN or infinite): "
                               "its weights or activations overflow, so there is nothing to sample from")
     if temperature <= 0:

@@ -211,3 +211,24 @@ def test_bench_train_progress_counts_the_steps():
     assert res["results"] and not res["failed"]
     assert "training on cpu: step 1/3 (warm-up)" in said and "training on cpu: step 3/3" in said, said
     assert np.isfinite(res["results"][0]["loss_last"])
+
+
+# ---- regressions of the fourth sweep, found in review --------------------------------------------------------
+
+def test_choose_token_still_takes_masked_logits():
+    """-inf is how a caller bans a token (choose_token drew around it before the fourth sweep); only NaN, +inf or
+    no finite logit at all is nothing to sample from."""
+    from llmc_cli.inference.sampling import NonFiniteLogits, choose_token
+    logits = np.array([-np.inf, 1.0, 2.0, -np.inf])
+    for kw in ({}, {"temperature": 0.0}, {"top_k": 1}, {"top_p": 0.5}, {"temperature": 0.7, "top_p": 0.99}):
+        assert {choose_token(logits, np.random.default_rng(s), **kw) for s in range(20)} <= {1, 2}, kw
+    for bad in (np.array([-np.inf, np.nan, 1.0]), np.array([-np.inf, np.inf, 1.0]), np.full(3, -np.inf)):
+        with pytest.raises(NonFiniteLogits):
+            choose_token(bad, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("args, needle", [(["convert"], "Missing argument 'SRC'"),
+                                          (["convert", "m.bin"], "Missing argument 'DST'"),
+                                          (["sample"], "Missing option '--checkpoint'")])
+def test_a_missing_argument_or_option_is_named_as_missing(args, needle):
+    one_line_error(run(*args, ok=False), needle, "(see ")  # (was "error: SRC: (see ...)", saying nothing)

@@ -244,3 +244,19 @@ def test_eval_options_without_the_option_they_count_for_are_refused(trained, two
                    "--batches: only with --data")
     one_line_error(run(*ev, "--data", two_shards, "--hellaswag-limit", 3, ok=False),
                    "--hellaswag-limit: only with --hellaswag")
+
+
+def test_a_failed_write_keeps_a_folder_another_writer_made_meanwhile(tmp_path, monkeypatch):
+    """Was: make_folders listed the missing folders before it made them, so a folder that a second writer of the
+    same new parent made in between (found missing here, made there) was this writer's to remove when its write
+    failed: the other writer's folder went from under it."""
+    from llmc_cli.formats import files
+    theirs = tmp_path / "runs"
+    theirs.mkdir()  # (made by the other writer after this one looked)
+    real = os.path.lexists
+    monkeypatch.setattr(files.os.path, "lexists", lambda p: False if Path(p) == theirs else real(p))
+    with pytest.raises(OSError):
+        with atomic_file(theirs / "mine" / "f.bin") as tmp:
+            tmp.write_bytes(b"x")
+            raise OSError(28, "No space left on device")
+    assert theirs.is_dir() and os.listdir(theirs) == []
