@@ -106,6 +106,16 @@ def fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def refuse_empty_paths(required: tuple[str, ...] = (), **paths: str | None) -> None:
+    """One line for a path option given as '' (`--checkpoint "$UNSET"`): an empty path is falsy, taken as the option
+    left out, or the working directory to the file system, where a model was loaded without a word. Options by
+    keyword, '_' for '-'; those in `required` cannot be left out."""
+    for name, value in paths.items():
+        if value == "":
+            fail(f"--{name.replace('_', '-')}: an empty path; give a path"
+                 + ("" if name in required else ", or leave the option out"))
+
+
 def backend_options(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
     """--backend-opt KEY=VALUE (repeatable) as a dict; one line naming the bad one otherwise."""
     out: dict[str, str] = {}

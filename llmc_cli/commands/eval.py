@@ -13,9 +13,10 @@ from llmc_cli.commands.console import (
     fail,
     json_text,
     make_backend,
+    refuse_empty_paths,
 )
 from llmc_cli.commands.options import COUNT, POSITIVE
-from llmc_cli.commands.sample import load_for_inference, refuse_empty_paths
+from llmc_cli.commands.sample import load_for_inference
 
 
 def _progress(as_json: bool):
@@ -75,7 +76,7 @@ def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, 
     from llmc_cli.evals.evaluate import HellaSwag, check_shards_tokenizer, eval_batches, evaluate_loss
     from llmc_cli.formats.files import CheckpointError, DataError
     from llmc_cli.formats.sources import load_config_any, tokenizer_name_for
-    refuse_empty_paths(checkpoint=checkpoint, data=data, hellaswag=hellaswag)
+    refuse_empty_paths(("checkpoint",), checkpoint=checkpoint, data=data, hellaswag=hellaswag)
     if data is None and hellaswag is None:
         fail("nothing to evaluate: give --data SHARDS and/or --hellaswag FILE")
     ctx = click.get_current_context()

@@ -11,6 +11,7 @@ from llmc_cli.commands.console import (
     err_console,
     fail,
     make_backend,
+    refuse_empty_paths,
     terminal_text,
 )
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real, ZeroOrReal
@@ -22,15 +23,6 @@ PROMPT_MAX_BYTES = 64 * 2**20
 def _stdout_is_terminal() -> bool:
     import sys
     return sys.stdout.isatty()
-
-
-def refuse_empty_paths(**paths: str | None) -> None:
-    """One line for a path option given as '' (`--checkpoint "$UNSET"`): an empty path is the working directory to
-    the file system, so a model there was loaded without a word; options named by keyword, '_' for '-'."""
-    for name, value in paths.items():
-        if value == "":
-            fail(f"--{name.replace('_', '-')}: an empty path; give a path"
-                 + ("" if name == "checkpoint" else ", or leave the option out"))
 
 
 def load_for_inference(checkpoint: str, backend, B: int, T: int):
@@ -84,7 +76,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     from llmc_cli.formats.sources import load_config_any, tokenizer_for
     from llmc_cli.inference.decode import has_kv_cache
     from llmc_cli.inference.sampling import NonFiniteLogits, generate
-    refuse_empty_paths(checkpoint=checkpoint, prompt_file=prompt_file)
+    refuse_empty_paths(("checkpoint",), checkpoint=checkpoint, prompt_file=prompt_file)
     if prompt is not None and prompt_file is not None:
         fail("give --prompt or --prompt-file, not both")
     if prompt is not None and (bad := next((c for c in prompt if 0xD800 <= ord(c) <= 0xDFFF), None)) is not None:

@@ -24,6 +24,7 @@ from llmc_cli.commands.console import (
     make_backend,
     one_line,
     printable,
+    refuse_empty_paths,
     when_stdout_closes,
 )
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
@@ -266,9 +267,8 @@ def train(**o) -> None:
     from llmc_cli.optim import AdamWConfig
     from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
 
-    for key in ("out", "init", "log", "tensorboard", "hellaswag", "val_data", "data", "init_file"):
-        if o.get(key) == "":  # (an empty path is falsy: it would be taken as the option left out, silently)
-            fail(f"--{key.replace('_', '-')}: an empty path; give a path, or leave the option out")
+    refuse_empty_paths(**{k: o.get(k) for k in ("out", "init", "log", "tensorboard", "hellaswag", "val_data", "data",
+                                                  "init_file")})
     if o["hellaswag"]:  # checked now: a bad eval file is one line before anything runs, not after the banner
         from llmc_cli.formats.evalfile import read_evalfile
         try:
