@@ -31,6 +31,7 @@ from llmc_cli.formats.files import (
     atomic_write_bytes,
     fault_delay,
     fsync_dir,
+    not_a_file,
     read_at_most,
     replace_dir,
 )
@@ -258,9 +259,7 @@ def resolve_checkpoint(path: str | Path, note_as: str | None = "using") -> Path:
                                   "model.safetensors")
         return _model_in(step)
     if os.path.lexists(latest) and (complete := _complete_steps(path)):  # (a missing `latest` is a crash's: quiet)
-        from llmc_cli.formats.files import special_file
-        what = "a directory" if latest.is_dir() else special_file(latest) or "a link to nothing"
-        _fell_back(latest, f"is {what}, not a file naming a step", complete[-1], note_as)
+        _fell_back(latest, f"is {not_a_file(latest)}, not a file naming a step", complete[-1], note_as)
         return _model_in(complete[-1])
     if path.is_dir() and (model := _model_in(path)) is not None:
         return model
@@ -337,12 +336,10 @@ def read_run_checkpoint(path: str | Path) -> tuple[ModelConfig, np.ndarray, dict
     check_finite(model_path, params)
     state_path, opt_path = step_dir / "state.json", step_dir / "optimizer.npz"
     for p in (state_path, opt_path):
+        if not os.path.lexists(p):
+            raise CheckpointError(f"{p}: missing, so {step_dir} cannot be resumed (it holds only a model)")
         if not p.is_file():  # (a directory or a FIFO there is not read: it is named for what it is)
-            from llmc_cli.formats.files import special_file
-            what = ("missing" if not os.path.lexists(p) else "a directory" if p.is_dir() else special_file(p)
-                    or "a symbolic link to nothing")
-            raise CheckpointError(f"{p}: {what}, so {step_dir} cannot be resumed (it holds only a model)" if what ==
-                                  "missing" else f"{p}: {what} where a file belongs, so {step_dir} cannot be resumed")
+            raise CheckpointError(f"{p}: {not_a_file(p)} where a file belongs, so {step_dir} cannot be resumed")
     state = read_run_state(state_path)
     fam = family_of(cfg)
     if state.get("family", fam.name) != fam.name:  # (the state of another run's model, or a damaged one)

@@ -158,23 +158,14 @@ class DirectoryLock:
         path = self.directory / self.name
         where = self.label or f"{self.option} {self.directory}"
         try:
-            self._made = [d for d in (self.directory, *self.directory.parents) if not os.path.lexists(d)]
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._made = make_folders(self.directory)
         except OSError as e:
-            self._remove_made()
             raise self.error(f"{where}: cannot create {self.what} ({e.strerror or e})") from None
         try:
             return self._lock(path, where)
         except BaseException:  # (refused, or no lock file possible: the folders made for it go again)
-            self._remove_made()
+            remove_made_folders(self._made)
             raise
-
-    def _remove_made(self) -> None:
-        for d in self._made:  # deepest first; rmdir leaves what is not empty (another writer's, or filled since)
-            try:
-                d.rmdir()
-            except OSError:  # (never made, as mkdir stopped above it; or not searchable: its parent is still tried)
-                continue
 
     def _lock(self, path: Path, where: str) -> "DirectoryLock":
         import fcntl
@@ -235,7 +226,7 @@ class DirectoryLock:
             (self.directory / self.name).unlink()
         except OSError:
             pass
-        self._remove_made()  # what acquire created and nothing was written into after all
+        remove_made_folders(self._made)  # what acquire created and nothing was written into after all
         os.close(fd)  # closing drops the flock
 
     def __enter__(self) -> "DirectoryLock":
@@ -351,6 +342,14 @@ def special_file(path: str | os.PathLike) -> str | None:
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
     return "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def not_a_file(path: str | os.PathLike) -> str:
+    """What stands at `path`, which exists (lexists) and is no regular file: "a directory", special_file's name,
+    or a link that leads nowhere."""
+    if os.path.isdir(path):
+        return "a directory"
+    return special_file(path) or "a symbolic link to nothing (or a loop of links)"
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

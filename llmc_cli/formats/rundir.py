@@ -72,10 +72,8 @@ def check_out(out: str | Path, resume: bool) -> None:
     latest = out / "latest"
     if os.path.lexists(latest) and not latest.is_file():  # a run writes it after every checkpoint: refused now,
         # not after the steps it took (and a directory, a FIFO or a link to nothing there is not llmc's pointer)
-        from llmc_cli.formats.files import special_file
-        what = ("a directory" if latest.is_dir() else special_file(latest)
-                or "a symbolic link to nothing (or a loop of links)")
-        raise RunDirError(f"--out {out}: {latest} is {what}, not llmc's pointer to the newest checkpoint (a file "
+        from llmc_cli.formats.files import not_a_file
+        raise RunDirError(f"--out {out}: {latest} is {not_a_file(latest)}, not llmc's pointer to the newest checkpoint (a file "
                           "naming a step_NNNNNNNN folder); move it, or give another --out; nothing was changed")
     if resume and not is_run_dir(out):
         raise RunDirError(f"--resume: --out {out} holds no run to continue (no 'latest' and no step_NNNNNNNN "
