@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from contextlib import contextmanager
 
 import click
 
@@ -142,6 +143,29 @@ def _note(message: str) -> None:
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+@contextmanager
+def _one_line_errors():
+    """What the group's own options (make_context) and every command (invoke) end in: a success whose output cannot
+    be written is no success; a reader that went away a quiet 141; a bad option, a misspelt command or a file
+    system's refusal one line."""
+    import sys
+    try:
+        try:
+            yield
+        except (SystemExit, click.exceptions.Exit) as e:
+            if (e.code if isinstance(e, SystemExit) else e.exit_code) in (0, None) and sys.stdout is not None:
+                sys.stdout.flush()  # (--help, --version, a command done: their output meets its write error here)
+            raise
+    except StdoutClosed:
+        sys.exit(BROKEN_PIPE_EXIT)
+    except _NO_ARGS_IS_HELP:  # `llmc bench` alone: its help as `llmc` alone shows it, not squeezed into a line
+        raise
+    except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2
+        fail(usage_error_line(e), code=e.exit_code)
+    except OSError as e:  # a full disk, a read-only file system, no permission: the path and the reason
+        fail(one_line(e))
+
+
 class _Main(click.Group):
     """Last line of defence: a missing optional package or exhausted memory is one line, not a traceback."""
 
@@ -149,24 +173,10 @@ class _Main(click.Group):
         """The group's own options are read here, before `invoke`: `--help` and `--version` printed into a full
         disk or a closed pipe (a traceback, exit 1, or exit 0 with the text lost under `>&-`) and a misspelt
         `llmc --bogus` (click's four-line usage) get the same streams and one-line errors as every command."""
-        import sys
         _tolerant_streams()
         _guard_stdout()
-        try:
-            try:
-                return super().make_context(info_name, args, parent=parent, **extra)
-            except click.exceptions.Exit as e:  # --help, --version: done, if what they printed was written
-                if e.exit_code == 0 and sys.stdout is not None:
-                    sys.stdout.flush()
-                raise
-        except StdoutClosed:
-            sys.exit(BROKEN_PIPE_EXIT)
-        except _NO_ARGS_IS_HELP:
-            raise
-        except click.UsageError as e:
-            fail(usage_error_line(e), code=e.exit_code)
-        except OSError as e:
-            fail(one_line(e))
+        with _one_line_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
 
     def invoke(self, ctx):
         from llmc_cli.commands import interrupts
@@ -185,33 +195,21 @@ class _Main(click.Group):
         import sys
 
         from llmc_cli.commands import interrupts
-        try:
+        with _one_line_errors():
             try:
                 _check_working_directory()
                 rv = super().invoke(ctx)
-            except (SystemExit, click.exceptions.Exit) as e:
-                if (e.code if isinstance(e, SystemExit) else e.exit_code) in (0, None) and sys.stdout is not None:
-                    sys.stdout.flush()  # (a success whose output cannot be written is no success)
-                raise
-            if sys.stdout is not None:  # (None: started with standard output closed, `>&-`)
-                sys.stdout.flush()  # output held back (a pipe, a file) meets its write error here, not at exit
-            return rv
-        except StdoutClosed:
-            sys.exit(BROKEN_PIPE_EXIT)
-        except _NO_ARGS_IS_HELP:  # `llmc bench` alone: its help as `llmc` alone shows it, not squeezed into a line
-            raise
-        except click.UsageError as e:  # a bad option value or a misspelt command: one line, exit 2
-            fail(usage_error_line(e), code=e.exit_code)
-        except ModuleNotFoundError as e:
-            from llmc_cli.commands.console import missing_package_message
-            fail(missing_package_message(e))
-        except MemoryError as e:
-            fail(f"out of host memory ({str(e) or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len, or "
-                 "the model's size")
-        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP outside a training loop (which stops on its own)
-            interrupts.fail_interrupted(e)
-        except OSError as e:  # a full disk, a read-only file system, no permission: the path and the reason
-            fail(one_line(e))
+                if sys.stdout is not None:  # (None: started with standard output closed, `>&-`)
+                    sys.stdout.flush()  # output held back (a pipe, a file) meets its write error here, not at exit
+                return rv
+            except ModuleNotFoundError as e:
+                from llmc_cli.commands.console import missing_package_message
+                fail(missing_package_message(e))
+            except MemoryError as e:
+                fail(f"out of host memory ({str(e) or 'MemoryError'}); lower -b/--batch-size or -t/--seq-len, or "
+                     "the model's size")
+            except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP outside a training loop (stops on its own)
+                interrupts.fail_interrupted(e)
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
