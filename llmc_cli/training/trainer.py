@@ -414,19 +414,16 @@ class Trainer:
         if a.zero == 2 and a.overlap:
             raise TrainError("--overlap: --zero 2 already reduces each layer's gradients during the backward pass "
                              "(into the ranks' shards, on the compute stream); leave --overlap out")
-        # (ZeRO on one rank shards over that rank, the whole vector, and trains as without, as llm.c's and
-        # DeepSpeed's do; it stays the sharded code, which is how one device tests it)
-        zero = a.zero
         if a.overlap and self.comm.world_size == 1:
             self.say("--overlap: data parallel only, and this run has one rank: nothing to overlap (the same updates)")
         try:
-            self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute, layer_grads=zero == 2)
+            self.model = self.family.model_class(cfg, backend, B, T, recompute=a.recompute, layer_grads=a.zero == 2)
             self.model.load_parameters(params)
-            self.opt = make_optimizer(backend, self.model, a.optim, self.comm, zero)
+            self.opt = make_optimizer(backend, self.model, a.optim, self.comm, a.zero)
         except Exception as e:
             if backend.is_out_of_memory(e):
                 raise TrainError(out_of_memory_message(e, backend, cfg, B, T, a.recompute, self.comm.world_size,
-                                                       zero)) from None
+                                                       a.zero)) from None
             raise
         self.opt.sync_master_from_params()
         where = os.environ.get(PHASES_ENV)
@@ -445,7 +442,7 @@ class Trainer:
         # communicator's own stream where it has one; that reduction is queued from inside the micro-step, so
         # such runs replay no captured graphs. ZeRO-2 reduces each layer's gradients into the shards on every
         # micro-step, in order on the backend's stream
-        if zero == 2:
+        if a.zero == 2:
             self.reducer = LayerShardedReduction(self.opt, self.model.grads, self.comm)
         else:
             self.reducer = OverlappedReduction(self.opt, self.model.grads, self.comm) \
