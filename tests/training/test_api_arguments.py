@@ -29,6 +29,16 @@ def trainer(shards, backend=None, **kw) -> Trainer:
     return Trainer(TrainArgs(**base(shards, **kw)), backend or create_backend("cpu"), say=lambda s: None)
 
 
+def trained(shards, **kw) -> Trainer:
+    """A Trainer that ran to its end and was closed (its run directory's lock released)."""
+    t = trainer(shards, **kw)
+    try:
+        t.run()
+    finally:
+        t.close()
+    return t
+
+
 BAD = [
     (dict(batch_size=2.5), ["--batch-size", "batch_size=2.5"]),
     (dict(batch_size=True), ["--batch-size", "batch_size=True"]),
@@ -144,11 +154,7 @@ def test_eps_is_positive_so_updates_are_applied(shards):
 
 def test_run_after_close_is_refused_and_writes_nothing(shards, tmp_path):
     out = tmp_path / "run"
-    first = trainer(shards, out=str(out), steps=1)
-    try:
-        first.run()
-    finally:
-        first.close()
+    first = trained(shards, out=str(out), steps=1)
     listing = lambda: sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # noqa: E731
     before = listing()
     second = trainer(shards, out=str(out), steps=2, resume=True)  # holds the directory's lock now
@@ -168,11 +174,7 @@ def test_resume_accepts_options_equal_to_the_runs_own_values(shards, tmp_path):
     """A run trained with the preset's shape recorded n_layer None: resuming it with --n-layer 2 (its value) was
     refused, "--n-layer is 2 but the run ... was trained with None"."""
     out = tmp_path / "run"
-    t = trainer(shards, out=str(out), steps=1)
-    try:
-        t.run()
-    finally:
-        t.close()
+    trained(shards, out=str(out), steps=1)
     same = dict(n_layer=2, n_head=2, block_size=1024, vocab_size=50257, total_batch_size=32)
     t = trainer(shards, out=str(out), steps=2, resume=True, **same)
     try:
