@@ -396,6 +396,14 @@ def plot_runs(runs: list[str], out: str | Path, x: str = "step", smooth: float =
     return _draw_runs(lines, len(logs) > 1, x, out)
 
 
+def short_count(v: float, _pos=None) -> str:
+    """An axis tick as people read counts: 400k, 1.5M, 2B (matplotlib's default reads 400000 or 1e6)."""
+    for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= size:
+            return f"{v / size:.4g}{suffix}"
+    return f"{v:.4g}"
+
+
 @quiet
 def _draw_runs(lines: dict[int, list], several: bool, x: str, out: str | Path) -> Path:
     """The panels plot_runs gathered, drawn and written (see quiet for the warnings)."""
@@ -412,6 +420,7 @@ def _draw_runs(lines: dict[int, list], several: bool, x: str, out: str | Path) -
                 ax.plot(xs, ys, style, color=colors[i % len(colors)], label=label, lw=1.2, ms=3)
             ax.set_title(title)
             ax.set_xlabel("tokens seen" if x == "tokens" else "optimizer step")
+            ax.xaxis.set_major_formatter(short_count)
             ax.set_ylabel(ylabel)
             if logy:
                 ax.set_yscale("log")
