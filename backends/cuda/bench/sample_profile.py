@@ -30,27 +30,34 @@ be = create_backend("cuda", dtype="bfloat16")
 model = load_model(path, be, 1, window)
 
 
-def tokens_timed(on_device: bool, temperature: float = 1.0) -> np.ndarray:
-    """Seconds of each new token (generate's own, without the command's printing)."""
+def tokens_timed(on_device: bool, temperature: float = 1.0) -> tuple[np.ndarray, list[int]]:
+    """Seconds of each new token (generate's own, without the command's printing), and the tokens."""
     real = decode.samples_on_device
     if not on_device:
         decode.samples_on_device = lambda m: False
     try:
-        stamps = [time.perf_counter()]
-        for _ in generate(model, prompt, N, np.random.default_rng(1337), temperature, vocab_limit=tok.vocab_size):
+        stamps, tokens = [time.perf_counter()], []
+        for t in generate(model, prompt, N, np.random.default_rng(1337), temperature, vocab_limit=tok.vocab_size):
             stamps.append(time.perf_counter())
+            tokens.append(t)
     finally:
         decode.samples_on_device = real
-    return np.diff(stamps)
+    return np.diff(stamps), tokens
 
 
 print(f"{path}: window {window}, vocabulary {tok.vocab_size:,}, {N} tokens, {be.describe()}")
 print(f"  {'draw':24s} {'first ms':>9s} {'rest median ms':>15s} {'rest mean ms':>13s} {'tok/s':>8s}")
+drawn = {}
 for on_device, temperature in ((True, 1.0), (False, 1.0), (True, 1.0), (True, 0.0), (False, 0.0)):
-    d = tokens_timed(on_device, temperature)
+    d, drawn[on_device, temperature] = tokens_timed(on_device, temperature)
     label = f"{'device' if on_device else 'host'}, T={temperature:g}"
     print(f"  {label:24s} {d[0] * 1e3:9.2f} {np.median(d[1:]) * 1e3:15.3f} {d[1:].mean() * 1e3:13.3f} "
           f"{d.size / d.sum():8.1f}")
+for temperature in (1.0, 0.0):
+    a, b = drawn[True, temperature], drawn[False, temperature]
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    print(f"  T={temperature:g}: the device's {len(a)} tokens are the host's: "
+          f"{'yes' if same is None and len(a) == len(b) else f'NO, from token {same}'}")
 
 dec = decode.decoder_for(model)
 v1 = dec._views[1]
