@@ -6,7 +6,7 @@
 #   bash backends/cuda/bench/sample_check.sh
 # MODELS (d12 llama3.2-1b), TOKENS (1000) from the environment. BASE=DIR: the same runs first on the llmc tree in
 # DIR (another version), and the text each run printed compared with this tree's (the same seed, the same text).
-# BASE_MODELS: the models run on BASE (MODELS). PROFILE=0 skips the profile of a token (sample_profile.py),
+# RUNS: which of the runs (defaults defaults2 greedy topk40). BASE_MODELS: the models run on BASE (MODELS). PROFILE=0 skips the profile of a token (sample_profile.py),
 # DECODE_PROFILE=1 adds decode_profile.py's calls. GPT2_RANKS=FILE: GPT-2's gpt2.tiktoken, put where llmc looks
 # for it when the machine has none. Everything ends up in $OUT/sample_logs.tgz as well.
 set -u
@@ -29,7 +29,7 @@ fi
 for tree in $trees; do
   path=$([ $tree = base ] && echo /tmp/llmc_base:/tmp/site || echo /tmp/llmc:/tmp/site)
   for m in $MODELS; do
-    for run in defaults defaults2 greedy topk40; do
+    for run in ${RUNS:-defaults defaults2 greedy topk40}; do
       case $run in greedy) extra="--temperature 0";; topk40) extra="--top-k 40";; *) extra="";; esac
       [ $tree = base ] && { [ $run = topk40 ] || [[ " ${BASE_MODELS:-$MODELS} " != *" $m "* ]]; } && continue
       PYTHONPATH=$path timeout 300 $LLMC sample --checkpoint $CK/$m --max-new-tokens $TOKENS --backend cuda \
