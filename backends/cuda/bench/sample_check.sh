@@ -6,9 +6,10 @@
 #   bash backends/cuda/bench/sample_check.sh
 # MODELS (d12 llama3.2-1b), TOKENS (1000) from the environment. BASE=DIR: the same runs first on the llmc tree in
 # DIR (another version), and the text each run printed compared with this tree's (the same seed, the same text).
-# RUNS: which of the runs (defaults defaults2 greedy topk40). BASE_MODELS: the models run on BASE (MODELS). PROFILE=0 skips the profile of a token (sample_profile.py),
-# DECODE_PROFILE=1 adds decode_profile.py's calls. GPT2_RANKS=FILE: GPT-2's gpt2.tiktoken, put where llmc looks
-# for it when the machine has none. Everything ends up in $OUT/sample_logs.tgz as well.
+# RUNS: which runs (defaults defaults2 greedy topk40). BASE_MODELS: the models run on BASE (MODELS). PROFILE=0
+# skips the profile of a token (sample_profile.py), DECODE_PROFILE=1 adds decode_profile.py's calls.
+# GPT2_RANKS=FILE: GPT-2's gpt2.tiktoken, put where llmc looks for it when the machine has none. Everything ends up
+# in $OUT/sample_logs.tgz as well.
 set -u
 export OUT=${OUT:-$PWD/sample_out}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_setup.sh"
