@@ -59,7 +59,6 @@ _STAGE_MAX = 4 << 20  # uploads up to this size go through pinned staging memory
 # (norm_forward_naive), "warp-b<n>" the norm backward with a warp a row (norm_backward_vec, the default before
 # norm_backward_grp), "own" attention on the own kernels instead of cuDNN.
 _BLOCKS = (32, 64, 128, 256, 512, 1024)
-_SAMPLE_THREADS = 1024  # kernels.cu's SAMPLE_THREADS
 _NORM_FWD = ("layernorm_forward", "fused_residual_layernorm_forward", "rmsnorm_forward")
 _NORM_BWD = ("layernorm_backward", "rmsnorm_backward")  # packed kernels: __launch_bounds__(256)
 _IMPLS = {**{k: ("", "scalar", "naive") for k in _NORM_FWD}, **{k: ("", "warp", "scalar") for k in _NORM_BWD},
@@ -1119,17 +1118,8 @@ class CudaBackend(Backend):
         if logits.ndim != 1 or not logits.flags.c_contiguous or not 1 <= vocab_size <= logits.size:
             raise ValueError(f"sample_token: logits must be one contiguous row of at least vocab_size={vocab_size} "
                              f"(got shape {logits.shape})")
-        # parts of R ids, one block each, at most _SAMPLE_THREADS of them (kernels.cu: sample_part, sample_pick)
-        T, V = _SAMPLE_THREADS, int(vocab_size)
-        R = T * -(-V // (T * T))
-        G = -(-V // R)
-        pmax, pint = self.scratch("sample_max", G), self.scratch("sample_int", 2 * G, np.int32)
-        psum = self.scratch("sample_sum", G, np.float64)
-        i32, f64 = np.int32, np.float64
-        self._launch(self._kk("sample_part", logits), G, T, (pmax, pint, psum, logits, i32(V), i32(R),
-                                                             f64(temperature)))
-        self._launch(self._kk("sample_pick", logits), 1, T, (out, logits, i32(V), i32(R), i32(G), f64(u),
-                                                             f64(temperature), pmax, pint, psum))
+        self._launch(self._kk("sample_token", logits), 1, 1024,
+                     (out, logits, np.int32(vocab_size), np.float64(u), np.float64(temperature)))
 
     # ---- graphs ----------------------------------------------------------------------------------------------
     def capture(self, fn):

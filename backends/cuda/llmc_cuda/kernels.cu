@@ -1187,131 +1187,86 @@ extern "C" __global__ void peer_mean(act_t* out, const unsigned long long* srcs,
 // The next token drawn where the logits are (Backend.sample_token), by inference.sampling.choose_token's rule with
 // top_k 0 and top_p 1: greedy, the first largest id; else the first id whose running sum of exp(x/T - max) exceeds
 // u times the whole sum, in float64 as on the host (the same id for the same u, but where u lies within rounding
-// of a boundary). Two launches of SAMPLE_THREADS threads a block: sample_part, one block per R ids (its largest
-// logit and first id, its NaN/+inf count, its sum of exp(x/T - its max)); sample_pick, one block over the G <=
-// SAMPLE_THREADS parts: the largest, the parts' sums rescaled to it and scanned, then the R ids of the part that
-// holds the crossing scanned SAMPLE_THREADS at a time. out = [id, bad]: bad counts NaN and +inf (V when all are
-// -inf), for the host's error.
+// of a boundary). One block; warp w owns ids [w*span, (w+1)*span), its lanes reading them 32 at a time. out = [id,
+// bad]: bad counts NaN and +inf logits (V when all are -inf), for the host's error.
 #define SAMPLE_THREADS 1024
-__device__ __forceinline__ bool first_larger(float m2, int a2, float m, int a) {  // (m2, a2) ranks before (m, a)
-    return m2 > m || (m2 == m && a2 >= 0 && (a < 0 || a2 < a));
-}
-// every thread gets the block's first largest (m, arg: -1 where nothing is above -inf) and the sum of `bad`
-__device__ void block_first_max(float& m, int& arg, int& bad) {
-    __shared__ float sm[32];
-    __shared__ int sa[32], sb[32];
+#define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(int* out, const act_t* logits, int V,
+                                                                          double u, double temperature) {
+    __shared__ float wmax[SAMPLE_WARPS];
+    __shared__ int warg[SAMPLE_WARPS], wbad[SAMPLE_WARPS];
+    __shared__ double wsum[SAMPLE_WARPS];
+    __shared__ double base_s, target_s;
+    __shared__ int who_s;
     const unsigned all = 0xffffffffu;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    for (int round = 0; round < 2; round++) {
-        for (int o = 16; o > 0; o >>= 1) {
-            float m2 = __shfl_xor_sync(all, m, o);
-            int a2 = __shfl_xor_sync(all, arg, o);
-            bad += __shfl_xor_sync(all, bad, o);
-            if (first_larger(m2, a2, m, arg)) { m = m2; arg = a2; }
-        }
-        if (round == 1) break;
-        if (lane == 0) { sm[w] = m; sa[w] = arg; sb[w] = bad; }
-        __syncthreads();
-        m = sm[lane]; arg = sa[lane]; bad = sb[lane];
-    }
-    __syncthreads();
-}
-__device__ double block_sum_d(double v) {
-    __shared__ double sd[32];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) sd[w] = v;
-    __syncthreads();
-    v = sd[lane];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    return v;
-}
-// inclusive prefix sum over the block's threads; *total the whole sum
-__device__ double block_scan_d(double v, double* total) {
-    __shared__ double sd[32];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    for (int o = 1; o < 32; o <<= 1) {
-        double y = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += y;
-    }
-    if (lane == 31) sd[w] = v;
-    __syncthreads();
-    if (w == 0) {
-        double x = sd[lane];
-        for (int o = 1; o < 32; o <<= 1) {
-            double y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        sd[lane] = x;
-    }
-    __syncthreads();
-    if (w > 0) v += sd[w - 1];
-    *total = sd[31];
-    __syncthreads();
-    return v;
-}
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_part(float* pmax, int* pint, double* psum,
-                                                                         const act_t* logits, int V, int R,
-                                                                         double temperature) {
-    int lo = blockIdx.x * R, hi = min(lo + R, V);
+    int span = ((V + SAMPLE_WARPS - 1) / SAMPLE_WARPS + 31) & ~31;
+    int lo = min(w * span, V), hi = min(lo + span, V);
     float m = -LLMC_INF;
     int arg = -1, bad = 0;
-    for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) {
+    for (int i = lo + lane; i < hi; i += 32) {
         float x = to_f(logits[i]);
         if (x != x || x == LLMC_INF) bad++;
         else if (x > m) { m = x; arg = i; }
     }
-    block_first_max(m, arg, bad);
-    double s = 0.0;
-    if (temperature > 0.0 && bad == 0 && arg >= 0) {
-        double mb = (double)m / temperature;
-        for (int i = lo + threadIdx.x; i < hi; i += SAMPLE_THREADS) s += exp((double)to_f(logits[i]) / temperature - mb);
+    for (int o = 16; o > 0; o >>= 1) {  // the warp's largest (the first id on ties; -1: nothing above -inf)
+        float m2 = __shfl_xor_sync(all, m, o);
+        int a2 = __shfl_xor_sync(all, arg, o);
+        bad += __shfl_xor_sync(all, bad, o);
+        if (m2 > m || (m2 == m && a2 >= 0 && (arg < 0 || a2 < arg))) { m = m2; arg = a2; }
     }
-    s = block_sum_d(s);
-    if (threadIdx.x == 0) { pmax[blockIdx.x] = m; pint[2 * blockIdx.x] = arg; pint[2 * blockIdx.x + 1] = bad; psum[blockIdx.x] = s; }
-}
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_pick(int* out, const act_t* logits, int V, int R,
-                                                                         int G, double u, double temperature,
-                                                                         const float* pmax, const int* pint,
-                                                                         const double* psum) {
-    __shared__ int who_s, last_s, tok_s, nz_s;
-    __shared__ double base_s;
-    int t = threadIdx.x;
-    float mb = t < G ? pmax[t] : -LLMC_INF, m = mb;
-    int arg = t < G ? pint[2 * t] : -1, bad = t < G ? pint[2 * t + 1] : 0;
-    block_first_max(m, arg, bad);  // (the parts in id order: the first largest wins a tie)
-    if (bad || arg < 0 || temperature <= 0.0) {
-        if (t == 0) { out[0] = arg < 0 ? 0 : arg; out[1] = bad ? bad : (arg < 0 ? V : 0); }
+    if (lane == 0) { wmax[w] = m; warg[w] = arg; wbad[w] = bad; }
+    __syncthreads();
+    float M = -LLMC_INF;
+    int A = -1, nbad = 0;
+    for (int k = 0; k < SAMPLE_WARPS; k++) {  // in id order: the first largest wins a tie
+        nbad += wbad[k];
+        if (wmax[k] > M) { M = wmax[k]; A = warg[k]; }
+    }
+    if (nbad || A < 0 || temperature <= 0.0) {
+        if (threadIdx.x == 0) { out[0] = A < 0 ? 0 : A; out[1] = nbad ? nbad : (A < 0 ? V : 0); }
         return;
     }
-    double mt = (double)m / temperature;  // max(x / T): division by T > 0 keeps the order
-    double c = (t < G && psum[t] > 0.0) ? psum[t] * exp((double)mb / temperature - mt) : 0.0;
-    double total;
-    double incl = block_scan_d(c, &total);
-    double target = u * total;
-    if (t == 0) { who_s = SAMPLE_THREADS; last_s = -1; tok_s = V; nz_s = -1; }
+    double mt = (double)M / temperature;  // max(x / T): division by T > 0 keeps the order
+    double s = 0.0;
+    for (int i = lo + lane; i < hi; i += 32) s += exp((double)to_f(logits[i]) / temperature - mt);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(all, s, o);
+    if (lane == 0) wsum[w] = s;
     __syncthreads();
-    if (c > 0.0 && incl > target) atomicMin(&who_s, t);
-    if (c > 0.0) atomicMax(&last_s, t);  // (rounding may hide the crossing: then the last part with any mass)
-    __syncthreads();
-    int who = who_s < SAMPLE_THREADS ? who_s : last_s;
-    if (t == who) base_s = incl - c;
-    __syncthreads();
-    double base = base_s;
-    int lo = who * R, hi = min(lo + R, V);
-    for (int r = lo; r < hi; r += SAMPLE_THREADS) {
-        int i = r + t;
-        double e = i < hi ? exp((double)to_f(logits[i]) / temperature - mt) : 0.0;
-        double row;
-        double run = block_scan_d(e, &row);
-        if (e > 0.0 && base + run > target) atomicMin(&tok_s, i);
-        if (e > 0.0) atomicMax(&nz_s, i);
-        __syncthreads();
-        if (tok_s < V) break;
-        base += row;
+    if (threadIdx.x == 0) {  // the warp whose ids hold the crossing (the last with any mass if rounding hides it)
+        double total = 0.0, acc = 0.0;
+        for (int k = 0; k < SAMPLE_WARPS; k++) total += wsum[k];
+        double target = u * total;
+        int pick = -1;
+        double pick_base = 0.0;
+        for (int k = 0; k < SAMPLE_WARPS; k++) {
+            if (wsum[k] > 0.0) {
+                pick = k; pick_base = acc;
+                if (acc + wsum[k] > target) break;
+            }
+            acc += wsum[k];
+        }
+        who_s = pick; base_s = pick_base; target_s = target;
     }
-    if (t == 0) { out[0] = tok_s < V ? tok_s : nz_s; out[1] = 0; }
+    __syncthreads();
+    if (w != who_s) return;
+    double acc = base_s, target = target_s;
+    int tok = -1, last = lo;
+    for (int r = lo; r < hi; r += 32) {  // 32 ids at a time: their running sums by a scan over the lanes
+        int i = r + lane;
+        double e = i < hi ? exp((double)to_f(logits[i]) / temperature - mt) : 0.0;
+        double c = e;
+        for (int o = 1; o < 32; o <<= 1) {
+            double y = __shfl_up_sync(all, c, o);
+            if (lane >= o) c += y;
+        }
+        unsigned hit = __ballot_sync(all, e > 0.0 && acc + c > target);
+        unsigned mass = __ballot_sync(all, e > 0.0);
+        if (mass) last = r + 31 - __clz(mass);
+        if (hit) { tok = r + __ffs(hit) - 1; break; }
+        acc += __shfl_sync(all, c, 31);
+    }
+    if (lane == 0) { out[0] = tok >= 0 ? tok : last; out[1] = 0; }
 }
 
 // ---------------------------------------------------------------------------------------------------------
