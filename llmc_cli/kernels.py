@@ -43,6 +43,7 @@ attention_backward's dqkv, global_norm_squared, loss_sum). The conformance kit (
     rope_forward / _backward            in place                                 yes / yes
     attention_forward / _backward       overwrite                                yes / yes
     attention_decode*                   overwrite out; writes the caches         yes
+    sample_token*                       overwrite out (2 int32)                  yes
     classifier_forward_backward         overwrite losses; logits -> dlogits      yes
     global_norm_squared                 overwrite (fixed summation order)        yes
     adamw_update                        in place (seeded stochastic rounding)    yes
@@ -94,6 +95,7 @@ CAP_GRAPHS = "graphs"                  # capture() records a run of kernel calls
 CAP_FP8 = "fp8"                        # matmuls in 8-bit floats with per-tensor scales (matmul_dtype == FP8)
 CAP_ASYNC_INPUTS = "async_inputs"      # input_queue() copies the next batch on a side stream during the current step
 CAP_COPY_OVERLAP = "copy_overlap"      # host_alloc(pinned=True) and overlap_layernorm (`llmc bench overlap`)
+CAP_SAMPLING = "sampling"              # sample_token draws the next token where the logits are (no logits download)
 
 # overlap_layernorm's modes: the fast kernel between one copy in and the copies out, all in order on one queue;
 # or llm.c's naive thread-per-row kernel over the rows in chunks, each chunk's copy in, kernel and copies out on
@@ -294,6 +296,16 @@ class Backend(abc.ABC):
         (Tn == 1), read where the kernels run: what a captured decode step (CAP_GRAPHS) needs, whose position changes
         from one replay to the next."""
         raise NotImplementedError(f"backend '{self.name}' has no attention_decode (capability {CAP_KV_CACHE!r})")
+
+    def sample_token(self, out: Buffer, logits: Buffer, u: float, temperature: float, vocab_size: int) -> None:
+        """Optional (CAP_SAMPLING): the next token from one row of logits (Vp,) act, drawn by
+        inference.sampling.choose_token's rule with top_k 0 and top_p 1 over the first `vocab_size` ids: at
+        temperature 0 the first of the largest, else the first id whose running sum of exp(x / temperature - max)
+        exceeds u (a uniform draw in [0, 1) from the caller's generator) times the whole sum, in float64. out (2,)
+        int32 overwritten: [id, bad], bad counting the NaN and +inf logits (vocab_size when every one is -inf; the
+        id is then undefined). The token stays where the logits are until the caller downloads `out`: a decoded
+        token costs 8 bytes of copy instead of the vocabulary's logits and the host's pass over them."""
+        raise NotImplementedError(f"backend '{self.name}' has no sample_token (capability {CAP_SAMPLING!r})")
 
     # ---- graphs (optional) ------------------------------------------------------------------------------------
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:

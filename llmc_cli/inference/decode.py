@@ -7,7 +7,9 @@ matmul, `attention_decode` writes k and v into per-layer caches (one per key/val
 caches NKV heads, not NH) and attends over what is cached. A prompt goes in as chunks of up to `chunk` tokens,
 each following token as a chunk of one. Where the backend can capture graphs (CAP_GRAPHS) the one-token step is
 recorded once and replayed: the model stages what the position changes (`decode_inputs`) and the position itself
-goes in through a device buffer, so the step's launches cost one call.
+goes in through a device buffer, so the step's launches cost one call. Where the backend can also draw the next
+token itself (CAP_SAMPLING), `draw` samples it from the logits where they are, so a token's round trip to the
+host is 8 bytes, not the vocabulary's logits and a pass over them in numpy.
 
 The caches are rings of S slots (position p in slot p % S), and what happens once a sequence outgrows them
 depends on how the model encodes positions (`model.decode_slides()`):
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc_cli.kernels import CAP_GRAPHS, CAP_KV_CACHE, INT32
+from llmc_cli.kernels import CAP_GRAPHS, CAP_KV_CACHE, CAP_SAMPLING, INT32
 from llmc_cli.models.base import Model, backend_capabilities, unimplemented_kernel
 
 
@@ -42,6 +44,11 @@ def has_kv_cache(model: Model) -> bool:
     """True when `model` can decode incrementally (it has the decode methods) and its backend announces
     CAP_KV_CACHE; other models and backends fall back to full recomputation."""
     return hasattr(model, "decode_forward") and CAP_KV_CACHE in backend_capabilities(model.backend)
+
+
+def samples_on_device(model: Model) -> bool:
+    """True when the model's backend draws tokens itself (CAP_SAMPLING, Backend.sample_token)."""
+    return CAP_SAMPLING in backend_capabilities(model.backend)
 
 
 class KVDecoder:
@@ -79,6 +86,7 @@ class KVDecoder:
         self.graphs = CAP_GRAPHS in backend_capabilities(k)
         self.pos_buf = k.alloc((1,), INT32, tag="kv_decode") if self.graphs else None
         self._step, self._warm = None, False  # the captured one-token step, once a first one ran uncaptured
+        self._drawn = None  # draw's [id, bad] on the device (Backend.sample_token), made on first use
         self.reset()
 
     def reset(self) -> None:
@@ -102,7 +110,32 @@ class KVDecoder:
         except NotImplementedError as e:
             raise ValueError(unimplemented_kernel(self.backend, e)) from None
 
+    def draw(self, tokens: np.ndarray, u: float, temperature: float, vocab_limit: int) -> tuple[int, int]:
+        """Appends tokens (n,) or (1, n) like feed (B=1) and draws the next token on the device from the last
+        position's logits (Backend.sample_token: choose_token's rule without top-k or top-p, over the ids below
+        vocab_limit, `u` the uniform draw): (id, bad), bad > 0 counting logits that are NaN or infinite."""
+        if self.B != 1:
+            raise ValueError(f"KVDecoder.draw samples one sequence (B=1); this decoder is planned for B={self.B}")
+        try:
+            Tn = self._run(tokens)
+            k = self.backend
+            if self._drawn is None:
+                self._drawn = k.alloc((2,), INT32, tag="kv_decode")
+            Vp = self.plan["logits"][0][-1]
+            k.sample_token(self._drawn, k.view(self.bufs["logits"], (Tn - 1) * Vp, (Vp,)), u, temperature,
+                           vocab_limit)
+            tok, bad = k.download(self._drawn)
+        except NotImplementedError as e:
+            raise ValueError(unimplemented_kernel(self.backend, e)) from None
+        return int(tok), int(bad)
+
     def _feed(self, tokens: np.ndarray) -> np.ndarray:
+        Tn = self._run(tokens)
+        logits = self.backend.download(self._v("logits", Tn))
+        return logits[:, Tn - 1, :self.cfg.vocab_size].astype(np.float32)
+
+    def _run(self, tokens: np.ndarray) -> int:
+        """The forward passes that append `tokens` to the cache; the last chunk's length (its logits' rows)."""
         tokens = check_token_ids(tokens, self.cfg.vocab_size, "the tokens fed")
         if tokens.ndim == 1:
             tokens = tokens[None, :]
@@ -125,8 +158,7 @@ class KVDecoder:
             Tn = self._forward(pending[:, :take])
             self.history = np.concatenate([self.history, pending[:, :take]], axis=1)[:, -S:]
             pending = pending[:, take:]
-        logits = self.backend.download(self._v("logits", Tn))
-        return logits[:, Tn - 1, :self.cfg.vocab_size].astype(np.float32)
+        return Tn
 
     def _forward(self, tokens: np.ndarray) -> int:
         Tn, k, model = tokens.shape[1], self.backend, self.model

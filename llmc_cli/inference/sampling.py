@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Iterator
 
 import numpy as np
@@ -92,9 +94,7 @@ def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: floa
     logits = logits.astype(np.float64)
     # NaN or +inf anywhere, or no finite logit at all (-inf alone is a masked token: a caller's ban, drawn never)
     if np.isnan(logits).any() or np.isposinf(logits).any() or np.isneginf(logits).all():
-        bad = int(np.count_nonzero(np.isnan(logits) | np.isposinf(logits))) or logits.size
-        raise NonFiniteLogits(f"the model's logits are not finite ({bad:,} of {logits.size:,} are NaN or infinite): "
-                              "its weights or activations overflow, so there is nothing to sample from")
+        raise non_finite(int(np.count_nonzero(np.isnan(logits) | np.isposinf(logits))) or logits.size, logits.size)
     if temperature <= 0:
         return int(np.argmax(logits))
     logits = logits / temperature
@@ -108,6 +108,12 @@ def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: floa
     cdf = np.cumsum(probs)
     cdf /= cdf[-1]
     return int(np.searchsorted(cdf, rng.random(), side="right"))
+
+
+def non_finite(bad: int, size: int) -> NonFiniteLogits:
+    """The error for logits of which `bad` (of `size`) are NaN or +inf (`size`: all are -inf)."""
+    return NonFiniteLogits(f"the model's logits are not finite ({bad:,} of {size:,} are NaN or infinite): its "
+                           "weights or activations overflow, so there is nothing to sample from")
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -132,6 +138,41 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     return out / out.sum()
 
 
+_LOCKS_MADE = threading.Lock()  # (two threads' first calls on one model must not each make a lock of their own)
+
+
+@contextmanager
+def _one_caller(model: Model):
+    """The model's computation for one caller at a time: generate() from another thread while one is mid-step
+    would reset or overwrite the buffers and the cache under it (corrupted tokens, without a sign)."""
+    with _LOCKS_MADE:
+        lock = model.__dict__.get("_generate_lock")
+        if lock is None:
+            lock = model._generate_lock = threading.Lock()
+    if not lock.acquire(blocking=False):
+        raise ValueError("generate: another thread is running generate() on this model; call it from one thread at "
+                         "a time, or load the model once per thread")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _draw(dec, fed: np.ndarray, rng: np.random.Generator, temperature: float, limit: int) -> int:
+    """The next token after `fed`, drawn on the device (decode.KVDecoder.draw) with the uniform choose_token would
+    take from `rng`; logits it refuses leave `rng` as choose_token leaves it (nothing drawn)."""
+    if temperature <= 0:
+        tok, bad = dec.draw(fed, 0.0, 0.0, limit)
+    else:
+        state = rng.bit_generator.state
+        tok, bad = dec.draw(fed, rng.random(), temperature, limit)
+        if bad:
+            rng.bit_generator.state = state
+    if bad:
+        raise non_finite(bad, limit)
+    return tok
+
+
 def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.random.Generator,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_token: int | None = None,
              kv_cache: bool | None = None, vocab_limit: int | None = None) -> Iterator[int]:
@@ -140,43 +181,63 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.rando
     position; past the window the cache slides (rotary models) or refills from its newest half (learned absolute
     positions), see inference.decode. Without one the whole window is rerun per token (left-aligned), dropping
     the oldest tokens past it. Within the window both give the same logits, so the same tokens for the same rng.
-    `vocab_limit` keeps ids below the tokenizer's size where the model's vocabulary is larger (rows no tokenizer
-    id names)."""
+    Where the backend draws tokens itself (CAP_SAMPLING) and neither top_k nor top_p restricts the draw, the
+    token is drawn where the logits are, by the same rule from the same uniform (the same tokens, but where the
+    uniform lies within float64 rounding of a boundary). `vocab_limit` keeps ids below the tokenizer's size where
+    the model's vocabulary is larger (rows no tokenizer id names). One thread at a time per model: a call from
+    another thread while one computes is a ValueError."""
     ids = check_generate(model, prompt, max_new_tokens, rng, stop_token, kv_cache, vocab_limit)
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
-    from llmc_cli.inference.decode import decoder_for, has_kv_cache
+    from llmc_cli.inference.decode import decoder_for, has_kv_cache, samples_on_device
     from llmc_cli.models.base import unimplemented_kernel
     if kv_cache is None:
         kv_cache = has_kv_cache(model)
     window = model.T
+    limit = model.cfg.vocab_size if vocab_limit is None else int(vocab_limit)
+    on_device = (kv_cache and max_new_tokens > 0 and not 0 < top_k < limit and top_p == 1.0
+                 and samples_on_device(model))
     tokens = [int(t) for t in ids]
     stop = None if stop_token is None else int(stop_token)
     try:  # (a kernel a backend announces but lacks: one line naming it, see decode.KVDecoder.feed)
         if kv_cache:
-            dec = decoder_for(model)
-            dec.reset()
-            # the model's one cache now holds this generator's tokens; a second generate() on the model resets it,
-            # and this one, resumed, went on from the other's context without a sign
-            dec.owner = me = object()
-            logits = dec.feed(np.asarray(tokens, dtype=np.int32))[0]
+            with _one_caller(model):
+                dec = decoder_for(model)
+                dec.reset()
+                # the model's one cache now holds this generator's tokens; a second generate() on the model resets
+                # it, and this one, resumed, went on from the other's context without a sign
+                dec.owner = me = object()
+                fed = np.asarray(tokens, dtype=np.int32)
+                if on_device:
+                    drawn = _draw(dec, fed, rng, temperature, limit)
+                else:
+                    logits = dec.feed(fed)[0]
         buf = np.zeros((1, window), dtype=np.int32)
         for i in range(max_new_tokens):
-            if not kv_cache:
-                ctx = tokens[-window:]
-                buf[0, :len(ctx)] = ctx
-                buf[0, len(ctx):] = 0
-                model.forward(buf)
-                logits = model.logits_host(len(ctx) - 1)[0]
-            nxt = choose_token(logits[:vocab_limit], rng, temperature, top_k, top_p)
+            if on_device:
+                nxt = drawn
+            else:
+                if not kv_cache:
+                    ctx = tokens[-window:]
+                    buf[0, :len(ctx)] = ctx
+                    buf[0, len(ctx):] = 0
+                    with _one_caller(model):
+                        model.forward(buf)
+                        logits = model.logits_host(len(ctx) - 1)[0]
+                nxt = choose_token(logits[:vocab_limit], rng, temperature, top_k, top_p)
             if stop is not None and nxt == stop:
                 return
             tokens.append(nxt)
             yield nxt
             if kv_cache and i + 1 < max_new_tokens:
-                if getattr(dec, "owner", None) is not me:
-                    raise ValueError("generate: another generate() on this model began since this one did, and the "
-                                     "model's key/value cache holds its tokens now; run them one after the other, "
-                                     "pass kv_cache=False, or load the model twice")
-                logits = dec.feed(np.asarray([nxt], dtype=np.int32))[0]
+                with _one_caller(model):
+                    if getattr(dec, "owner", None) is not me:
+                        raise ValueError("generate: another generate() on this model began since this one did, and "
+                                         "the model's key/value cache holds its tokens now; run them one after the "
+                                         "other, pass kv_cache=False, or load the model twice")
+                    fed = np.asarray([nxt], dtype=np.int32)
+                    if on_device:
+                        drawn = _draw(dec, fed, rng, temperature, limit)
+                    else:
+                        logits = dec.feed(fed)[0]
     except NotImplementedError as e:
         raise ValueError(unimplemented_kernel(model.backend, e)) from None

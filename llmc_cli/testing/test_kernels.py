@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc_cli.kernels import BFLOAT16, CAP_FP8, FLOAT32, FP8, INT32, MemoryReport
+from llmc_cli.kernels import BFLOAT16, CAP_FP8, CAP_SAMPLING, FLOAT32, FP8, INT32, MemoryReport
 from llmc_cli.testing.helpers import (
     FP8_TOL,
     assert_close,
@@ -772,6 +772,73 @@ def test_attention_decode_refuses_a_chunk_the_ring_cannot_hold(kv_backend, pos, 
     with pytest.raises(ValueError, match="attention_decode"):
         kv_backend.attention_decode(out, qkv if Tn else kv_backend.view(qkv, 0, (B, 0, qkv.shape[-1])), k_cache,
                                     v_cache, pos, NH, NKV)
+
+
+# drawing the next token where the logits are (CAP_SAMPLING): inference.sampling.choose_token's rule with top_k 0
+# and top_p 1, from the same uniform. (V, Vp, logit scale): a padded row, a flat and a peaked one, GPT-2's and Llama
+# 3's vocabularies (several ids a thread and a warp's walk over many rows)
+SAMPLE_CASES = [(50, 64, 3.0), (1000, 1000, 0.3), (50257, 50304, 2.0), (128256, 128256, 6.0)]
+
+
+class _Uniform:
+    """choose_token's generator, drawing a given uniform."""
+
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def _sampling_backend(backend):
+    if CAP_SAMPLING not in backend.capabilities:
+        pytest.skip(f"backend '{backend.name}' does not announce the {CAP_SAMPLING} capability")
+    return backend
+
+
+@pytest.mark.parametrize("V,Vp,scale", SAMPLE_CASES, ids=[f"V{v}Vp{p}x{s:g}" for v, p, s in SAMPLE_CASES])
+def test_sample_token_draws_as_choose_token(backend, rng, V, Vp, scale):
+    from llmc_cli.inference.sampling import choose_token
+    backend = _sampling_backend(backend)
+    x = randn(rng, Vp, scale=scale)
+    x[V // 3] = x[V - 2] = x.max() + 1.0  # a tie for the largest: the first id wins it
+    row, held = to_device(backend, x)
+    out = empty(backend, (2,), INT32)
+    for temperature in (0.0, 1.0, 0.7, 2.5):
+        for u in [0.0, 0.5, 0.999999] + list(rng.random(10)):
+            poison(backend, out)
+            backend.sample_token(out, row, float(u), temperature, V)
+            want = choose_token(held[:V], _Uniform(float(u)), temperature)
+            got = tuple(from_device(backend, out))
+            assert got == (want, 0), f"temperature {temperature}, u {u}: drew {got[0]}, choose_token {want}"
+    np.testing.assert_array_equal(from_device(backend, row), held, err_msg="the logits must be left alone")
+
+
+def test_sample_token_counts_logits_it_cannot_draw_from(backend, rng):
+    """NaN and +inf are counted (the host's error names how many), -inf is a masked id drawn never (all of them:
+    the count is V), and the padding past V is not read."""
+    from llmc_cli.inference.sampling import choose_token
+    backend = _sampling_backend(backend)
+    V, Vp = 3000, 3008
+    out = empty(backend, (2,), INT32)
+    for what, bad in (("nan+inf", 5), ("masked", 0), ("all masked", V), ("pad", 0)):
+        x = randn(rng, Vp)
+        x[V:] = np.nan if what == "pad" else x[V:]
+        if what == "nan+inf":
+            x[[3, 700, 2999]], x[[5, 1500]] = np.nan, np.inf
+        if what == "masked":
+            x[: V - 7] = -np.inf
+        if what == "all masked":
+            x[:V] = -np.inf
+        row, held = to_device(backend, x)
+        for temperature in (0.0, 1.0):
+            for u in (0.0, 0.3, 0.99):
+                poison(backend, out)
+                backend.sample_token(out, row, u, temperature, V)
+                tok, got_bad = from_device(backend, out)
+                assert got_bad == bad, f"{what}: counted {got_bad}, expected {bad}"
+                if not bad:
+                    assert tok == choose_token(held[:V], _Uniform(u), temperature), what
 
 
 def test_capture_replays_the_recorded_calls_on_new_inputs(backend, rng):

@@ -200,6 +200,43 @@ def test_kv_cache_past_the_window_on_every_backend(kv_backend, cpu):
         assert np.abs(got - want).max() <= tol * np.abs(want).max(), n
 
 
+def _generated(m, monkeypatch, on_device: bool, **kw):
+    """generate's tokens and the generator's next draw after them (or the error's text), the tokens drawn where
+    the backend draws them (CAP_SAMPLING) or, with on_device False, by the host's choose_token."""
+    from llmc_cli.inference import decode
+    from llmc_cli.inference.sampling import NonFiniteLogits
+    rng = np.random.default_rng(11)
+    with monkeypatch.context() as mp:
+        if not on_device:
+            mp.setattr(decode, "samples_on_device", lambda model: False)
+        try:
+            return list(generate(m, [1, 2, 3], 40, rng, **kw)), rng.random()
+        except NonFiniteLogits as e:
+            return str(e), rng.random()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
+def test_tokens_drawn_on_the_device_are_the_hosts(kv_backend, monkeypatch, temperature):
+    """A backend that draws tokens itself gives generate() the tokens choose_token gives from the same logits and
+    generator: past the window too (GPT-2's cache refills), up to a stop token, and logits that are not finite
+    refused alike, the generator left as the host leaves it."""
+    from llmc_cli.inference.decode import samples_on_device
+    m = small_model(kv_backend, 16)
+    if not samples_on_device(m):
+        pytest.skip(f"backend '{kv_backend.name}' does not draw tokens itself")
+    host = _generated(m, monkeypatch, False, temperature=temperature)
+    assert _generated(m, monkeypatch, True, temperature=temperature) == host and len(host[0]) == 40
+    stop = host[0][17]
+    kw = dict(temperature=temperature, stop_token=stop)
+    assert _generated(m, monkeypatch, True, **kw) == _generated(m, monkeypatch, False, **kw)
+    p = params_for(SMALL, 3)
+    p[:] = np.nan
+    m.load_parameters(p)
+    refused = _generated(m, monkeypatch, False, temperature=temperature)
+    assert "not finite (97 of 97" in refused[0]
+    assert _generated(m, monkeypatch, True, temperature=temperature) == refused
+
+
 def test_sample_command(tmp_path):
     cfg = GPT2Config(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=16)
     p = init_parameters(cfg, 0)

@@ -23,6 +23,7 @@ from llmc_cli.kernels import (
     CAP_FP8,
     CAP_GRAPHS,
     CAP_KV_CACHE,
+    CAP_SAMPLING,
     FLOAT32,
     FP8,
     INT32,
@@ -165,7 +166,7 @@ class CudaBackend(Backend):
         self.dtype = BFLOAT16 if self.fp8 else dtype
         self.matmul_dtype = FP8 if self.fp8 else None
         self.capabilities = frozenset({CAP_ASYNC_INPUTS, CAP_BF16, CAP_COPY_OVERLAP, CAP_DEVICE_EVENTS, CAP_GRAPHS,
-                                       CAP_KV_CACHE}
+                                       CAP_KV_CACHE, CAP_SAMPLING}
                                       | ({CAP_FP8} if self.fp8 else set()))
         self.device = cp.cuda.Device(device)
         self.device.use()
@@ -1111,6 +1112,14 @@ class CudaBackend(Backend):
                       pos_p, np.float32(1.0 / math.sqrt(hd)), i32(self._vec(hd, k_cache, v_cache))))
         self._launch(self._kk("attention_decode_combine", out), rows, 128,
                      (out, part, i32(Tn), i32(n_head), i32(hd), i32(splits)))
+
+    # ---- sampling --------------------------------------------------------------------------------------------
+    def sample_token(self, out, logits, u, temperature, vocab_size):
+        if logits.ndim != 1 or not logits.flags.c_contiguous or not 1 <= vocab_size <= logits.size:
+            raise ValueError(f"sample_token: logits must be one contiguous row of at least vocab_size={vocab_size} "
+                             f"(got shape {logits.shape})")
+        self._launch(self._kk("sample_token", logits), 1, 1024,
+                     (out, logits, np.int32(vocab_size), np.float64(u), np.float64(temperature)))
 
     # ---- graphs ----------------------------------------------------------------------------------------------
     def capture(self, fn):

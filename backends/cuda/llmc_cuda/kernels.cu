@@ -1184,6 +1184,92 @@ extern "C" __global__ void peer_mean(act_t* out, const unsigned long long* srcs,
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// The next token drawn where the logits are (Backend.sample_token), by inference.sampling.choose_token's rule with
+// top_k 0 and top_p 1: greedy, the first largest id; else the first id whose running sum of exp(x/T - max) exceeds
+// u times the whole sum, in float64 as on the host (the same id for the same u, but where u lies within rounding
+// of a boundary). One block; warp w owns ids [w*span, (w+1)*span), its lanes reading them 32 at a time. out = [id,
+// bad]: bad counts NaN and +inf logits (V when all are -inf), for the host's error.
+#define SAMPLE_THREADS 1024
+#define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_token(int* out, const act_t* logits, int V,
+                                                                          double u, double temperature) {
+    __shared__ float wmax[SAMPLE_WARPS];
+    __shared__ int warg[SAMPLE_WARPS], wbad[SAMPLE_WARPS];
+    __shared__ double wsum[SAMPLE_WARPS];
+    __shared__ double base_s, target_s;
+    __shared__ int who_s;
+    const unsigned all = 0xffffffffu;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int span = ((V + SAMPLE_WARPS - 1) / SAMPLE_WARPS + 31) & ~31;
+    int lo = min(w * span, V), hi = min(lo + span, V);
+    float m = -LLMC_INF;
+    int arg = -1, bad = 0;
+    for (int i = lo + lane; i < hi; i += 32) {
+        float x = to_f(logits[i]);
+        if (x != x || x == LLMC_INF) bad++;
+        else if (x > m) { m = x; arg = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {  // the warp's largest (the first id on ties; -1: nothing above -inf)
+        float m2 = __shfl_xor_sync(all, m, o);
+        int a2 = __shfl_xor_sync(all, arg, o);
+        bad += __shfl_xor_sync(all, bad, o);
+        if (m2 > m || (m2 == m && a2 >= 0 && (arg < 0 || a2 < arg))) { m = m2; arg = a2; }
+    }
+    if (lane == 0) { wmax[w] = m; warg[w] = arg; wbad[w] = bad; }
+    __syncthreads();
+    float M = -LLMC_INF;
+    int A = -1, nbad = 0;
+    for (int k = 0; k < SAMPLE_WARPS; k++) {  // in id order: the first largest wins a tie
+        nbad += wbad[k];
+        if (wmax[k] > M) { M = wmax[k]; A = warg[k]; }
+    }
+    if (nbad || A < 0 || temperature <= 0.0) {
+        if (threadIdx.x == 0) { out[0] = A < 0 ? 0 : A; out[1] = nbad ? nbad : (A < 0 ? V : 0); }
+        return;
+    }
+    double mt = (double)M / temperature;  // max(x / T): division by T > 0 keeps the order
+    double s = 0.0;
+    for (int i = lo + lane; i < hi; i += 32) s += exp((double)to_f(logits[i]) / temperature - mt);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(all, s, o);
+    if (lane == 0) wsum[w] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {  // the warp whose ids hold the crossing (the last with any mass if rounding hides it)
+        double total = 0.0, acc = 0.0;
+        for (int k = 0; k < SAMPLE_WARPS; k++) total += wsum[k];
+        double target = u * total;
+        int pick = -1;
+        double pick_base = 0.0;
+        for (int k = 0; k < SAMPLE_WARPS; k++) {
+            if (wsum[k] > 0.0) {
+                pick = k; pick_base = acc;
+                if (acc + wsum[k] > target) break;
+            }
+            acc += wsum[k];
+        }
+        who_s = pick; base_s = pick_base; target_s = target;
+    }
+    __syncthreads();
+    if (w != who_s) return;
+    double acc = base_s, target = target_s;
+    int tok = -1, last = lo;
+    for (int r = lo; r < hi; r += 32) {  // 32 ids at a time: their running sums by a scan over the lanes
+        int i = r + lane;
+        double e = i < hi ? exp((double)to_f(logits[i]) / temperature - mt) : 0.0;
+        double c = e;
+        for (int o = 1; o < 32; o <<= 1) {
+            double y = __shfl_up_sync(all, c, o);
+            if (lane >= o) c += y;
+        }
+        unsigned hit = __ballot_sync(all, e > 0.0 && acc + c > target);
+        unsigned mass = __ballot_sync(all, e > 0.0);
+        if (mass) last = r + 31 - __clz(mass);
+        if (hit) { tok = r + __ffs(hit) - 1; break; }
+        acc += __shfl_sync(all, c, 31);
+    }
+    if (lane == 0) { out[0] = tok >= 0 ? tok : last; out[1] = 0; }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // attention over a key/value cache (decoding). Caches (B,NKV,S,hd) are rings: position p lives in slot p % S.
 // New tokens' qkv rows are (B,Tn,(NH+2NKV)*hd) at positions pos..pos+Tn-1.
 extern "C" __global__ void kv_cache_append(act_t* kc, act_t* vc, const act_t* qkv, int B, int Tn, int NH, int NKV,
