@@ -41,7 +41,7 @@ from llmc_cli.kernels import (
     write_cache_file,
 )
 
-from . import CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS  # the options' values (checked in CudaPlugin.create)
+from .options import CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS  # the options' values (checked in CudaPlugin.create)
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256
