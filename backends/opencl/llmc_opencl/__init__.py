@@ -24,7 +24,7 @@ from llmc_cli.kernels import (CAP_COPY_OVERLAP, CAP_KV_CACHE, FLOAT32, INT32, Ba
 
 from . import clblast
 from . import tune as _tune
-from .probe import check
+from .probe import check, no_device_reason
 from .programs import bo as _bo
 from .programs import build_program
 
@@ -92,7 +92,7 @@ def select_device(device: str | None = None):
     cannot run kernels is refused with its reason."""
     devs = _all_devices()
     if not devs:
-        raise BackendUnavailable("no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')")
+        raise BackendUnavailable(no_device_reason(cl.get_platforms()))
     if device is None or device in ("", "auto", "default"):
         ok = [d for d in devs if not _why_not(d)]
         if not ok:
@@ -731,7 +731,7 @@ class OpenCLPlugin(BackendPlugin):
         except Exception as e:
             return False, f"no OpenCL platform ({type(e).__name__}: {str(e).strip() or 'none found'})"
         if not devs:
-            return False, "no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')"
+            return False, no_device_reason(cl.get_platforms())
         try:
             plat, dev = select_device(None)
         except BackendUnavailable as e:  # every device failed to build or run a kernel: the first one's reason

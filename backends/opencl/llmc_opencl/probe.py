@@ -8,6 +8,7 @@ else ``~/.cache/llmc/opencl_probe.json``), so later starts pay nothing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -26,6 +27,44 @@ _SEEN: dict[str, str] = {}  # this process's verdicts: device key -> "" (usable)
 
 def cache_path() -> Path:
     return cache_file("LLMC_OPENCL_PROBE_CACHE", "opencl_probe.json")
+
+
+NO_DEVICE = "no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')"
+
+
+def pocl_cache_dir() -> Path | None:
+    """The kernel cache folder PoCL makes at start (its pocl_cache.c): $POCL_CACHE_DIR, else
+    $XDG_CACHE_HOME/pocl/kcache, else $HOME/.cache/pocl/kcache; None when neither variable is set."""
+    if os.environ.get("POCL_CACHE_DIR"):
+        return Path(os.environ["POCL_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "pocl" / "kcache"
+    return Path(os.environ["HOME"]) / ".cache" / "pocl" / "kcache" if os.environ.get("HOME") else None
+
+
+def pocl_cache_problem() -> str | None:
+    """Why PoCL cannot make or write its cache folder, or None. PoCL then lists its platform with no device and
+    says nothing, so the user would be told to install a driver they have."""
+    folder = pocl_cache_dir()
+    if folder is None:
+        return None
+    existing = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        why = f"{existing} is not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    else:
+        return None
+    return (f"PoCL cannot make its cache folder {folder} ({why}); set POCL_CACHE_DIR to a writable folder, or fix "
+            "HOME or XDG_CACHE_HOME")
+
+
+def no_device_reason(platforms) -> str:
+    """Why no OpenCL device is listed: PoCL's cache folder when a PoCL platform lists none, else no driver."""
+    pocl = any("portable computing language" in p.name.lower() for p in platforms)
+    return (pocl and pocl_cache_problem()) or NO_DEVICE
 
 
 def device_key(platform, device) -> str:
