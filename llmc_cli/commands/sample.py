@@ -60,7 +60,8 @@ def prompt_text(prompt: str) -> str:
             not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in prompt) else None
     if raw is None:
         bad = next(c for c in prompt if 0xD800 <= ord(c) <= 0xDFFF)
-        raise ValueError(f"not UTF-8 text ({bad!r})")
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else repr(bad)
+        raise ValueError(f"not UTF-8 text ({what})")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -22,6 +22,7 @@ from llmc_cli.commands.sample import prompt_text
     ("a\udcff", ValueError("not UTF-8 text (byte 0xff)")),
     ("é\udcc3", ValueError("not UTF-8 text (byte 0xc3)")),  # half a character
     ("\ud800", ValueError("not UTF-8 text ('\\ud800')")),  # a surrogate no byte stands for (the API's text)
+    ("\udcff\ud800", ValueError("not UTF-8 text (byte 0xff)")),
 ])
 def test_prompt_text(given, want):
     if isinstance(want, ValueError):
