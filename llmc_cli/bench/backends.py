@@ -40,10 +40,42 @@ def _pick(found) -> dict:
     return by_name
 
 
-def _failure_line(e: BaseException) -> str:
+def failure_line(e: BaseException) -> str:
     """An exception a backend raised, as the one line a report shows."""
     text = registry.one_line(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _not_installed(name: str, installed: list[str]) -> None:
+    """The BenchError for a --backend no plugin answers to."""
+    listed = f"installed: {', '.join(installed) or 'none'}"
+    if not name.strip():
+        raise BenchError(f"--backend: an empty name; give one of the installed backends ({listed})")
+    if "," in name:  # (a list in one option: each backend is an option of its own)
+        raise BenchError(f"--backend {name}: not installed ({listed}); give one backend per --backend, "
+                         "e.g. --backend cpu --backend opencl")
+    raise BenchError(f"--backend {name}: not installed ({listed})")
+
+
+def _create(plugin, name: str, tag: str | None, dtype, options: dict, named: bool, chosen: list, skipped: list,
+            failed: list) -> None:
+    """One backend of a usable plugin into `chosen`, labelled "<name> <tag>"; a failure raises BenchError when the
+    backend was `named`, else is a line in `skipped` (unavailable) or `failed` (the plugin broke its word)."""
+    label = name if tag is None else f"{name} {tag}"
+    try:
+        chosen.append((label, registry.create_with(plugin, None, dtype, options)))
+    except registry.PluginError as e:  # probed usable, then broke the contract: a failure, not a skip
+        if named:
+            raise BenchError(f"--backend {label}: {e}") from None
+        failed.append((label, str(e)))
+    except BackendUnavailable as e:
+        if named:
+            raise BenchError(f"--backend {name}{'' if tag is None else ' --dtype ' + tag}: {e}") from None
+        skipped.append((label, str(e)))
+    except Exception as e:  # noqa: BLE001  (a plugin's bug in create(): its line, the others still run)
+        if named:
+            raise BenchError(f"--backend {label}: cannot start ({failure_line(e)})") from None
+        failed.append((label, f"cannot start ({failure_line(e)})"))
 
 
 def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | None] = None, plugins=None,
@@ -71,14 +103,7 @@ def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | No
     for name in wanted:
         p = by_name.get(name)
         if p is None:
-            installed = list(by_name) if given else (registry.installed_names() or list(by_name))
-            listed = f"installed: {', '.join(installed) or 'none'}"
-            if not name.strip():
-                raise BenchError(f"--backend: an empty name; give one of the installed backends ({listed})")
-            if "," in name:  # (a list in one option: each backend is an option of its own)
-                raise BenchError(f"--backend {name}: not installed ({listed}); give one backend per --backend, "
-                                 "e.g. --backend cpu --backend opencl")
-            raise BenchError(f"--backend {name}: not installed ({listed})")
+            _not_installed(name, list(by_name) if given else (registry.installed_names() or list(by_name)))
         if p.plugin is None or not p.usable:
             if names:
                 raise BenchError(f"--backend {name}: installed but cannot run here: {registry.one_line(p.reason)}")
@@ -86,21 +111,8 @@ def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | No
             continue
         mine = {k: v for k, v in (options or {}).items() if k in (getattr(p.plugin, "options", {}) or {})}
         for dt, tag in zip(dtypes, tags):
-            label = name if tag is None else f"{name} {tag}"
-            try:
-                chosen.append((label, registry.create_with(p.plugin, None, dt, mine)))
-            except registry.PluginError as e:  # probed usable, then broke the contract: a failure, not a skip
-                if names:
-                    raise BenchError(f"--backend {label}: {e}") from None
-                (failed if failed is not None else skipped).append((label, str(e)))
-            except BackendUnavailable as e:
-                if names:
-                    raise BenchError(f"--backend {name}{'' if tag is None else ' --dtype ' + tag}: {e}") from None
-                skipped.append((label, str(e)))
-            except Exception as e:  # noqa: BLE001  (a plugin's bug in create(): its line, the others still run)
-                if names:
-                    raise BenchError(f"--backend {label}: cannot start ({_failure_line(e)})") from None
-                (failed if failed is not None else skipped).append((label, f"cannot start ({_failure_line(e)})"))
+            _create(p.plugin, name, tag, dt, mine, bool(names), chosen, skipped,
+                    failed if failed is not None else skipped)
     if not chosen:
         if failed:
             raise BenchError("no backend to benchmark: " + "; ".join(f"{n}: {r}" for n, r in failed))

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from llmc_cli.bench.backends import failure_line
 from llmc_cli.inference.decode import KVDecoder, has_kv_cache
 from llmc_cli.kernels import Backend
 from llmc_cli.models.families import family_of
@@ -71,7 +72,6 @@ def run_decode(backends: Sequence[tuple[str, Backend]], cfg, B: int, S: int, *, 
         raise ValueError(f"-t/--seq-len {S}: the window must hold the prompt and at least one new token (2 or more)")
     if not 1 <= prompt_len < S:
         raise ValueError(f"--prompt-len {prompt_len} must be at least 1 and shorter than the window ({S})")
-    from llmc_cli.bench.backends import _failure_line
     params = family_of(cfg).init_parameters(cfg, seed)
     results = []
     for label, be in backends:
@@ -81,7 +81,7 @@ def run_decode(backends: Sequence[tuple[str, Backend]], cfg, B: int, S: int, *, 
             results.append(time_decode(label, be, cfg, B, S, prompt_len=prompt_len, tokens=tokens, warmup=warmup,
                                        seed=seed, params=params))
         except Exception as e:  # noqa: BLE001  (e.g. kv_cache announced without attention_decode: its row says so)
-            results.append({"backend": label, "failed": _failure_line(e)})
+            results.append({"backend": label, "failed": failure_line(e)})
             gc.collect()
     config = {"model": type(cfg).__name__, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
               "vocab_size": cfg.vocab_size, "B": B, "window": S, "prompt_len": prompt_len, "warmup": warmup}

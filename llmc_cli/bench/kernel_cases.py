@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from llmc_cli.bench.backends import DTYPE_BYTES, TOLERANCES, BenchError
+from llmc_cli.bench.backends import DTYPE_BYTES, TOLERANCES, BenchError, failure_line
 from llmc_cli.kernels import (
     CAP_KV_CACHE,
     FLOAT32,
@@ -22,6 +22,8 @@ from llmc_cli.kernels import (
 )
 from llmc_cli.models.families import family_of
 from llmc_cli.models.gpt2 import GPT2Config, num_parameters
+from llmc_cli.models.llama3 import freqs_cis
+from llmc_cli.models.llama3 import num_parameters as llama_params
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernel cases
@@ -114,213 +116,238 @@ def kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
     return {"gpt2": gpt2_kernel_cases, "llama3": llama_kernel_cases}[family_of(cfg).name](cfg, B, T)
 
 
+def _residual_case(B: int, T: int, C: int) -> KernelCase:
+    N = B * T
+    return KernelCase("residual_fwd", "memory", {"N": N, "C": C},
+                      {"out": Buf((B, T, C)), "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C))}, ["out"],
+                      lambda k, b: k.residual_forward(b["out"], b["inp1"], b["inp2"]), lambda s: 3 * N * C * s)
+
+
+def _attention_cases(B: int, T: int, NH: int, NKV: int, hd: int, shape: dict) -> list[KernelCase]:
+    """Causal attention forward and backward over a fused qkv of NH query and NKV key/value heads; useful FLOPs
+    of the causal half (QK^T and PV forward; dV, dP, dQ, dK backward)."""
+    N, QKV, O = B * T, (NH + 2 * NKV) * hd, NH * hd
+
+    def att_fwd(h, ref):
+        q = ref.alloc((B, T, QKV), FLOAT32, tag="bench")
+        o = ref.alloc((B, T, O), FLOAT32, tag="bench")
+        lse = ref.alloc((B, NH, T), FLOAT32, tag="bench")
+        ref.upload(q, h["qkv"])
+        ref.attention_forward(o, lse, q, NH, NKV)
+        h["out"], h["lse"] = ref.download(o).astype(np.float32), ref.download(lse).astype(np.float32)
+
+    return [
+        KernelCase("attention_fwd", "compute", shape,
+                   {"out": Buf((B, T, O)), "lse": Buf((B, NH, T), "f32"), "qkv": Buf((B, T, QKV))}, ["out", "lse"],
+                   lambda k, b: k.attention_forward(b["out"], b["lse"], b["qkv"], NH, NKV),
+                   lambda s: (N * QKV + N * O) * s + 4 * B * NH * T, flops=2 * B * NH * T * T * hd),
+        KernelCase("attention_bwd", "compute", shape,
+                   {"dqkv": Buf((B, T, QKV)), "dout": Buf((B, T, O)), "qkv": Buf((B, T, QKV)), "out": Buf((B, T, O)),
+                    "lse": Buf((B, NH, T), "f32")}, ["dqkv"],
+                   lambda k, b: k.attention_backward(b["dqkv"], b["dout"], b["qkv"], b["out"], b["lse"], NH, NKV),
+                   lambda s: (2 * N * QKV + 2 * N * O) * s + 4 * B * NH * T, flops=4 * B * NH * T * T * hd,
+                   derive=att_fwd)]
+
+
 def gpt2_kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
-    C, NH, Vp, V, maxT = cfg.n_embd, cfg.n_head, cfg.padded_vocab_size, cfg.vocab_size, cfg.block_size
-    N, hd, P = B * T, C // NH, num_parameters(cfg)
-    F = 4 * C
-    cases: list[KernelCase] = []
+    C, NH, Vp, V = cfg.n_embd, cfg.n_head, cfg.padded_vocab_size, cfg.vocab_size
+    hd = C // NH
+    return (_gpt2_encoder_cases(B, T, C, Vp, V, cfg.block_size) + _layernorm_cases(B, T, C)
+            + _gpt2_matmul_cases(B, T, C, Vp) + _gelu_cases(B, T, 4 * C)
+            + _attention_cases(B, T, NH, NH, hd, {"B": B, "T": T, "NH": NH, "hd": hd})
+            + _shared_tail_cases(B, T, Vp, V, num_parameters(cfg), NH, NH, hd))
 
-    def add(*a, **k):
-        cases.append(KernelCase(*a, **k))
 
-    # encoder
-    add("encoder_fwd", "memory", {"B": B, "T": T, "C": C, "Vp": Vp},
-        {"out": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}"), "wte": Buf((Vp, C), init="weight"),
-         "wpe": Buf((maxT, C), init="weight")}, ["out"],
-        lambda k, b: k.encoder_forward(b["out"], b["inp"], b["wte"], b["wpe"]),
-        lambda s: 4 * N + 3 * N * C * s)
-    add("encoder_bwd", "memory", {"B": B, "T": T, "C": C, "Vp": Vp},
-        {"dwte": Buf((Vp, C), init="small"), "dwpe": Buf((maxT, C), init="small"), "dout": Buf((B, T, C)),
-         "inp": Buf((B, T), "i32", f"tokens:{V}")}, ["dwte", "dwpe"],
-        lambda k, b: k.encoder_backward(b["dwte"], b["dwpe"], b["dout"], b["inp"]),
-        lambda s: 4 * N + N * C * s + 2 * N * C * s + 2 * T * C * s)
-    # layernorm
+def _gpt2_encoder_cases(B: int, T: int, C: int, Vp: int, V: int, maxT: int) -> list[KernelCase]:
+    N = B * T
+    shape = {"B": B, "T": T, "C": C, "Vp": Vp}
+    return [
+        KernelCase("encoder_fwd", "memory", shape,
+                   {"out": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}"), "wte": Buf((Vp, C), init="weight"),
+                    "wpe": Buf((maxT, C), init="weight")}, ["out"],
+                   lambda k, b: k.encoder_forward(b["out"], b["inp"], b["wte"], b["wpe"]),
+                   lambda s: 4 * N + 3 * N * C * s),
+        KernelCase("encoder_bwd", "memory", shape,
+                   {"dwte": Buf((Vp, C), init="small"), "dwpe": Buf((maxT, C), init="small"), "dout": Buf((B, T, C)),
+                    "inp": Buf((B, T), "i32", f"tokens:{V}")}, ["dwte", "dwpe"],
+                   lambda k, b: k.encoder_backward(b["dwte"], b["dwpe"], b["dout"], b["inp"]),
+                   lambda s: 4 * N + N * C * s + 2 * N * C * s + 2 * T * C * s)]
+
+
+def _layernorm_cases(B: int, T: int, C: int) -> list[KernelCase]:
+    """LayerNorm forward and backward, the residual add, and the two fused (GPT-2's)."""
+    N = B * T
     ln_in = {"inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma"), "bias": Buf((C,), init="weight")}
-    add("layernorm_fwd", "memory", {"N": N, "C": C},
-        {"out": Buf((B, T, C)), "mean": Buf((B, T), "f32"), "rstd": Buf((B, T), "f32"), **ln_in},
-        ["out", "mean", "rstd"],
-        lambda k, b: k.layernorm_forward(b["out"], b["mean"], b["rstd"], b["inp"], b["weight"], b["bias"]),
-        lambda s: 2 * N * C * s + 2 * C * s + 8 * N)
 
     def ln_stats(h, ref):
         x = h["inp"].astype(np.float64)
         h["mean"] = x.mean(-1).astype(np.float32)
         h["rstd"] = (1.0 / np.sqrt(x.var(-1) + 1e-5)).astype(np.float32)
 
-    add("layernorm_bwd", "memory", {"N": N, "C": C},
-        {"dinp": Buf((B, T, C)), "dweight": Buf((C,), init="small"), "dbias": Buf((C,), init="small"),
-         "dout": Buf((B, T, C)), "inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma"),
-         "mean": Buf((B, T), "f32", "small"), "rstd": Buf((B, T), "f32", "positive")},
-        ["dinp", "dweight", "dbias"],
-        lambda k, b: k.layernorm_backward(b["dinp"], b["dweight"], b["dbias"], b["dout"], b["inp"], b["weight"],
-                                          b["mean"], b["rstd"]),
-        lambda s: 4 * N * C * s + 5 * C * s + 8 * N, derive=ln_stats)
-    add("residual_fwd", "memory", {"N": N, "C": C},
-        {"out": Buf((B, T, C)), "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C))}, ["out"],
-        lambda k, b: k.residual_forward(b["out"], b["inp1"], b["inp2"]),
-        lambda s: 3 * N * C * s)
-    add("fused_residual_layernorm_fwd", "memory", {"N": N, "C": C},
-        {"residual": Buf((B, T, C)), "out": Buf((B, T, C)), "mean": Buf((B, T), "f32"), "rstd": Buf((B, T), "f32"),
-         "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C)), "weight": Buf((C,), init="gamma"),
-         "bias": Buf((C,), init="weight")}, ["residual", "out", "mean", "rstd"],
-        lambda k, b: k.fused_residual_layernorm_forward(b["residual"], b["out"], b["mean"], b["rstd"], b["inp1"],
-                                                        b["inp2"], b["weight"], b["bias"]),
-        lambda s: 4 * N * C * s + 2 * C * s + 8 * N)
+    return [
+        KernelCase("layernorm_fwd", "memory", {"N": N, "C": C},
+                   {"out": Buf((B, T, C)), "mean": Buf((B, T), "f32"), "rstd": Buf((B, T), "f32"), **ln_in},
+                   ["out", "mean", "rstd"],
+                   lambda k, b: k.layernorm_forward(b["out"], b["mean"], b["rstd"], b["inp"], b["weight"], b["bias"]),
+                   lambda s: 2 * N * C * s + 2 * C * s + 8 * N),
+        KernelCase("layernorm_bwd", "memory", {"N": N, "C": C},
+                   {"dinp": Buf((B, T, C)), "dweight": Buf((C,), init="small"), "dbias": Buf((C,), init="small"),
+                    "dout": Buf((B, T, C)), "inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma"),
+                    "mean": Buf((B, T), "f32", "small"), "rstd": Buf((B, T), "f32", "positive")},
+                   ["dinp", "dweight", "dbias"],
+                   lambda k, b: k.layernorm_backward(b["dinp"], b["dweight"], b["dbias"], b["dout"], b["inp"],
+                                                     b["weight"], b["mean"], b["rstd"]),
+                   lambda s: 4 * N * C * s + 5 * C * s + 8 * N, derive=ln_stats),
+        _residual_case(B, T, C),
+        KernelCase("fused_residual_layernorm_fwd", "memory", {"N": N, "C": C},
+                   {"residual": Buf((B, T, C)), "out": Buf((B, T, C)), "mean": Buf((B, T), "f32"),
+                    "rstd": Buf((B, T), "f32"), "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C)),
+                    "weight": Buf((C,), init="gamma"), "bias": Buf((C,), init="weight")},
+                   ["residual", "out", "mean", "rstd"],
+                   lambda k, b: k.fused_residual_layernorm_forward(b["residual"], b["out"], b["mean"], b["rstd"],
+                                                                   b["inp1"], b["inp2"], b["weight"], b["bias"]),
+                   lambda s: 4 * N * C * s + 2 * C * s + 8 * N)]
 
-    # matmuls: (name, in channels K, out channels OC, bias, GELU fused in forward / its derivative in backward)
+
+def _gpt2_matmul_cases(B: int, T: int, C: int, Vp: int) -> list[KernelCase]:
+    """GPT-2's products forward, then backward: (name, in channels K, out channels OC, bias, GELU fused in the
+    forward); the backward fuses GELU's derivative into fcproj's dinp (its input was gelu(fch))."""
+    N, F = B * T, 4 * C
     mm = [("qkv", C, 3 * C, True, False), ("attproj", C, C, True, False), ("fc", C, F, True, True),
           ("fcproj", F, C, True, False), ("classifier", C, Vp, False, False)]
+    cases = []
     for name, K, OC, bias, gelu in mm:
         bufs = {"out": Buf((B, T, OC)), "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}
-        if bias:
-            bufs["bias"] = Buf((OC,), init="weight")
-        if gelu:
-            bufs["pre_gelu"] = Buf((B, T, OC))
-
-        def fwd(k, b):
-            k.matmul_forward(b["out"], b["inp"], b["weight"], b.get("bias"), pre_gelu=b.get("pre_gelu"))
-        add(f"matmul_fwd {name}" + (" +gelu" if gelu else ""), "compute",
-            {"N": N, "K": K, "OC": OC, "bias": bias, "gelu": gelu}, bufs,
-            ["out"] + (["pre_gelu"] if gelu else []), fwd,
+        bufs |= ({"bias": Buf((OC,), init="weight")} if bias else {}) | ({"pre_gelu": Buf((B, T, OC))} if gelu else {})
+        cases.append(KernelCase(
+            f"matmul_fwd {name}" + (" +gelu" if gelu else ""), "compute",
+            {"N": N, "K": K, "OC": OC, "bias": bias, "gelu": gelu}, bufs, ["out"] + (["pre_gelu"] if gelu else []),
+            lambda k, b: k.matmul_forward(b["out"], b["inp"], b["weight"], b.get("bias"), pre_gelu=b.get("pre_gelu")),
             (lambda K, OC, bias, gelu: lambda s: (N * K + OC * K + N * OC * (2 if gelu else 1)) * s
              + (OC * s if bias else 0))(K, OC, bias, gelu),
-            flops=2 * N * K * OC)
-    # backward: GPT-2 fuses GELU's derivative into fcproj's dinp (its input was gelu(fch))
+            flops=2 * N * K * OC))
     for name, K, OC, bias, _ in mm:
-        gelu_bwd = name == "fcproj"
+        g = name == "fcproj"
         bufs = {"dinp": Buf((B, T, K)), "dweight": Buf((OC, K), init="small"), "dout": Buf((B, T, OC)),
                 "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}
-        if bias:
-            bufs["dbias"] = Buf((OC,), init="small")
-        if gelu_bwd:
-            bufs["pre_gelu"] = Buf((B, T, K))
-
-        def bwd(k, b):
-            k.matmul_backward(b["dinp"], b["dweight"], b.get("dbias"), b["dout"], b["inp"], b["weight"],
-                              pre_gelu=b.get("pre_gelu"))
-        add(f"matmul_bwd {name}" + (" +gelu'" if gelu_bwd else ""), "compute",
-            {"N": N, "K": K, "OC": OC, "bias": bias, "gelu": gelu_bwd}, bufs,
-            ["dinp", "dweight"] + (["dbias"] if bias else []), bwd,
+        bufs |= ({"dbias": Buf((OC,), init="small")} if bias else {}) | ({"pre_gelu": Buf((B, T, K))} if g else {})
+        cases.append(KernelCase(
+            f"matmul_bwd {name}" + (" +gelu'" if g else ""), "compute",
+            {"N": N, "K": K, "OC": OC, "bias": bias, "gelu": g}, bufs,
+            ["dinp", "dweight"] + (["dbias"] if bias else []),
+            lambda k, b: k.matmul_backward(b["dinp"], b["dweight"], b.get("dbias"), b["dout"], b["inp"], b["weight"],
+                                           pre_gelu=b.get("pre_gelu")),
             (lambda K, OC, bias, g: lambda s: (N * OC + 2 * N * K + 3 * OC * K + (N * K if g else 0)) * s
-             + (2 * OC * s if bias else 0))(K, OC, bias, gelu_bwd),
-            flops=4 * N * K * OC)
+             + (2 * OC * s if bias else 0))(K, OC, bias, g),
+            flops=4 * N * K * OC))
+    return cases
 
-    # elementwise GELU on the MLP's hidden activations
-    add("gelu_fwd", "memory", {"N": N, "C": F}, {"out": Buf((B, T, F)), "inp": Buf((B, T, F))}, ["out"],
-        lambda k, b: k.gelu_forward(b["out"], b["inp"]), lambda s: 2 * N * F * s)
-    add("gelu_bwd", "memory", {"N": N, "C": F},
-        {"dinp": Buf((B, T, F)), "inp": Buf((B, T, F)), "dout": Buf((B, T, F))}, ["dinp"],
-        lambda k, b: k.gelu_backward(b["dinp"], b["inp"], b["dout"]), lambda s: 3 * N * F * s)
 
-    # attention: useful FLOPs of the causal half (QK^T and PV forward; dV, dP, dQ, dK backward)
-    att_shape = {"B": B, "T": T, "NH": NH, "hd": hd}
-    add("attention_fwd", "compute", att_shape,
-        {"out": Buf((B, T, C)), "lse": Buf((B, NH, T), "f32"), "qkv": Buf((B, T, 3 * C))}, ["out", "lse"],
-        lambda k, b: k.attention_forward(b["out"], b["lse"], b["qkv"], NH, NH),
-        lambda s: 4 * N * C * s + 4 * B * NH * T, flops=2 * B * NH * T * T * hd)
-
-    def att_fwd(h, ref):
-        q = ref.alloc((B, T, 3 * C), FLOAT32, tag="bench")
-        o = ref.alloc((B, T, C), FLOAT32, tag="bench")
-        lse = ref.alloc((B, NH, T), FLOAT32, tag="bench")
-        ref.upload(q, h["qkv"])
-        ref.attention_forward(o, lse, q, NH, NH)
-        h["out"], h["lse"] = ref.download(o).astype(np.float32), ref.download(lse).astype(np.float32)
-
-    add("attention_bwd", "compute", att_shape,
-        {"dqkv": Buf((B, T, 3 * C)), "dout": Buf((B, T, C)), "qkv": Buf((B, T, 3 * C)), "out": Buf((B, T, C)),
-         "lse": Buf((B, NH, T), "f32")}, ["dqkv"],
-        lambda k, b: k.attention_backward(b["dqkv"], b["dout"], b["qkv"], b["out"], b["lse"], NH, NH),
-        lambda s: 8 * N * C * s + 4 * B * NH * T, flops=4 * B * NH * T * T * hd, derive=att_fwd)
-
-    return cases + _shared_tail_cases(B, T, Vp, V, P, NH, NH, hd)
+def _gelu_cases(B: int, T: int, F: int) -> list[KernelCase]:
+    """Elementwise GELU on the MLP's hidden activations."""
+    N = B * T
+    return [
+        KernelCase("gelu_fwd", "memory", {"N": N, "C": F}, {"out": Buf((B, T, F)), "inp": Buf((B, T, F))}, ["out"],
+                   lambda k, b: k.gelu_forward(b["out"], b["inp"]), lambda s: 2 * N * F * s),
+        KernelCase("gelu_bwd", "memory", {"N": N, "C": F},
+                   {"dinp": Buf((B, T, F)), "inp": Buf((B, T, F)), "dout": Buf((B, T, F))}, ["dinp"],
+                   lambda k, b: k.gelu_backward(b["dinp"], b["inp"], b["dout"]), lambda s: 3 * N * F * s)]
 
 
 def llama_kernel_cases(cfg, B: int, T: int) -> list[KernelCase]:
     """Llama 3's kernels on its shapes: rmsnorm, bias-free matmuls (fused qkv with grouped-query heads, fused
     gate/up), rotary embedding, GQA attention, SwiGLU, the untied (or tied) head and the shared ones."""
-    from llmc_cli.models.llama3 import freqs_cis
-    from llmc_cli.models.llama3 import num_parameters as llama_params
     C, NH, NKV, hd, H, V = cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
-    N, P, QKV = B * T, llama_params(cfg), (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
-    eps = cfg.norm_eps
-    cases: list[KernelCase] = []
-    freqs = freqs_cis(cfg, T)
+    QKV = (NH + 2 * NKV) * hd
+    mm = [("qkv", C, QKV), ("wo", NH * hd, C), ("w13", C, 2 * H), ("w2", H, C), ("lm_head", C, V)]
+    return (_llama_encoder_cases(B, T, C, V) + _rmsnorm_cases(B, T, C, cfg.norm_eps) + [_residual_case(B, T, C)]
+            + _plain_matmul_cases(B, T, mm) + _rope_cases(freqs_cis(cfg, T), B, T, NH, NKV, hd)
+            + _swiglu_cases(B, T, H)
+            + _attention_cases(B, T, NH, NKV, hd, {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd})
+            + _shared_tail_cases(B, T, V, V, llama_params(cfg), NH, NKV, hd))
 
-    def add(*a, **k):
-        cases.append(KernelCase(*a, **k))
 
-    def with_freqs(h, ref):
-        h["freqs"] = freqs
+def _llama_encoder_cases(B: int, T: int, C: int, V: int) -> list[KernelCase]:
+    """The token embedding alone (rotary models have no position table)."""
+    N = B * T
+    return [
+        KernelCase("encoder_fwd", "memory", {"B": B, "T": T, "C": C, "V": V},
+                   {"out": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}"), "wte": Buf((V, C), init="weight")},
+                   ["out"], lambda k, b: k.encoder_forward(b["out"], b["inp"], b["wte"], None),
+                   lambda s: 4 * N + 2 * N * C * s),
+        KernelCase("encoder_bwd", "memory", {"B": B, "T": T, "C": C, "V": V},
+                   {"dwte": Buf((V, C), init="small"), "dout": Buf((B, T, C)),
+                    "inp": Buf((B, T), "i32", f"tokens:{V}")},
+                   ["dwte"], lambda k, b: k.encoder_backward(b["dwte"], None, b["dout"], b["inp"]),
+                   lambda s: 4 * N + 3 * N * C * s)]
 
-    add("encoder_fwd", "memory", {"B": B, "T": T, "C": C, "V": V},
-        {"out": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}"), "wte": Buf((V, C), init="weight")},
-        ["out"], lambda k, b: k.encoder_forward(b["out"], b["inp"], b["wte"], None), lambda s: 4 * N + 2 * N * C * s)
-    add("encoder_bwd", "memory", {"B": B, "T": T, "C": C, "V": V},
-        {"dwte": Buf((V, C), init="small"), "dout": Buf((B, T, C)), "inp": Buf((B, T), "i32", f"tokens:{V}")},
-        ["dwte"], lambda k, b: k.encoder_backward(b["dwte"], None, b["dout"], b["inp"]),
-        lambda s: 4 * N + 3 * N * C * s)
-    add("rmsnorm_fwd", "memory", {"N": N, "C": C},
-        {"out": Buf((B, T, C)), "rstd": Buf((B, T), "f32"), "inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma")},
-        ["out", "rstd"], lambda k, b: k.rmsnorm_forward(b["out"], b["rstd"], b["inp"], b["weight"], eps),
-        lambda s: 2 * N * C * s + C * s + 4 * N)
+
+def _rmsnorm_cases(B: int, T: int, C: int, eps: float) -> list[KernelCase]:
+    N = B * T
 
     def rms_stats(h, ref):
         x = h["inp"].astype(np.float64)
         h["rstd"] = (1.0 / np.sqrt((x * x).mean(-1) + eps)).astype(np.float32)
 
-    add("rmsnorm_bwd", "memory", {"N": N, "C": C},
-        {"dinp": Buf((B, T, C)), "dweight": Buf((C,), init="small"), "dout": Buf((B, T, C)), "inp": Buf((B, T, C)),
-         "weight": Buf((C,), init="gamma"), "rstd": Buf((B, T), "f32", "positive")}, ["dinp", "dweight"],
-        lambda k, b: k.rmsnorm_backward(b["dinp"], b["dweight"], b["dout"], b["inp"], b["weight"], b["rstd"]),
-        lambda s: 4 * N * C * s + 3 * C * s + 4 * N, derive=rms_stats)
-    add("residual_fwd", "memory", {"N": N, "C": C},
-        {"out": Buf((B, T, C)), "inp1": Buf((B, T, C)), "inp2": Buf((B, T, C))}, ["out"],
-        lambda k, b: k.residual_forward(b["out"], b["inp1"], b["inp2"]), lambda s: 3 * N * C * s)
-    mm = [("qkv", C, QKV), ("wo", NH * hd, C), ("w13", C, 2 * H), ("w2", H, C), ("lm_head", C, V)]
-    for name, K, OC in mm:
-        add(f"matmul_fwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
-            {"out": Buf((B, T, OC)), "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["out"],
-            lambda k, b: k.matmul_forward(b["out"], b["inp"], b["weight"]),
-            (lambda K, OC: lambda s: (N * K + OC * K + N * OC) * s)(K, OC), flops=2 * N * K * OC)
-    for name, K, OC in mm:
-        add(f"matmul_bwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
-            {"dinp": Buf((B, T, K)), "dweight": Buf((OC, K), init="small"), "dout": Buf((B, T, OC)),
-             "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["dinp", "dweight"],
-            lambda k, b: k.matmul_backward(b["dinp"], b["dweight"], None, b["dout"], b["inp"], b["weight"]),
-            (lambda K, OC: lambda s: (N * OC + 2 * N * K + 3 * OC * K) * s)(K, OC), flops=4 * N * K * OC)
-    rope_shape = {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd}
-    rope_bytes = lambda s: 2 * N * (NH + NKV) * hd * s + T * hd * 4  # noqa: E731  (q and k rotated in place)
-    add("rope_fwd", "memory", rope_shape, {"qkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")}, ["qkv"],
-        lambda k, b: k.rope_forward(b["qkv"], b["freqs"], NH, NKV), rope_bytes, derive=with_freqs)
-    add("rope_bwd", "memory", rope_shape, {"dqkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")},
-        ["dqkv"], lambda k, b: k.rope_backward(b["dqkv"], b["freqs"], NH, NKV), rope_bytes, derive=with_freqs)
-    add("swiglu_fwd", "memory", {"N": N, "H": H}, {"out": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))}, ["out"],
-        lambda k, b: k.swiglu_forward(b["out"], b["inp"]), lambda s: 3 * N * H * s)
-    add("swiglu_bwd", "memory", {"N": N, "H": H},
-        {"dinp": Buf((B, T, 2 * H)), "dout": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))}, ["dinp"],
-        lambda k, b: k.swiglu_backward(b["dinp"], b["dout"], b["inp"]), lambda s: 5 * N * H * s)
-    att_shape = {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd}
-    add("attention_fwd", "compute", att_shape,
-        {"out": Buf((B, T, NH * hd)), "lse": Buf((B, NH, T), "f32"), "qkv": Buf((B, T, QKV))}, ["out", "lse"],
-        lambda k, b: k.attention_forward(b["out"], b["lse"], b["qkv"], NH, NKV),
-        lambda s: (N * QKV + N * NH * hd) * s + 4 * B * NH * T, flops=2 * B * NH * T * T * hd)
+    return [
+        KernelCase("rmsnorm_fwd", "memory", {"N": N, "C": C},
+                   {"out": Buf((B, T, C)), "rstd": Buf((B, T), "f32"), "inp": Buf((B, T, C)),
+                    "weight": Buf((C,), init="gamma")},
+                   ["out", "rstd"], lambda k, b: k.rmsnorm_forward(b["out"], b["rstd"], b["inp"], b["weight"], eps),
+                   lambda s: 2 * N * C * s + C * s + 4 * N),
+        KernelCase("rmsnorm_bwd", "memory", {"N": N, "C": C},
+                   {"dinp": Buf((B, T, C)), "dweight": Buf((C,), init="small"), "dout": Buf((B, T, C)),
+                    "inp": Buf((B, T, C)), "weight": Buf((C,), init="gamma"), "rstd": Buf((B, T), "f32", "positive")},
+                   ["dinp", "dweight"],
+                   lambda k, b: k.rmsnorm_backward(b["dinp"], b["dweight"], b["dout"], b["inp"], b["weight"],
+                                                   b["rstd"]),
+                   lambda s: 4 * N * C * s + 3 * C * s + 4 * N, derive=rms_stats)]
 
-    def att_fwd(h, ref):
-        q = ref.alloc((B, T, QKV), FLOAT32, tag="bench")
-        o = ref.alloc((B, T, NH * hd), FLOAT32, tag="bench")
-        lse = ref.alloc((B, NH, T), FLOAT32, tag="bench")
-        ref.upload(q, h["qkv"])
-        ref.attention_forward(o, lse, q, NH, NKV)
-        h["out"], h["lse"] = ref.download(o).astype(np.float32), ref.download(lse).astype(np.float32)
 
-    add("attention_bwd", "compute", att_shape,
-        {"dqkv": Buf((B, T, QKV)), "dout": Buf((B, T, NH * hd)), "qkv": Buf((B, T, QKV)),
-         "out": Buf((B, T, NH * hd)), "lse": Buf((B, NH, T), "f32")}, ["dqkv"],
-        lambda k, b: k.attention_backward(b["dqkv"], b["dout"], b["qkv"], b["out"], b["lse"], NH, NKV),
-        lambda s: (2 * N * QKV + 2 * N * NH * hd) * s + 4 * B * NH * T, flops=4 * B * NH * T * T * hd,
-        derive=att_fwd)
-    return cases + _shared_tail_cases(B, T, V, V, P, NH, NKV, hd)
+def _plain_matmul_cases(B: int, T: int, mm: list[tuple[str, int, int]]) -> list[KernelCase]:
+    """Bias-free products (name, in channels K, out channels OC), every forward, then every backward."""
+    N = B * T
+    fwd = [KernelCase(f"matmul_fwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
+                      {"out": Buf((B, T, OC)), "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["out"],
+                      lambda k, b: k.matmul_forward(b["out"], b["inp"], b["weight"]),
+                      (lambda K, OC: lambda s: (N * K + OC * K + N * OC) * s)(K, OC), flops=2 * N * K * OC)
+           for name, K, OC in mm]
+    bwd = [KernelCase(f"matmul_bwd {name}", "compute", {"N": N, "K": K, "OC": OC, "bias": False, "gelu": False},
+                      {"dinp": Buf((B, T, K)), "dweight": Buf((OC, K), init="small"), "dout": Buf((B, T, OC)),
+                       "inp": Buf((B, T, K)), "weight": Buf((OC, K), init="weight")}, ["dinp", "dweight"],
+                      lambda k, b: k.matmul_backward(b["dinp"], b["dweight"], None, b["dout"], b["inp"], b["weight"]),
+                      (lambda K, OC: lambda s: (N * OC + 2 * N * K + 3 * OC * K) * s)(K, OC), flops=4 * N * K * OC)
+           for name, K, OC in mm]
+    return fwd + bwd
+
+
+def _rope_cases(freqs: np.ndarray, B: int, T: int, NH: int, NKV: int, hd: int) -> list[KernelCase]:
+    """Rotary embedding of q and k in place, forward and backward, on the model's frequencies."""
+    N, QKV = B * T, (NH + 2 * NKV) * hd
+    shape = {"B": B, "T": T, "NH": NH, "NKV": NKV, "hd": hd}
+
+    def rope_bytes(s):  # (q and k rotated in place)
+        return 2 * N * (NH + NKV) * hd * s + T * hd * 4
+
+    def with_freqs(h, ref):
+        h["freqs"] = freqs
+
+    return [
+        KernelCase("rope_fwd", "memory", shape, {"qkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")},
+                   ["qkv"], lambda k, b: k.rope_forward(b["qkv"], b["freqs"], NH, NKV), rope_bytes, derive=with_freqs),
+        KernelCase("rope_bwd", "memory", shape, {"dqkv": Buf((B, T, QKV)), "freqs": Buf((T, hd // 2, 2), "f32")},
+                   ["dqkv"], lambda k, b: k.rope_backward(b["dqkv"], b["freqs"], NH, NKV), rope_bytes,
+                   derive=with_freqs)]
+
+
+def _swiglu_cases(B: int, T: int, H: int) -> list[KernelCase]:
+    N = B * T
+    return [
+        KernelCase("swiglu_fwd", "memory", {"N": N, "H": H}, {"out": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))},
+                   ["out"], lambda k, b: k.swiglu_forward(b["out"], b["inp"]), lambda s: 3 * N * H * s),
+        KernelCase("swiglu_bwd", "memory", {"N": N, "H": H},
+                   {"dinp": Buf((B, T, 2 * H)), "dout": Buf((B, T, H)), "inp": Buf((B, T, 2 * H))}, ["dinp"],
+                   lambda k, b: k.swiglu_backward(b["dinp"], b["dout"], b["inp"]), lambda s: 5 * N * H * s)]
 
 
 def _host_inputs(case: KernelCase, seed: int) -> dict[str, np.ndarray]:
@@ -447,7 +474,7 @@ def _variant_rows(case: KernelCase, be: Backend, names: Sequence[str], inputs: d
                 row = {"variant": name, **_timed(case, be, bufs, warmup, repeat)}
             del bufs
         except Exception as e:  # noqa: BLE001  (a variant that breaks: its row says so, the next one runs)
-            why = _failure_line(e)
+            why = failure_line(e)
             rows.append({"variant": name, "skipped": f"failed: {why}", "error": why})
             continue
         row.update(_rates(case, nbytes, row["median_ms"]))
@@ -498,7 +525,8 @@ def check_host_memory(cases: Sequence[KernelCase], cfg, B: int, T: int, availabl
     if need > available:
         raise BenchError(f"-b {B} -t {T}: the kernel case {case} needs at least {need / 2**30:.1f} GiB of host memory "
                          f"(inputs, copies and outputs{', scores' if case.startswith('attention') else ''}), "
-                         f"{available / 2**30:.1f} GiB is available; lower -b/--batch-size or -t/--seq-len, or leave it out with --only")
+                         f"{available / 2**30:.1f} GiB is available; lower -b/--batch-size or -t/--seq-len, or leave "
+                         "it out with --only")
 
 
 def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, T: int, *, repeat: int = 10,
@@ -520,18 +548,11 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
         if not cases:
             raise BenchError(f"--only {' '.join(only)}: matches no kernel")
     check_host_memory(cases, cfg, B, T)
-    results, mismatches, failed = [], [], []
+    out = {"results": [], "mismatches": [], "failed": []}
     for case in cases:
         host = _host_inputs(case, seed)
-        if case.derive is not None:
-            helper = reference if reference is not None else backends[0][1]
-            try:
-                case.derive(host, helper)
-            except Exception as e:  # noqa: BLE001  (the helper backend's failure: this case cannot run anywhere)
-                who = "the reference" if reference is not None else backends[0][0]
-                failed.append({"kernel": case.name, "backend": who,
-                               "error": f"preparing the inputs failed: {_failure_line(e)}"})
-                continue
+        if not _derive(case, host, backends, reference, out["failed"]):
+            continue
         refs: dict[str, dict | str] = {}  # by dtype the inputs were held in (a str: why the reference failed)
         for label, be in backends:
             if progress:
@@ -539,27 +560,15 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
             try:
                 r = _case_on(case, label, be, host, reference, refs, tol, variants, warmup, repeat, progress)
             except Exception as e:  # noqa: BLE001  (one backend's failure is its line; the others are measured)
-                failed.append({"kernel": case.name, "backend": label, "error": _failure_line(e)})
+                out["failed"].append({"kernel": case.name, "backend": label, "error": failure_line(e)})
                 gc.collect()
                 continue
-            if r is None:
-                continue
-            if r["ok"] is False:
-                mismatches.append({"kernel": case.name, "backend": label, "variant": None,
-                                   "max_rel_err": r["max_rel_err"], "tol": r["tol"]})
-            for v in r.get("variants", []):
-                if v.get("ok") is False:
-                    mismatches.append({"kernel": case.name, "backend": label, "variant": v["variant"],
-                                       "max_rel_err": v["max_rel_err"], "tol": r["tol"]})
-                if "error" in v:
-                    failed.append({"kernel": case.name, "backend": f"{label} (variant {v['variant']})",
-                                   "error": v["error"]})
-            if isinstance(refs.get(be.dtype), str):
-                failed.append({"kernel": case.name, "backend": "the reference", "error": refs[be.dtype]})
-            results.append(r)
+            if r is not None:
+                _record(out, r, case, label, refs.get(be.dtype))
         refs.clear()
         del host
         gc.collect()
+    results, mismatches, failed = out["results"], out["mismatches"], out["failed"]
     # one line per failure, the same failure of a reference once
     failed = list({(f["kernel"], f["backend"], f["error"]): f for f in failed}.values())
     return {"config": {**_cfg_dict(cfg), "B": B, "T": T, "repeat": repeat, "warmup": warmup, "seed": seed,
@@ -567,9 +576,37 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
             "results": results, "mismatches": mismatches, "failed": failed}
 
 
-def _failure_line(e: BaseException) -> str:
-    from llmc_cli.bench.backends import _failure_line as line
-    return line(e)
+def _derive(case: KernelCase, host: dict, backends, reference: Backend | None, failed: list) -> bool:
+    """Fills the case's dependent inputs (on the reference, else the first backend); False, with a line in
+    `failed`, when that backend fails: the case then cannot run anywhere."""
+    if case.derive is None:
+        return True
+    helper = reference if reference is not None else backends[0][1]
+    try:
+        case.derive(host, helper)
+    except Exception as e:  # noqa: BLE001
+        who = "the reference" if reference is not None else backends[0][0]
+        failed.append({"kernel": case.name, "backend": who, "error": f"preparing the inputs failed: {failure_line(e)}"})
+        return False
+    return True
+
+
+def _record(out: dict, r: dict, case: KernelCase, label: str, ref) -> None:
+    """One backend's result on a case into `out`: the result, its mismatches and its variants' (against the
+    tolerance), a variant's failure, and the reference's failure on this dtype (`ref` a str)."""
+    if r["ok"] is False:
+        out["mismatches"].append({"kernel": case.name, "backend": label, "variant": None,
+                                  "max_rel_err": r["max_rel_err"], "tol": r["tol"]})
+    for v in r.get("variants", []):
+        if v.get("ok") is False:
+            out["mismatches"].append({"kernel": case.name, "backend": label, "variant": v["variant"],
+                                      "max_rel_err": v["max_rel_err"], "tol": r["tol"]})
+        if "error" in v:
+            out["failed"].append({"kernel": case.name, "backend": f"{label} (variant {v['variant']})",
+                                  "error": v["error"]})
+    if isinstance(ref, str):
+        out["failed"].append({"kernel": case.name, "backend": "the reference", "error": ref})
+    out["results"].append(r)
 
 
 def _case_on(case: KernelCase, label: str, be: Backend, host: dict, reference: Backend | None, refs: dict,
@@ -590,7 +627,7 @@ def _case_on(case: KernelCase, label: str, be: Backend, host: dict, reference: B
             try:
                 refs[be.dtype] = _run_once(case, reference, held)[1]
             except Exception as e:  # noqa: BLE001  (the reference's failure is not this backend's: unchecked)
-                refs[be.dtype] = f"reference failed: {_failure_line(e)}"
+                refs[be.dtype] = f"reference failed: {failure_line(e)}"
         if isinstance(refs[be.dtype], dict):
             err = max(rel_error(outs[n], refs[be.dtype][n]) for n in case.outputs)
     del held
@@ -620,7 +657,6 @@ def _case_on(case: KernelCase, label: str, be: Backend, host: dict, reference: B
 
 
 def _cfg_dict(cfg) -> dict:
-    from llmc_cli.models.families import family_of
     fam = family_of(cfg)
     d = {"family": fam.name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
          "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size, "block_size": cfg.block_size,

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import platform
+import re
+import shutil
+import subprocess
 from importlib import metadata
+from importlib.metadata import PackageNotFoundError, entry_points, requires
 from typing import Sequence
 
 import numpy as np
@@ -13,6 +17,7 @@ from llmc_cli.kernels import (
     CAP_DEVICE_EVENTS,
     Backend,
 )
+from llmc_cli.registry import one_line
 
 # ---------------------------------------------------------------------------------------------------------------
 # the machine
@@ -45,8 +50,6 @@ def _blas() -> str:
 
 
 def _nvidia_smi() -> list[str]:
-    import shutil
-    import subprocess
     if not shutil.which("nvidia-smi"):
         return []
     try:
@@ -59,8 +62,6 @@ def _nvidia_smi() -> list[str]:
 
 def _backend_distributions() -> list[str]:
     """Every installed backend's distribution and what it requires (the device libraries it runs on)."""
-    import re
-    from importlib.metadata import PackageNotFoundError, entry_points, requires
 
     out: list[str] = []
     for ep in entry_points(group="llmc.backends"):
@@ -92,7 +93,6 @@ def describe_machine(backends: Sequence[tuple[str, Backend]] = ()) -> dict:
 
 def _describe(b: Backend) -> str:
     """The backend's own line; a plugin's describe() that fails is named, not the report's end."""
-    from llmc_cli.registry import one_line
     try:
         return one_line(b.describe())
     except Exception as e:  # noqa: BLE001

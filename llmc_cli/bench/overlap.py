@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from llmc_cli.bench.backends import BenchError
+from llmc_cli.bench.backends import BenchError, failure_line
 from llmc_cli.kernels import (
     CAP_COPY_OVERLAP,
     FLOAT32,
@@ -210,8 +210,7 @@ def run_overlap(backends: Sequence[tuple[str, Backend]], T: int = 1024, C: int =
         except BenchError:
             raise
         except Exception as e:  # noqa: BLE001  (one backend's failure is its line; the others still run)
-            from llmc_cli.bench.backends import _failure_line
-            failed.append({"backend": label, "kernel": None, "error": _failure_line(e)})
+            failed.append({"backend": label, "kernel": None, "error": failure_line(e)})
     config = {"T": T, "C": C, "batches": list(dict.fromkeys(batches)), "modes": list(dict.fromkeys(modes)),
               "streams": list(dict.fromkeys(streams)), "blocks": list(dict.fromkeys(blocks)),
               "host_memory": list(dict.fromkeys(host_memory)), "repeat": repeat, "warmup": warmup, "seed": seed,

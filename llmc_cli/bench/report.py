@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import math
 
+from rich.markup import escape
+from rich.table import Table
+
+from llmc_cli.bench.overlap import best
+
 # ---------------------------------------------------------------------------------------------------------------
 # presenting
 
@@ -29,7 +34,6 @@ def _fmt_err(r: dict) -> str:
 
 def kernels_table(res: dict):
     """Kernels as rows, backends as columns; each cell: median ms [min-max], then the rate and the error."""
-    from rich.table import Table
     c = res["config"]
     labels = list(dict.fromkeys(r["backend"] for r in res["results"]))
     table = Table(title=f"llmc bench kernels: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
@@ -58,7 +62,6 @@ def kernels_table(res: dict):
 def variants_table(res: dict):
     """One row per variant of each kernel on each backend, the default first: median ms [min-max], the default's
     median over its (above 1: faster), the rate and the error; the fastest within the tolerance is marked."""
-    from rich.table import Table
     c = res["config"]
     table = Table(title=f"llmc bench kernels --variants: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
                         f"Vp={c['padded_vocab_size']}, B={c['B']} T={c['T']}",
@@ -89,7 +92,6 @@ def _mib(b) -> str:
 
 
 def train_table(res: dict):
-    from rich.table import Table
     c = res["config"]
     table = Table(title=f"llmc bench train: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} "
                         f"({c['num_parameters']:,} params), B={c['B']} T={c['T']}",
@@ -118,8 +120,6 @@ def train_table(res: dict):
 def decode_table(res: dict):
     """Backends as rows: prefill, tokens/s inside the window and past it, and their ratio (or why it did not
     run)."""
-    from rich.markup import escape
-    from rich.table import Table
     c = res["config"]
     table = Table(title=f"llmc bench decode: L={c['n_layer']} NH={c['n_head']} C={c['n_embd']} V={c['vocab_size']}, "
                         f"B={c['B']}, window {c['window']}, prompt {c['prompt_len']}",
@@ -145,9 +145,7 @@ def decode_table(res: dict):
 def overlap_table(res: dict):
     """Rows: backend, host memory, mode (and streams); columns: batch sizes; each cell the fastest block's median
     ms, GB/s and that block size."""
-    from rich.table import Table
 
-    from llmc_cli.bench.overlap import best
     c = res["config"]
     rs = res["results"]
     table = Table(title=f"llmc bench overlap: layernorm forward with its copies, float32, T={c['T']} C={c['C']}",

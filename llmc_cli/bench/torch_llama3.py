@@ -21,7 +21,7 @@ def sdpa_enable_gqa(device: str, half: bool) -> bool:
     there is the memory-efficient kernel, which refuses them, and enable_gqa would fall back to the math path
     (a (T, T) matrix per head kept for backward): in fp32 k and v are repeated instead. On the CPU the flash
     kernel takes them (PyTorch 2.13's dispatcher picks it for grouped heads; a test checks)."""
-    import torch
+    import torch  # (optional and heavy: only for --compare)
     return torch.__version__ >= "2.5" and (half or device != "cuda")
 
 
@@ -33,12 +33,17 @@ def build_torch_llama3(cfg: Llama3Config, flat: np.ndarray, seq_len: int, *, gqa
     are repeated; sdpa_enable_gqa says which suits a device), SwiGLU, tied or untied head. The rotary table
     covers `seq_len` positions (the T being timed), not the preset's whole context (131072 for Llama 3.2).
     `model.attention` says which attention ran; `model.decayed` names the parameters AdamW decays (llmc's)."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+    model = _llama_class(cfg, seq_len, gqa)()
+    names = _load_flat(model, cfg, flat)
+    model.attention = "SDPA enable_gqa" if gqa else "SDPA, kv heads repeated"
+    model.decayed = {n for n, ours in names.items() if ours in DECAYED}
+    return model
 
-    NH, NKV, hd, C, H = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd, cfg.hidden_dim
-    eps = cfg.norm_eps
+
+def _ops(cfg: Llama3Config):
+    """(wide, rms_norm, rope): the computations the blocks share, in float32 at least."""
+    import torch  # (optional and heavy: only for --compare)
+    eps, hd = cfg.norm_eps, cfg.head_dim
 
     def wide(x):
         # float32 at least, whatever autocast chose for x (as Meta's reference and llmc's kernels compute norms
@@ -55,6 +60,16 @@ def build_torch_llama3(cfg: Llama3Config, flat: np.ndarray, seq_len: int, *, gqa
         x0, x1 = xf[..., 0], xf[..., 1]
         out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
         return out.flatten(-2).type_as(x)
+
+    return wide, rms_norm, rope
+
+
+def _block_class(cfg: Llama3Config, gqa: bool, rms_norm, rope):
+    """One transformer block: attention over fused qkv (grouped-query heads), then SwiGLU over fused w13."""
+    import torch  # (optional and heavy: only for --compare)
+    import torch.nn as nn
+    import torch.nn.functional as F
+    NH, NKV, hd, C, H = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd, cfg.hidden_dim
 
     class Block(nn.Module):
         def __init__(self):
@@ -81,6 +96,17 @@ def build_torch_llama3(cfg: Llama3Config, flat: np.ndarray, seq_len: int, *, gqa
             gate, up = self.w13(rms_norm(x, self.ffn_norm)).chunk(2, dim=-1)
             return x + self.w2(F.silu(gate) * up)
 
+    return Block
+
+
+def _llama_class(cfg: Llama3Config, seq_len: int, gqa: bool):
+    import torch  # (optional and heavy: only for --compare)
+    import torch.nn as nn
+    import torch.nn.functional as F
+    C = cfg.n_embd
+    wide, rms_norm, rope = _ops(cfg)
+    Block = _block_class(cfg, gqa, rms_norm, rope)
+
     class Llama(nn.Module):
         def __init__(self):
             super().__init__()
@@ -105,7 +131,12 @@ def build_torch_llama3(cfg: Llama3Config, flat: np.ndarray, seq_len: int, *, gqa
             logits = x @ self.wte.weight.T if self.lm_head is None else self.lm_head(x)
             return F.cross_entropy(wide(logits).reshape(-1, cfg.vocab_size), targets.reshape(-1))
 
-    model = Llama()
+    return Llama
+
+
+def _load_flat(model, cfg: Llama3Config, flat: np.ndarray) -> dict[str, str]:
+    """llmc's flat parameters into `model`; returns {torch name: llmc tensor name}."""
+    import torch  # (optional and heavy: only for --compare)
     t = split_flat(flat, parameter_shapes(cfg))
     theirs = {"wte": "wte.weight", "norm": "norm", "lm_head": "lm_head.weight"}
     per_layer = {"attn_norm": "attn_norm", "wqkv": "wqkv.weight", "wo": "wo.weight", "ffn_norm": "ffn_norm",
@@ -118,6 +149,4 @@ def build_torch_llama3(cfg: Llama3Config, flat: np.ndarray, seq_len: int, *, gqa
         else:
             state[theirs[ours]], names[theirs[ours]] = arr, ours
     model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v, np.float32)) for k, v in state.items()})
-    model.attention = "SDPA enable_gqa" if gqa else "SDPA, kv heads repeated"
-    model.decayed = {n for n, ours in names.items() if ours in DECAYED}
-    return model
+    return names

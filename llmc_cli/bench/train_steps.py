@@ -12,19 +12,23 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from llmc_cli.bench.backends import BenchError
+from llmc_cli.bench.backends import BenchError, failure_line
 from llmc_cli.bench.kernel_cases import _cfg_dict, _spread
 from llmc_cli.bench.torch_gpt2 import build_torch_gpt2
 from llmc_cli.bench.torch_llama3 import build_torch_llama3, sdpa_enable_gqa
+from llmc_cli.data.loader import DataLoader
 from llmc_cli.formats.files import temporary_directory
+from llmc_cli.formats.shards import write_shard
 from llmc_cli.kernels import (
     BFLOAT16,
     FLOAT32,
     Backend,
 )
-from llmc_cli.models.base import INT32_MAX
+from llmc_cli.models.base import INT32_MAX, check_seq_len
 from llmc_cli.models.families import family_of, flops_per_token
 from llmc_cli.models.family import Config
+from llmc_cli.optim import AdamWConfig
+from llmc_cli.training.trainer import SHARD_VOCAB, TrainArgs, Trainer
 
 # ---------------------------------------------------------------------------------------------------------------
 # end-to-end training
@@ -101,8 +105,6 @@ def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: 
     `data_waits`: how often the timed steps found a batch not ready when they asked for it (the next one, read
     ahead; without `prefetch` each is read inside its step: all of them), `data_wait_ms` the time that took,
     `data_batches` the batches the timed steps trained on."""
-    from llmc_cli.optim import AdamWConfig
-    from llmc_cli.training.trainer import TrainArgs, Trainer
     model, over = _preset_for(cfg)
     args = TrainArgs(data=data, model=model, **over, batch_size=B, seq_len=T, steps=warmup + steps, seed=seed,
                      optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0, recompute=recompute,
@@ -140,7 +142,7 @@ def torch_adamw(groups: list[dict], device: str, oc) -> tuple[object, str]:
     one pass) on CUDA, where the GPU comparison is made and fused is what a tuned PyTorch run uses; foreach (the
     multi-tensor path every torch has) on the CPU and wherever fused is refused. Returns (optimizer, flavour):
     the flavour goes into the results, since it moves the step time."""
-    import torch
+    import torch  # (optional and heavy: only for --compare)
     kw = dict(lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps)
     if device == "cuda":
         try:
@@ -155,10 +157,7 @@ def train_torch(cfg: Config, B: int, T: int, data: str, *, steps: int, warmup: i
                 progress: Callable[[int, int, int], None] | None = None) -> dict:
     """PyTorch on the same model (llmc's initial weights), data loader, AdamW and clipping. Raises on failure.
     `device`: None = CUDA when torch sees one, else the CPU."""
-    import torch
-
-    from llmc_cli.data.loader import DataLoader
-    from llmc_cli.optim import AdamWConfig
+    import torch  # (optional and heavy: only for --compare)
     fam = family_of(cfg)
     twin = TORCH_TWINS.get(fam.name)
     if twin is None:
@@ -219,8 +218,6 @@ def random_shard(directory: str | Path, cfg: Config, ntokens: int, seed: int) ->
     """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it. The
     format is the one the trainer takes for the model's vocabulary: GPT-2's (16-bit ids) up to 50257 ids,
     Llama 3's (32-bit) for 128256 and more; a vocabulary between the two has no shard format."""
-    from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import SHARD_VOCAB
     fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1]) if cfg.vocab_size >= n]
     if not fits or (fits[0] == "gpt2" and cfg.vocab_size > 2**16):
         raise BenchError(f"--vocab-size {cfg.vocab_size}: random tokens need a vocabulary of GPT-2's 50257 to "
@@ -238,6 +235,42 @@ def torch_dtype_for(backends: Sequence[tuple[str, Backend]]) -> str:
     return dts.pop() if len(dts) == 1 and dts <= {FLOAT32, BFLOAT16} else FLOAT32
 
 
+def _torch_modes(compare: Sequence[str], notes: list[str]) -> list[str]:
+    """The PyTorch variants of `compare` to run: none, with a note, when torch does not import."""
+    modes = [m for m in compare if m.startswith("torch")]
+    if modes:
+        try:
+            import torch  # noqa: F401  (optional and heavy: only for --compare)
+        except Exception as e:  # not installed, or installed but broken (a CUDA library that fails to load)
+            why = "not installed" if isinstance(e, ImportError) else \
+                f"not importable ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]})"
+            notes.append(f"PyTorch is {why}: --compare torch skipped (pip install torch)")
+            return []
+    return modes
+
+
+def _train_torch_mode(mode: str, cfg: Config, B: int, T: int, data: str, run: dict, torch_dtype: str,
+                      results: list, notes: list, progress: Callable[[str], None] | None) -> None:
+    """One PyTorch variant ("torch-eager", "torch-compile") into `results` and its notes; a failure is a note
+    (torch.compile needs a working compiler toolchain), not an error."""
+    if progress:
+        progress(f"training with {mode}")
+    try:
+        r = train_torch(cfg, B, T, data, **run, compile=mode == "torch-compile", dtype=torch_dtype,
+                        progress=_steps_progress(progress, f"training with {mode}"))
+        results.append(r)
+        notes.append(f"{r['name']}: {r['describe']}; {r['optimizer']} (torch.optim.AdamW"
+                     f"{'(fused=True)' if r['optimizer'].endswith('fused') else '(foreach=True)'}), "
+                     f"attention {r['attention']}"
+                     + (", bf16 autocast over float32 weights" if torch_dtype == BFLOAT16 else ", float32"))
+        if mode == "torch-compile":
+            notes.append(f"torch compile: first step {r['first_step_s']:.1f} s (compilation, untimed)")
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        notes.append(f"{mode} failed: {type(e).__name__}: {first}")
+        gc.collect()
+
+
 def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: int, *, steps: int = 10,
               warmup: int = 2, seed: int = 1337, data: str | None = None, compare: Sequence[str] = (),
               torch_dtype: str | None = FLOAT32, progress: Callable[[str], None] | None = None,
@@ -253,13 +286,17 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
     if steps + warmup > INT32_MAX:  # (the trainer, given their sum, named a --steps no one had typed)
         raise BenchError(f"--steps {steps} --warmup {warmup}: {steps + warmup:,} steps in all, more than a run "
                          f"counts ({INT32_MAX:,})")
-    if T > cfg.block_size:
-        raise BenchError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    try:
+        check_seq_len(T, cfg.block_size, "-t")
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     if recompute != "none" and any(m.startswith("torch") for m in compare):
-        raise BenchError(f"--recompute {recompute} times llmc only; --compare runs PyTorch without it, so leave one out")
+        raise BenchError(f"--recompute {recompute} times llmc only; --compare runs PyTorch without it, so leave one "
+                         "out")
     if torch_dtype is None:
         torch_dtype = torch_dtype_for(backends)
     results, notes, failed = [], [], []
+    run = dict(steps=steps, warmup=warmup, seed=seed)
     with temporary_directory("llmc-bench-") as tmp:
         if data is None:
             # every step its own tokens, up to RANDOM_SHARD_TOKENS: past that the loader starts the shard again (a
@@ -273,42 +310,17 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
             if progress:
                 progress(f"training on {label}")
             try:
-                results.append(train_llmc(label, be, cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
-                                          recompute=recompute, graphs=graphs, prefetch=prefetch,
+                results.append(train_llmc(label, be, cfg, B, T, data, **run, recompute=recompute, graphs=graphs,
+                                          prefetch=prefetch,
                                           progress=_steps_progress(progress, f"training on {label}")))
             except ValueError as e:  # TrainError / DataError: options the trainer refuses
                 raise BenchError(f"training on {label}: {e}") from None
             except Exception as e:  # noqa: BLE001  (a backend's failure is its line; the others still train)
-                from llmc_cli.bench.backends import _failure_line
-                failed.append({"backend": label, "kernel": None, "error": _failure_line(e)})
+                failed.append({"backend": label, "kernel": None, "error": failure_line(e)})
                 gc.collect()
-        torch_modes = [m for m in compare if m.startswith("torch")]
-        if torch_modes:
-            try:
-                import torch  # noqa: F401
-            except Exception as e:  # not installed, or installed but broken (a CUDA library that fails to load)
-                why = "not installed" if isinstance(e, ImportError) else \
-                    f"not importable ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]})"
-                notes.append(f"PyTorch is {why}: --compare torch skipped (pip install torch)")
-                torch_modes = []
+        torch_modes = _torch_modes(compare, notes)
         for mode in torch_modes:
-            if progress:
-                progress(f"training with {mode}")
-            try:
-                r = train_torch(cfg, B, T, data, steps=steps, warmup=warmup, seed=seed,
-                                compile=mode == "torch-compile", dtype=torch_dtype,
-                                progress=_steps_progress(progress, f"training with {mode}"))
-                results.append(r)
-                notes.append(f"{r['name']}: {r['describe']}; {r['optimizer']} (torch.optim.AdamW"
-                             f"{'(fused=True)' if r['optimizer'].endswith('fused') else '(foreach=True)'}), "
-                             f"attention {r['attention']}"
-                             + (", bf16 autocast over float32 weights" if torch_dtype == BFLOAT16 else ", float32"))
-                if mode == "torch-compile":
-                    notes.append(f"torch compile: first step {r['first_step_s']:.1f} s (compilation, untimed)")
-            except Exception as e:  # torch.compile needs a working compiler toolchain; report, don't fail
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                notes.append(f"{mode} failed: {type(e).__name__}: {first}")
-                gc.collect()
+            _train_torch_mode(mode, cfg, B, T, data, run, torch_dtype, results, notes, progress)
     return {"config": {**_cfg_dict(cfg), "B": B, "T": T, "steps": steps, "warmup": warmup, "seed": seed,
                        "data": data_desc, "flops_per_step": flops_per_step(cfg, B, T),
                        **({"torch_dtype": torch_dtype} if torch_modes else {})},

@@ -20,12 +20,19 @@ The functions here take lists of ``(label, Backend)`` so tests (or other tools) 
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
+from rich.markup import escape  # device names, reasons and paths are text, not markup
+from rich.measure import Measurement
 
 from llmc_cli.bench.backends import BenchError, choose_reference, resolve_backends
+from llmc_cli.bench.decode import run_decode
 from llmc_cli.bench.kernel_cases import run_kernels
 from llmc_cli.bench.machine import describe_machine, machine_lines
 from llmc_cli.bench.overlap import (
@@ -37,12 +44,31 @@ from llmc_cli.bench.overlap import (
     overlap_backends,
     run_overlap,
 )
-from llmc_cli.bench.report import kernels_table, overlap_lines, overlap_table, train_table, variants_table
+from llmc_cli.bench.report import (
+    decode_table,
+    failure_lines,
+    kernels_table,
+    overlap_lines,
+    overlap_table,
+    train_table,
+    variants_table,
+)
 from llmc_cli.bench.train_steps import run_train
-from llmc_cli.charts import plot_kernels, plot_overlap, plot_train, require_matplotlib
-from llmc_cli.commands.console import BACKEND_OPT_HELP
-from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Int, PowerOfTwo, Real
+from llmc_cli.charts import PlotError, check_png_target, plot_kernels, plot_overlap, plot_train, require_matplotlib
+from llmc_cli.commands.console import (
+    BACKEND_OPT_HELP,
+    DTYPES,
+    backend_options,
+    console,
+    err_console,
+    fail,
+    printable,
+)
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Int, PowerOfTwo, Real, check_tokens
+from llmc_cli.formats.files import DataError
 from llmc_cli.kernels import OVERLAP_MODES
+from llmc_cli.models.base import check_seq_len
+from llmc_cli.models.families import family_for
 
 
 def print_wide(console, renderable) -> None:
@@ -50,7 +76,6 @@ def print_wide(console, renderable) -> None:
     if console.is_terminal:
         console.print(renderable)
         return
-    from rich.measure import Measurement
     need = Measurement.get(console, console.options.update(width=1000), renderable).maximum
     old = console.width
     console.width = max(old, min(need, 1000))
@@ -67,8 +92,6 @@ def _check_plot(path: str | None) -> None:
     """--plot: matplotlib installed and a .png path that can be written, checked before anything runs."""
     if path is None:
         return
-    from llmc_cli.charts import PlotError, check_png_target
-    from llmc_cli.commands.console import fail
     if not path:  # (an empty --plot was taken as none: the run's picture silently not drawn)
         fail("--plot: an empty path; give a .png file name")
     try:
@@ -83,11 +106,6 @@ def _check_writable_folder(path: str) -> None:
     """The folder the picture goes into (or the nearest one that exists, where its folders will be made) takes a
     new file: a read-only or pseudo file system failed the command only after the whole benchmark, its results
     lost. Tried with a file that has no name (O_TMPFILE) or is removed at once."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from llmc_cli.commands.console import fail
     target = Path(os.path.realpath(path))  # (an existing PNG through a link: written where the link points)
     folder = next((q for q in target.parents if q.is_dir()), None)
     if folder is None:
@@ -100,7 +118,6 @@ def _check_writable_folder(path: str) -> None:
 
 
 def _write_plot(draw, res: dict, path: str) -> None:
-    from llmc_cli.commands.console import err_console, fail, printable
     try:
         draw(res, path)
     except BenchError as e:
@@ -147,8 +164,6 @@ def _model_options(f=None, *, batch: int = 4, seq: int = 64, seq_help: str = "Se
 
 def _setup(o: dict):
     """Shared option checks: the model config and the backends (fails with one line)."""
-    from llmc_cli.commands.console import DTYPES, backend_options, fail
-    from llmc_cli.commands.options import check_tokens
     B, T = o["batch_size"], o["seq_len"]
     if B <= 0 or T <= 0:
         fail(f"-b/--batch-size and -t/--seq-len must be positive (got {B}, {T})")
@@ -160,13 +175,14 @@ def _setup(o: dict):
     # the preset's own vocabulary and context unless given (GPT-2's: 50257 and 1024)
     over = {k: o[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if o[k]}
     try:
-        from llmc_cli.models.families import family_for
         cfg = family_for(o["model"]).preset(o["model"], **over)
         cfg.validate()
     except ValueError as e:
         fail(f"--model: {e}")
-    if T > cfg.block_size:
-        fail(f"-t {T} is longer than the model's block size {cfg.block_size}")
+    try:
+        check_seq_len(T, cfg.block_size, "-t")
+    except ValueError as e:
+        fail(str(e))
     _check_plot(o["plot"])
     try:
         dtypes = list(dict.fromkeys(o["dtypes"]))
@@ -186,7 +202,6 @@ def _setup(o: dict):
 def _progress(as_json: bool):
     """A spinner on a terminal (not with --json) for the duration: yields the `progress` callback a bench
     workflow takes (None when there is no spinner)."""
-    from llmc_cli.commands.console import err_console
     status = err_console.status("") if (err_console.is_terminal and not as_json) else None
     if status is None:
         yield None
@@ -206,7 +221,6 @@ def _report_header(console, res: dict, backends, skipped, as_json: bool) -> bool
     if as_json:
         _emit_json(res)
         return False
-    from rich.markup import escape  # device names, reasons and paths are text, not markup
     for line in machine_lines(res["machine"]):
         console.print(f"[dim]{escape(line)}[/]")
     for n, r in skipped:
@@ -224,9 +238,6 @@ def _report_failures(console, res: dict, as_json: bool) -> None:
     """A line per failed backend under the table (not with --json: the JSON holds them)."""
     if as_json or not res.get("failed"):
         return
-    from rich.markup import escape
-
-    from llmc_cli.bench.report import failure_lines
     for line in failure_lines(res["failed"]):
         console.print(f"[bold red]{escape(line)}[/]")
 
@@ -235,7 +246,6 @@ def _fail_failures(res: dict, what: str) -> None:
     """Exit status 1 when a backend failed (as a mismatch does), with one line saying which."""
     if not res.get("failed"):
         return
-    from llmc_cli.commands.console import fail
     labels = list(dict.fromkeys(f["backend"] for f in res["failed"]))
     first = res["failed"][0]
     fail(f"{len(labels)} backend(s) failed {what}: {', '.join(labels)} (first: {first['backend']}"
@@ -243,8 +253,6 @@ def _fail_failures(res: dict, what: str) -> None:
 
 
 def _emit_json(obj: dict) -> None:
-    import json
-
     def clean(x):
         if isinstance(x, float) and not math.isfinite(x):
             return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
@@ -300,7 +308,6 @@ def kernels(**o) -> None:
       llmc bench kernels --model d12 -b 4 -t 64 --plot kernels.png
       llmc bench kernels --backend cuda --dtype bf16 --variants --only layernorm --model d12 -b 8 -t 1024
     """
-    from llmc_cli.commands.console import console, fail
     cfg, B, T, backends, skipped = _setup(o)
     with _progress(o["as_json"]) as progress:
         try:
@@ -365,8 +372,6 @@ def train(**o) -> None:
       llmc bench train --backend cpu --model d12 -b 4 -t 64 --compare torch --plot train.png
       llmc bench train --backend cuda --dtype bf16 --model llama3.2-1b -b 8 -t 2048 --compare torch
     """
-    from llmc_cli.commands.console import DTYPES, console, fail
-    from llmc_cli.formats.files import DataError
     cfg, B, T, backends, skipped = _setup(o)
     compare = []
     for c in o["compare"]:
@@ -383,7 +388,6 @@ def train(**o) -> None:
     if o["plot"]:  # (before the report, as in `bench kernels`)
         _write_plot(plot_train, res, o["plot"])
     if _report_header(console, res, backends, skipped, o["as_json"]):
-        from rich.markup import escape
         console.print(f"[dim]data: {escape(str(res['config']['data']))}; "
                       f"{res['config']['flops_per_step'] / 1e9:.2f} GFLOP/step[/]")
         print_wide(console, train_table(res))
@@ -414,9 +418,6 @@ def decode(**o) -> None:
       llmc bench decode --model d12 -t 1024
       llmc bench decode --backend cuda --dtype bf16 --model llama3.2-1b -t 2048 --tokens 256 --json
     """
-    from llmc_cli.bench.decode import run_decode
-    from llmc_cli.bench.report import decode_table
-    from llmc_cli.commands.console import console, fail
     if o["plot"] is not None:  # refused before the benchmark runs, not after it
         fail("--plot: `llmc bench decode` draws no plot; use --json")
     cfg, B, S, backends, skipped = _setup(o)
@@ -482,7 +483,6 @@ def overlap(**o) -> None:
       llmc bench overlap --backend cuda -b 64 -b 512 --streams 1 --streams 8 --json > overlap.json
       llmc bench overlap --backend cuda --block 32 --block 256 --block 1024 --plot overlap.png
     """
-    from llmc_cli.commands.console import backend_options, console, fail
     _check_plot(o["plot"])
     try:
         failed: list[tuple[str, str]] = []

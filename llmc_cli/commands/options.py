@@ -13,8 +13,7 @@ import math
 
 import click
 
-
-INT32_MAX = 2**31 - 1  # the most tokens, rows or elements the kernels index, and what the model files' headers hold
+from llmc_cli.models.base import INT32_MAX
 
 
 class ExistingPath(click.Path):

@@ -3,6 +3,11 @@ parameter/gradient bookkeeping around the spec's own forward and backward."""
 
 from __future__ import annotations
 
+import math
+import os
+import typing
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from typing import Callable
 
 import numpy as np
@@ -15,9 +20,6 @@ def check_config_fields(cfg) -> None:
     an int is an int (not True, "2" or 2.0) and positive; a float is a finite positive number; a bool is a bool.
     Configs come from files (config.json, a safetensors header, state.json): a wrong type there must be
     refused, not turned into a different model."""
-    import math
-    import typing
-    from dataclasses import fields
     hints = typing.get_type_hints(type(cfg))
     for f in fields(cfg):
         v, hint = getattr(cfg, f.name), hints[f.name]
@@ -35,7 +37,14 @@ def check_config_fields(cfg) -> None:
             raise ValueError(f"{f.name} must be {want} (got {v!r})")
 
 
-INT32_MAX = 2**31 - 1  # the most rows or elements the kernels index
+INT32_MAX = 2**31 - 1  # the most tokens, rows or elements the kernels index, and what the model files' headers hold
+
+
+def check_seq_len(T: int, block_size: int, name: str = "T") -> None:
+    """The model's one limit on a sequence: at most `block_size` positions (the rows of GPT-2's position table,
+    the positions Llama's RoPE frequencies are planned for). `name` is how the caller spells T (a command's "-t")."""
+    if T > block_size:
+        raise ValueError(f"{name} {T} is longer than the model's block size {block_size}")
 
 # a capability and the Backend method it promises (kernels.py: the base class's own raises NotImplementedError)
 CAPABILITY_KERNELS = {CAP_KV_CACHE: "attention_decode", CAP_GRAPHS: "capture"}
@@ -124,8 +133,6 @@ def init_normal(tensors: list[tuple[np.ndarray, float]], seed: int) -> None:
     """Fill each (tensor, std) with N(0, std^2) float32 values, in blocks of INIT_BLOCK elements drawn on threads:
     block j of tensor i has its own generator seeded (seed, i, j), so the values depend on the seed alone, never
     on the number of threads (a 124M model initialises in a fraction of a second rather than seconds)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
 
     def fill(job):
         i, j, flat, std = job

@@ -11,7 +11,7 @@ import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
 from llmc_cli.models.base import (STAGED, Model, check_backend, check_config_fields, check_plan, check_recompute,
-                                   init_normal, pick_classifier_chunks, split_flat)
+                                   check_seq_len, init_normal, pick_classifier_chunks, split_flat)
 
 
 @dataclass(frozen=True)
@@ -207,8 +207,7 @@ class GPT2(Model):
         cfg.validate()
         check_backend(backend)
         B, T = check_plan(B, T)  # (numpy's integers as ints: np.uint8(255) overflowed the comparisons below)
-        if T > cfg.block_size:
-            raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+        check_seq_len(T, cfg.block_size)
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
         dt = backend.dtype
         self._alloc_parameters(self.stacked_tensors(cfg), training, share_params, layer_grads)

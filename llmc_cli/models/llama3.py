@@ -17,7 +17,7 @@ import numpy as np
 
 from llmc_cli.kernels import FLOAT32, INT32, Backend
 from llmc_cli.models.base import (STAGED, Model, Tensors, check_backend, check_config_fields, check_plan,
-                                   check_recompute, init_normal, pick_classifier_chunks, split_flat)
+                                   check_recompute, check_seq_len, init_normal, pick_classifier_chunks, split_flat)
 
 
 @dataclass(frozen=True)
@@ -256,8 +256,7 @@ class Llama3(Model):
         check_backend(backend)
         B, T = check_plan(B, T)  # (numpy's integers as ints: np.uint8(255) overflowed the comparisons below)
         check_recompute(recompute)
-        if T > cfg.block_size:
-            raise ValueError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+        check_seq_len(T, cfg.block_size)
         self.cfg, self.backend, self.B, self.T = cfg, backend, B, T
         dt = backend.dtype
         self._alloc_parameters(self.stacked_tensors(cfg), training, share_params, layer_grads)

@@ -73,25 +73,47 @@ class ShardedAdamW:
             raise ValueError(f"--zero 1: {n} parameters cannot be split over {W} ranks")
         # this rank's element ranges of the flat parameter vector, and where they sit in the local state
         self.ranges = [(r * self.chunk, (r + 1) * self.chunk)] + ([(self.main, n)] if self.tail else [])
-        local = self.chunk + self.tail
-        self.local_size = local
-        self.m = backend.alloc(local, FLOAT32, tag="optimizer")
-        self.v = backend.alloc(local, FLOAT32, tag="optimizer")
-        backend.fill(self.m, 0.0)
-        backend.fill(self.v, 0.0)
-        self.master = backend.alloc(local, FLOAT32, tag="optimizer") if backend.dtype == BFLOAT16 else None
+        local = self.local_size = self.chunk + self.tail
+        self._alloc_moments(local)
         # where this rank's reduced gradients are read: the whole gradient buffer (ZeRO-1), or a shard of
         # `local` elements laid out like m and v (ZeRO-2)
         shard = self._gradient_shard(local)
-        grad_at = (lambda lo, l0, n: backend.view(grads.buf, lo, n)) if shard is None else \
-            (lambda lo, l0, n: backend.view(shard, l0, n))
         self.norm_buf = backend.alloc(1, FLOAT32, tag="optimizer")
         self.loss_buf = backend.alloc(1, FLOAT32, tag="optimizer")   # the step's mean loss (loss_sum)
         self.result = StepResult(backend, comm)
         self.guard = self.result.guard  # [loss, norm, scale, apply] (step_guard)
         self.flags: tuple[float, ...] = ()  # the last guarded step's flags, the largest over the ranks
         self.step_count = 0
-        # one segment per (tensor, owned range) overlap: weight decay is a property of the tensor
+        self._plan_segments(tensors, shard)
+        self._main_params = backend.view(params.buf, 0, self.main)
+        self._find_peer_copies(shard)
+        if shard is None:
+            self._main_grads = backend.view(grads.buf, 0, self.main)
+            self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
+            self._own_grads = backend.view(grads.buf, r * self.chunk, self.chunk)
+        else:
+            self._tail_grads = backend.view(shard, self.chunk, self.tail) if self.tail else None
+            self._own_grads = backend.view(shard, 0, self.chunk)
+
+    def _alloc_moments(self, local: int) -> None:
+        """AdamW's fp32 moments of this rank's `local` elements, zeroed, and its fp32 master weights (bf16)."""
+        backend = self.backend
+        self.m = backend.alloc(local, FLOAT32, tag="optimizer")
+        self.v = backend.alloc(local, FLOAT32, tag="optimizer")
+        backend.fill(self.m, 0.0)
+        backend.fill(self.v, 0.0)
+        self.master = backend.alloc(local, FLOAT32, tag="optimizer") if backend.dtype == BFLOAT16 else None
+
+    def _plan_segments(self, tensors: list[tuple[str, bool]], shard) -> None:
+        """One segment per (tensor, owned range) overlap, weight decay being a property of the tensor: views of
+        the parameters, reduced gradients (in the gradient buffer, or in `shard`), moments and master weights."""
+        backend, params = self.backend, self.params
+        if shard is None:
+            def grad_at(lo, l0, n):
+                return backend.view(self.grads.buf, lo, n)
+        else:
+            def grad_at(lo, l0, n):
+                return backend.view(shard, l0, n)
         self._segments = []
         self._segment_at = []  # each segment's start in the flat parameter vector
         self._local_of = []  # (global start, local start, length) per range
@@ -113,27 +135,22 @@ class ShardedAdamW:
                                        backend.view(self.m, l0, b - a), backend.view(self.v, l0, b - a),
                                        None if self.master is None else backend.view(self.master, l0, b - a)))
             off += size
-        if off != n:
-            raise ValueError(f"tensor table covers {off} of {n} parameters")
-        self._main_params = backend.view(params.buf, 0, self.main)
-        # where the communicator maps every rank's copy of the parameters into this process (peer_copies: GPUs
-        # that reach each other's memory), the update of this rank's chunk writes every copy of it, and no
-        # all-gather follows (the tail, which every rank updates alike, is not mirrored)
+        if off != self.n:
+            raise ValueError(f"tensor table covers {off} of {self.n} parameters")
+
+    def _find_peer_copies(self, shard) -> None:
+        """Where the communicator maps every rank's copy of the parameters into this process (peer_copies: GPUs
+        that reach each other's memory), the update of this rank's chunk writes every copy of it, and no
+        all-gather follows (the tail, which every rank updates alike, is not mirrored)."""
         self._mirrors = None
         self.peer_reduce = False
-        peer_copies = getattr(comm, "peer_copies", None)
-        copies = peer_copies(params.buf) if peer_copies is not None and W > 1 else None
+        peer_copies = getattr(self.comm, "peer_copies", None)
+        copies = peer_copies(self.params.buf) if peer_copies is not None and self.comm.world_size > 1 else None
         if copies is not None:
             self._mirrors = [copies.others(a) if a < self.main else None for a in self._segment_at]
-            if shard is None and getattr(comm, "peer_reduce", False):  # its reduce-scatter loads the peers' chunks
-                self.peer_reduce = peer_copies(grads.buf) is not None
-        if shard is None:
-            self._main_grads = backend.view(grads.buf, 0, self.main)
-            self._tail_grads = backend.view(grads.buf, self.main, self.tail) if self.tail else None
-            self._own_grads = backend.view(grads.buf, r * self.chunk, self.chunk)
-        else:
-            self._tail_grads = backend.view(shard, self.chunk, self.tail) if self.tail else None
-            self._own_grads = backend.view(shard, 0, self.chunk)
+            # (with peer_reduce, the reduce-scatter loads the peers' chunks from their memory)
+            if shard is None and getattr(self.comm, "peer_reduce", False):
+                self.peer_reduce = peer_copies(self.grads.buf) is not None
 
     @property
     def peer_memory(self) -> bool:

@@ -21,7 +21,16 @@ import sys
 import tempfile
 from collections import defaultdict
 
+import cupy as cp
 import numpy as np
+
+from llmc_cli import registry
+from llmc_cli.formats.shards import write_shard
+from llmc_cli.models import gpt2, llama3
+from llmc_cli.models.base import STAGED
+from llmc_cli.models.families import family_for
+from llmc_cli.optim import AdamWConfig
+from llmc_cli.training.trainer import TrainArgs, Trainer
 
 SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -31,7 +40,7 @@ extern "C" __global__ void spin(long long cycles) {
 """
 
 
-def main():
+def _args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="d12")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16, or fp8 (bf16 with FP8 matmuls)")
@@ -46,57 +55,56 @@ def main():
                     help="profile the step right after the timed ones, with no spin kernel in front: the device "
                          "runs at its sustained clocks and idles wherever the host is late (gaps are listed)")
     ap.add_argument("--json", default=None)
-    o = ap.parse_args()
+    return ap.parse_args()
 
-    import cupy as cp
 
-    from llmc_cli import registry
-    from llmc_cli.formats.shards import write_shard
-    from llmc_cli.optim import AdamWConfig
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+def _used(tag):
+    free, total = cp.cuda.runtime.memGetInfo()
+    pool = cp.get_default_memory_pool()
+    print(f"MEM {tag}: device used {(total - free) / 2**30:.2f} GiB, CuPy pool {pool.used_bytes() / 2**30:.2f} "
+          f"GiB used / {pool.total_bytes() / 2**30:.2f} GiB held", flush=True)
 
-    def used(tag):
-        free, total = cp.cuda.runtime.memGetInfo()
-        pool = cp.get_default_memory_pool()
-        print(f"MEM {tag}: device used {(total - free) / 2**30:.2f} GiB, CuPy pool {pool.used_bytes() / 2**30:.2f} "
-              f"GiB used / {pool.total_bytes() / 2**30:.2f} GiB held", flush=True)
 
+def _trainer(o):
+    """(backend, trainer) on a shard of random tokens of the model's family."""
     plugin = next(p for p in registry.discover() if p.name == "cuda").plugin
     be = plugin.create(dtype=o.dtype)
-    used("backend created")
+    _used("backend created")
     B, T = o.b, o.t
     tmp = tempfile.mkdtemp()
     rng = np.random.default_rng(0)
-    from llmc_cli.models.families import family_for
     llama = family_for(o.model).name == "llama3"  # Llama 3 presets train on Llama 3 shards (uint32 ids)
     ntok = B * T * (o.steps + o.warmup + 8) + 1
     write_shard(f"{tmp}/synth_train_000.bin", rng.integers(0, 128256 if llama else 50257, ntok),
                 tokenizer="llama3" if llama else "gpt2")
     args = TrainArgs(data=f"{tmp}/synth_train_*.bin", model=o.model, batch_size=B, seq_len=T, recompute=o.recompute,
-                     steps=o.steps + o.warmup + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0, sample_every=0)
+                     steps=o.steps + o.warmup + 4, optim=AdamWConfig(lr=6e-4, weight_decay=0.1), val_every=0,
+                     sample_every=0)
     if o.classifier_chunks is not None:  # the engine plans chunks by auto_classifier_chunks; override it here
-        from llmc_cli.models import gpt2, llama3
         gpt2.auto_classifier_chunks = llama3.auto_classifier_chunks = lambda *a, **k: o.classifier_chunks
     tr = Trainer(args, be, say=print)
     print(f"classifier chunks: {tr.model.chunks}, logits buffer {tuple(tr.model.acts['logits'].shape)}")
-    cfg = tr.cfg
     print(be.describe())
     print(tr.memory_line())
-    used("model planned")
+    _used("model planned")
+    return be, tr
+
+
+def _end_to_end(o, be, tr) -> dict:
+    """--warmup then --steps training steps, timed by the trainer: the step time's median, rates and memory."""
+    B, T, cfg = o.b, o.t, tr.cfg
     recs = []
     for s in range(o.warmup + o.steps):
         r = tr.train_step(s)
         recs.append(r)
         if s == 0:
-            used("after step 1")
-        print(f"step {s + 1}: loss {r['loss']:.6f} norm {r['norm']:.4f} {r['ms']:.1f} ms {r['tok_per_s'] / 1e3:.0f}k tok/s",
-              flush=True)
+            _used("after step 1")
+        print(f"step {s + 1}: loss {r['loss']:.6f} norm {r['norm']:.4f} {r['ms']:.1f} ms "
+              f"{r['tok_per_s'] / 1e3:.0f}k tok/s", flush=True)
     ms = float(np.median([r["ms"] for r in recs[o.warmup:]]))
     mem = be.memory_report()
     used = (mem.device_total - mem.device_free) / 2**30
-    L, C = cfg.n_layer, cfg.n_embd
-    nparams = tr.model.num_params
-    flops = (6 * nparams + 6 * L * C * T) * B * T
+    flops = (6 * tr.model.num_params + 6 * cfg.n_layer * cfg.n_embd * T) * B * T
     peak = be.peak_flops() if hasattr(be, "peak_flops") else None
     out = {"device": be.describe(), "model": o.model, "B": B, "T": T, "recompute": o.recompute,
            "classifier_chunks": tr.model.chunks,
@@ -107,8 +115,15 @@ def main():
     print(f"END2END {o.model} B={B} T={T} recompute={o.recompute}: {ms:.1f} ms/step, {out['tok_s'] / 1e3:.0f}k tok/s, "
           f"{out['tflops']:.0f} TFLOP/s" + (f", MFU {out['mfu'] * 100:.1f}%" if peak else "") +
           f", device used {used:.2f} GiB (allocated {out['allocated_gib']:.2f} GiB)")
+    return out
+
+
+def main():
+    o = _args()
+    be, tr = _trainer(o)
+    out = _end_to_end(o, be, tr)
     if not o.no_profile:
-        out["kernels"] = profile(be, tr, cp, B, T, cfg, spin_first=not o.sustained)
+        out["kernels"] = profile(be, tr, cp, o.b, o.t, tr.cfg, spin_first=not o.sustained)
     if o.json:
         with open(o.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -159,12 +174,23 @@ NAMES = ["encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_
          "rmsnorm_forward", "rmsnorm_backward", "swiglu_forward", "swiglu_backward", "rope_forward", "rope_backward"]
 
 
-def profile(be, tr, cp, B, T, cfg, spin_first=True):
-    spin = cp.RawKernel(SPIN, "spin")
-    from llmc_cli.models.base import STAGED
-    tr.feed.stage()  # a batch in the model's inputs, before any call is wrapped
-    model = tr.model
-    calls = []  # (label, ev0, ev1, flops, bytes)
+def _label(name, a, kw) -> str:
+    """A call's row: the kernel, and a matmul's shape N x C x OC with its fused GELU."""
+    if name == "matmul_forward":
+        w = a[2]
+        return name + f" {a[1].size // w.shape[1]}x{w.shape[1]}x{w.shape[0]}" + (
+            " +gelu" if kw.get("pre_gelu") is not None else "")
+    if name == "matmul_backward":
+        w = a[5]
+        return name + f" {a[4].size // w.shape[1]}x{w.shape[1]}x{w.shape[0]}" + (
+            " +dgelu" if kw.get("pre_gelu") is not None else "")
+    return name
+
+
+def _wrap_calls(be, calls: list) -> dict:
+    """Every backend method of NAMES wrapped to record (label, event before, event after, flops, bytes) into
+    `calls` (calls from inside another wrapped call are not recorded; uploads are skipped: the inputs are staged).
+    Returns the original methods, to put back."""
     orig = {}
     inner = [0]
 
@@ -183,50 +209,65 @@ def profile(be, tr, cp, B, T, cfg, spin_first=True):
                 e1.record(be.stream)
             finally:
                 inner[0] -= 1
-            label = name
-            if name == "matmul_forward":
-                w = a[2]
-                label += f" {a[1].size // w.shape[1]}x{w.shape[1]}x{w.shape[0]}" + (
-                    " +gelu" if kw.get("pre_gelu") is not None else "")
-            elif name == "matmul_backward":
-                w = a[5]
-                label += f" {a[4].size // w.shape[1]}x{w.shape[1]}x{w.shape[0]}" + (
-                    " +dgelu" if kw.get("pre_gelu") is not None else "")
             fl, by = cost(name, a, kw, be)
-            calls.append((label, e0, e1, fl, by))
+            calls.append((_label(name, a, kw), e0, e1, fl, by))
             return r
         setattr(be, name, g)
 
     for n in NAMES:
         if hasattr(be, n):
             wrap(n)
+    return orig
+
+
+def _one_step(be, tr, B, T, spin_first: bool):
+    """One training step's calls queued (behind a spin kernel, so the device runs them back to back); the events
+    around it."""
+    model = tr.model
+    be.synchronize()
+    if spin_first:
+        with be.stream:
+            cp.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(int(6e8)),))
+    t0 = cp.cuda.Event()
+    t0.record(be.stream)
+    model.zero_grad()
+    model.forward(STAGED, STAGED, dloss=1.0 / (B * T))
+    model.backward()
+    opt = tr.opt  # the step as Trainer.train_step queues it: loss, norm, clip and verdict on the device
+    be.loss_sum(opt.loss_buf, model.acts["losses"], 1.0 / (B * T), False)
+    opt.guarded_step(3e-4, 1, float("inf"), float("inf"))
+    t1 = cp.cuda.Event()
+    t1.record(be.stream)
+    t1.synchronize()
+    return t0, t1
+
+
+def profile(be, tr, cp, B, T, cfg, spin_first=True):
+    tr.feed.stage()  # a batch in the model's inputs, before any call is wrapped
+    calls = []  # (label, ev0, ev1, flops, bytes)
+    orig = _wrap_calls(be, calls)
     try:
-        be.synchronize()
-        if spin_first:
-            with be.stream:
-                spin((1,), (1,), (np.int64(int(6e8)),))
-        t0 = cp.cuda.Event()
-        t0.record(be.stream)
-        model.zero_grad()
-        model.forward(STAGED, STAGED, dloss=1.0 / (B * T))
-        model.backward()
-        opt = tr.opt  # the step as Trainer.train_step queues it: loss, norm, clip and verdict on the device
-        be.loss_sum(opt.loss_buf, model.acts["losses"], 1.0 / (B * T), False)
-        opt.guarded_step(3e-4, 1, float("inf"), float("inf"))
-        t1 = cp.cuda.Event()
-        t1.record(be.stream)
-        t1.synchronize()
+        t0, t1 = _one_step(be, tr, B, T, spin_first)
     finally:
         for n, f in orig.items():
             setattr(be, n, f)
     total = cp.cuda.get_elapsed_time(t0, t1)
-    # device idle time between consecutive calls (host late), the largest first
+    _print_gaps(calls, t0)
+    return {"device_ms": total, "rows": _table(calls, total)}
+
+
+def _print_gaps(calls: list, t0) -> None:
+    """Device idle time between consecutive calls (host late), the largest first."""
     gaps = [(cp.cuda.get_elapsed_time(calls[i - 1][2], calls[i][1]), calls[i - 1][0], calls[i][0])
             for i in range(1, len(calls))]
     gaps.append((cp.cuda.get_elapsed_time(t0, calls[0][1]), "step start", calls[0][0]))
     gaps.sort(key=lambda g: -g[0])
     print(f"\nGAPS between calls: {sum(g[0] for g in gaps):.2f} ms in all; largest: " +
           "; ".join(f"{ms:.3f} ms {a} -> {b}" for ms, a, b in gaps[:8]))
+
+
+def _table(calls: list, total: float) -> list[dict]:
+    """The calls summed by label, the longest first: printed, and returned as rows."""
     agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for label, e0, e1, fl, by in calls:
         a = agg[label]
@@ -244,7 +285,7 @@ def profile(be, tr, cp, B, T, cfg, spin_first=True):
         gb = by / ms / 1e6 if by else None
         table.append({"call": label, "n": n, "ms": ms, "share": ms / total, "tflops": tf, "gbs": gb})
         print(f"{label:58s} {n:4d} {ms:8.2f} {100 * ms / total:5.1f}% {tf if tf else 0:8.0f} {gb if gb else 0:7.0f}")
-    return {"device_ms": total, "rows": table}
+    return table
 
 
 if __name__ == "__main__":

@@ -6,44 +6,19 @@ loads (and `llmc backends` can say why it cannot run) on machines without a GPU 
 
 from __future__ import annotations
 
-from llmc_cli.kernels import (
-    BFLOAT16,
-    FLOAT32,
-    FP8,
-    BackendPlugin,
-    BackendUnavailable,
-    option_choice,
-    option_flag,
-    option_int,
-)
+import ctypes
+
+from llmc_cli.kernels import BFLOAT16, FLOAT32, FP8, BackendPlugin, BackendUnavailable, option_flag, option_int
+
+from .nccl import create as create_communicator
+from .options import CUBLASLT_WORKSPACE_BYTES, CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS, check_options
 
 _DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32, FP8: FP8}
-
-FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
-CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 1 TiB (past any GPU's memory)
-CUBLASLT_WORKSPACE_BYTES = 32 << 20  # every cuBLASLt matmul's workspace (cublaslt.py; here, where nothing is heavy)
-# the on/off options and their environment variables (the older way to set them)
-_FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
-          ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
-          ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"),
-          ("p2p", "LLMC_P2P"), ("p2p_reduce", "LLMC_P2P_REDUCE"),
-          ("p2p_copies", "LLMC_P2P_COPIES"))
-
-
-def check_options(options: dict[str, str] | None) -> None:
-    """Every option of this backend, and each one's environment variable, parsed before anything touches a
-    device (the backend parses them again where it uses them): a bad value is BackendUnavailable naming it, even
-    for an option the dtype leaves unused (tf32 under bf16, the fp8_* options under bf16 or fp32)."""
-    for name, env in _FLAGS:
-        option_flag(options, name, False, env=env)
-    option_choice(options, "fp8_scaling", FP8_SCALINGS, "delayed", env="LLMC_FP8_SCALING")
-    option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB", max=CUDNN_WORKSPACE_MAX_MIB)
 
 
 def _driver_error() -> str | None:
     """Why there is no NVIDIA driver here (libcuda cannot be loaded), or None when there is one. Asked first:
     on a machine without a GPU, a missing CuPy is not the problem worth naming."""
-    import ctypes
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as e:
@@ -57,7 +32,7 @@ def _check() -> tuple[bool, str]:
     if why is not None:
         return False, f"no NVIDIA GPU/driver found (libcuda.so.1: {why})"
     try:
-        import cupy
+        import cupy  # (heavy and optional: probed here, so the plugin loads without it)
     except ImportError as e:
         return False, (f"cupy is not installed (pip install 'llmc-cuda[gpu]', or cupy-cuda12x for a CUDA 12 driver): "
                        f"{e}")
@@ -102,7 +77,7 @@ class CudaPlugin(BackendPlugin):
         ok, _ = self.probe()
         if not ok:
             return []
-        import cupy
+        import cupy  # (heavy and optional: the plugin loads without it)
         out = []
         for i in range(cupy.cuda.runtime.getDeviceCount()):
             p = cupy.cuda.runtime.getDeviceProperties(i)
@@ -171,7 +146,7 @@ class CudaPlugin(BackendPlugin):
                 index = int(d)
             except ValueError:
                 raise BackendUnavailable(f"cuda device must be an index or cuda:N (got '{device}')") from None
-        from .backend import CudaBackend
+        from .backend import CudaBackend  # (imports CuPy at its top: only once a device is known to be there)
         return CudaBackend(device=index, dtype=dt, options=options)
 
     def prepare(self):
@@ -180,8 +155,9 @@ class CudaPlugin(BackendPlugin):
         ok, reason = self.probe()
         if not ok:
             raise BackendUnavailable(reason)
-        import cupy
-        from .backend import _Compiling
+        import cupy  # (heavy and optional: the plugin loads without it, to say why it cannot run)
+
+        from .backend import _Compiling  # (imports CuPy at its top)
         archs = {}
         for i in range(cupy.cuda.runtime.getDeviceCount()):
             p = cupy.cuda.runtime.getDeviceProperties(i)
@@ -193,8 +169,8 @@ class CudaPlugin(BackendPlugin):
 
     def communicator(self, backend, info, rendezvous):
         """NCCL on the backend's stream (see nccl.py)."""
-        from .nccl import create
-        return create(backend, info, rendezvous)
+        return create_communicator(backend, info, rendezvous)
 
 
-__all__ = ["CudaPlugin"]
+__all__ = ["CUBLASLT_WORKSPACE_BYTES", "CUDNN_WORKSPACE_MAX_MIB", "FP8_SCALINGS", "CudaPlugin",
+           "check_options"]

@@ -42,7 +42,8 @@ from llmc_cli.kernels import (
     write_cache_file,
 )
 
-from . import CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS  # the options' values (checked in CudaPlugin.create)
+from .options import CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS  # the options' values (checked in CudaPlugin.create)
+from .overlap import Overlap, host_alloc
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
 _BLOCK = 256
@@ -168,19 +169,7 @@ class CudaBackend(Backend):
         self.capabilities = frozenset({CAP_ASYNC_INPUTS, CAP_BF16, CAP_COPY_OVERLAP, CAP_DEVICE_EVENTS, CAP_GRAPHS,
                                        CAP_KV_CACHE, CAP_SAMPLING}
                                       | ({CAP_FP8} if self.fp8 else set()))
-        self.device = cp.cuda.Device(device)
-        self.device.use()
-        props = cp.cuda.runtime.getDeviceProperties(device)
-        self.props = props
-        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-        self.cc = self.device.compute_capability  # e.g. "90"
-        if self.fp8 and int(self.cc) < FP8_MIN_CC:  # FP8 tensor cores (cuBLASLt's FP8 matmuls): Ada, Hopper on
-            raise BackendUnavailable(f"fp8 needs compute capability 8.9 or newer (capability 'fp8'); cuda:{device} "
-                                     f"{self.device_name} is {self.cc[:-1]}.{self.cc[-1]}")
-        self.sm_count = props["multiProcessorCount"]
-        # every launch, copy and library call of this backend goes to its own stream (entered explicitly, so
-        # two backends in one process, e.g. bf16 and fp32 in the tests, never share or steal a stream)
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._open_device(device)
         self.bf16 = _bf16_dtype()
         self._np = {FLOAT32: np.dtype(np.float32), INT32: np.dtype(np.int32), BFLOAT16: self.bf16}
         self._allocated: dict[str, int] = defaultdict(int)
@@ -196,7 +185,7 @@ class CudaBackend(Backend):
             self.matmul_dtype = TF32
         # both kernel modules start compiling now (bf16 runs use the float32 one too: master weights, AdamW)
         self._compiling = _Compiling(device, self.cc, (False, True) if self.dtype == BFLOAT16 else (False,))
-        from .cublaslt import CublasLt
+        from .cublaslt import CublasLt  # (imports nvmath, heavy: only once a device is known to be there)
         self._decisions_path = _decisions_file(self.device_name, self.cc)
         self.lt = CublasLt(cp, tune=option_flag(options, "tune", True, env="LLMC_CUBLASLT_TUNE"),
                            signature=self._signature, decisions=read_cache_json(self._decisions_path),
@@ -205,6 +194,29 @@ class CudaBackend(Backend):
         self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB",
                                           max=CUDNN_WORKSPACE_MAX_MIB) << 20
         self.cudnn_reason = "not tried yet"
+        self._read_fp8_and_p2p_options(options)
+        self._init_fp8_scaling(options)
+        self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
+        self._overlap = None  # `llmc bench overlap`'s kernels and streams (overlap.py), made on first use
+        self._variant: dict[str, tuple[str, int]] = {}  # kernel -> (implementation, block) inside `variant`
+
+    def _open_device(self, device: int) -> None:
+        """The device made current, its properties, and this backend's own stream; fp8 refused below Ada."""
+        self.device = cp.cuda.Device(device)
+        self.device.use()
+        props = cp.cuda.runtime.getDeviceProperties(device)
+        self.props = props
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.cc = self.device.compute_capability  # e.g. "90"
+        if self.fp8 and int(self.cc) < FP8_MIN_CC:  # FP8 tensor cores (cuBLASLt's FP8 matmuls): Ada, Hopper on
+            raise BackendUnavailable(f"fp8 needs compute capability 8.9 or newer (capability 'fp8'); cuda:{device} "
+                                     f"{self.device_name} is {self.cc[:-1]}.{self.cc[-1]}")
+        self.sm_count = props["multiProcessorCount"]
+        # every launch, copy and library call of this backend goes to its own stream (entered explicitly, so
+        # two backends in one process, e.g. bf16 and fp32 in the tests, never share or steal a stream)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def _read_fp8_and_p2p_options(self, options: dict[str, str] | None) -> None:
         self.fp8_classifier = option_flag(options, "fp8_classifier", False, env="LLMC_FP8_CLASSIFIER")
         self.fp8_fast_accum = option_flag(options, "fp8_fast_accum", True, env="LLMC_FP8_FAST_ACCUM")
         self.fp8_wgrad = option_flag(options, "fp8_wgrad", True, env="LLMC_FP8_WGRAD")
@@ -215,6 +227,9 @@ class CudaBackend(Backend):
         self.p2p = option_flag(options, "p2p", True, env="LLMC_P2P")  # read by the communicator (nccl.py, p2p.py)
         self.p2p_reduce = option_flag(options, "p2p_reduce", False, env="LLMC_P2P_REDUCE")
         self.p2p_copies = option_flag(options, "p2p_copies", True, env="LLMC_P2P_COPIES")
+
+    def _init_fp8_scaling(self, options: dict[str, str] | None) -> None:
+        """FP8's scales: per matmul call's cast tensors, and (delayed scaling) each tensor's amax history."""
         # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
         # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
         # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
@@ -228,9 +243,6 @@ class CudaBackend(Backend):
         self._fp8_next = 0  # the next site's number
         self._fp8_fresh: set[int] = set()  # sites with no history yet: no step ended since they were first cast
         self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
-        self.attention_path = {}  # (kind, shape) -> "cudnn" | "own", for tests and logs
-        self._overlap = None  # `llmc bench overlap`'s kernels and streams (overlap.py), made on first use
-        self._variant: dict[str, tuple[str, int]] = {}  # kernel -> (implementation, block) inside `variant`
 
     # ---- compilation -----------------------------------------------------------------------------------------
     def compile_options(self, bf16: bool) -> tuple[str, ...]:
@@ -474,13 +486,11 @@ class CudaBackend(Backend):
 
     # ---- copy/compute overlap (`llmc bench overlap`: overlap.py, overlap.cu) -----------------------------------
     def host_alloc(self, shape, pinned=False):
-        from .overlap import host_alloc
         return host_alloc(shape, pinned)
 
     def overlap_layernorm(self, out, mean, rstd, inp, d_out, d_mean, d_rstd, d_inp, d_weight, d_bias, *, mode,
                           streams, block):
         if self._overlap is None:
-            from .overlap import Overlap
             self._overlap = Overlap(self)
         return self._overlap.layernorm(out, mean, rstd, inp, d_out, d_mean, d_rstd, d_inp, d_weight, d_bias,
                                        mode=mode, streams=streams, block=block)
@@ -640,7 +650,7 @@ class CudaBackend(Backend):
 
     # ---- matmul ----------------------------------------------------------------------------------------------
     def _lt_dtype(self, buf):
-        from .cublaslt import CUDA_R_16BF, CUDA_R_32F
+        from .cublaslt import CUDA_R_16BF, CUDA_R_32F  # (imports nvmath, heavy: see __init__)
         return CUDA_R_16BF if self._is_bf16(buf) else CUDA_R_32F
 
     def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None, precise=False):
@@ -994,7 +1004,7 @@ class CudaBackend(Backend):
     def _cudnn_ready(self) -> bool:
         if self._cudnn is None and self.use_cudnn:
             try:
-                from .cudnn_attention import CudnnAttention
+                from .cudnn_attention import CudnnAttention  # (imports cuDNN, heavy and optional: use_cudnn)
                 self._cudnn = CudnnAttention(cp, self.stream.ptr, plan_dir=self._decisions_path.parent,
                                              workspace=self._transient)
                 self._cudnn.bwd_workspace_max = self.cudnn_workspace

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 from nvmath.bindings import cublasLt as lt
 
-from llmc_cuda import CUBLASLT_WORKSPACE_BYTES as WORKSPACE_BYTES  # (the plugin plans --dry-run with it too)
+from .options import CUBLASLT_WORKSPACE_BYTES as WORKSPACE_BYTES  # (the plugin plans --dry-run with it too)
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14

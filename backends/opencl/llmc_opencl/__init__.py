@@ -15,13 +15,18 @@ import math
 import re
 from collections import defaultdict
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 
 from llmc_cli.kernels import (CAP_COPY_OVERLAP, CAP_KV_CACHE, FLOAT32, INT32, Backend, BackendPlugin,
                               BackendUnavailable, MemoryReport, VariantUnsupported, check_decode_chunk, guard_scale,
                               option_choice, option_int)
+
+from . import clblast
+from . import tune as _tune
+from .probe import check, no_device_reason
+from .programs import bo as _bo
+from .programs import build_program
 
 try:
     import pyopencl as cl
@@ -33,72 +38,13 @@ except Exception as e:  # pragma: no cover - exercised by test_probe_without_pyo
 
 __all__ = ["OpenCLBackend", "OpenCLPlugin", "list_devices", "select_device"]
 
-_HERE = Path(__file__).resolve().parent
 _NP_DTYPES = {FLOAT32: np.float32, INT32: np.int32}
-_SCALAR = {"int": np.int32, "long": np.int64, "float": np.float32, "uint": np.uint32, "ulong": np.uint64}
 _DECODE_MAX_HD = 256  # kernels.cl's DECODE_MAX_HD: output elements of a head per attention_decode launch
 _ATTN_SCRATCH_BYTES = 256 << 20  # per (S, dP) scratch; attention is chunked over the batch to stay under it
 # elementwise kernels (each its kernels.cl name) whose work-group size a variant sets: "wg<n>" (Backend.variants)
 _WG_VARIANTS = ("residual_forward", "gelu_forward", "gelu_backward", "swiglu_forward", "swiglu_backward",
                 "adamw_update")
 
-# (context pointer, source file, options) -> (program, {kernel name: Kernel})
-_PROGRAMS: dict[tuple, tuple] = {}
-
-
-def _source(name: str) -> str:
-    return (_HERE / name).read_text()
-
-
-def _signatures(src: str) -> dict[str, list]:
-    """Scalar argument dtypes per kernel (None for pointers), parsed from our own .cl source."""
-    sigs = {}
-    for m in re.finditer(r"__kernel\s+(?:__attribute__\s*\(\(.*?\)\)\s*)?void\s+(\w+)\s*\((.*?)\)\s*\{", src,
-                         re.S):
-        dts = []
-        for arg in m.group(2).split(","):
-            arg = arg.strip()
-            if "*" in arg:
-                dts.append(None)
-                continue
-            words = [w for w in arg.replace("const", " ").split() if w]
-            dts.append(_SCALAR[words[0]])
-        sigs[m.group(1)] = dts
-    return sigs
-
-
-def build_program(ctx, name: str, options: str = ""):
-    """(program, kernels) for `name` built for `ctx` with `options`; built once per context and cached."""
-    key = (ctx.int_ptr, name, options)
-    hit = _PROGRAMS.get(key)
-    if hit is not None:
-        return hit
-    src = _source(name)
-    from .probe import build_verdicts
-    for d in ctx.devices:  # (built in a child process first: a failed build can abort this one at exit)
-        why = build_verdicts(d, [(name, options)])[f"{name} {options}"]
-        if why:
-            raise BackendUnavailable(f"OpenCL {d.name.strip()}: cannot build {name} ({options or 'no options'}): "
-                                     f"{why}")
-    try:
-        prg = cl.Program(ctx, src).build(options=options)
-    except Exception as e:  # noqa: BLE001  (the build log's first error, not pyopencl's status words)
-        from .probe import first_error_line
-        dev = ", ".join(d.name.strip() for d in ctx.devices)
-        raise BackendUnavailable(f"OpenCL {dev}: cannot build {name}: {first_error_line(e)}") from None
-    sigs = _signatures(src)
-    built = set(prg.get_info(cl.program_info.KERNEL_NAMES).split(";"))
-    if not built >= set(sigs):  # (a compiler that dropped a kernel it could not lower, and said nothing)
-        dev = ", ".join(d.name.strip() for d in ctx.devices)
-        raise BackendUnavailable(f"OpenCL {dev}: cannot build {name} ({options or 'no options'}): gave no kernel "
-                                 f"{', '.join(sorted(set(sigs) - built))}")
-    kernels = {}
-    for kname, dts in sigs.items():
-        k = cl.Kernel(prg, kname)
-        k.set_scalar_arg_dtypes(dts)
-        kernels[kname] = k
-    _PROGRAMS[key] = (prg, kernels)
-    return prg, kernels
 
 
 # ---- devices -------------------------------------------------------------------------------------------------
@@ -132,7 +78,6 @@ def _is_gpu(dev) -> bool:
 
 def _why_not(d) -> str:
     """"" when the device builds and runs a kernel, else why not (llmc_opencl.probe, cached)."""
-    from .probe import check
     return check(d[2], d[3])
 
 
@@ -147,7 +92,7 @@ def select_device(device: str | None = None):
     cannot run kernels is refused with its reason."""
     devs = _all_devices()
     if not devs:
-        raise BackendUnavailable("no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')")
+        raise BackendUnavailable(no_device_reason(cl.get_platforms()))
     if device is None or device in ("", "auto", "default"):
         ok = [d for d in devs if not _why_not(d)]
         if not ok:
@@ -182,11 +127,6 @@ def select_device(device: str | None = None):
 def _overlaps(k1, k2) -> bool:
     """Do two (buffer pointer, byte offset, bytes) ranges overlap?"""
     return k1[0] == k2[0] and k1[1] < k2[1] + k2[2] and k2[1] < k1[1] + k1[2]
-
-
-def _bo(a):
-    """(base buffer, element offset) of an Array or view."""
-    return a.base_data, a.offset // a.dtype.itemsize
 
 
 RED_LS_MAX = 1024  # --backend-opt red_ls: work-items per row, a power of two up to a work-group's usual limit
@@ -234,7 +174,6 @@ class OpenCLBackend(Backend):
         self._int_host: dict[tuple, np.ndarray] = {}  # (buffer, byte offset, bytes) -> the int32 ids uploaded
         self._wg = min(256, device.max_work_group_size)
         self._wg_of: dict[str, int] = {}  # kernel -> work-group size inside `variant`
-        from . import tune as _tune
         self._tune = _tune
         self._gemm_kernels: dict[tuple, tuple] = {}
         self._dummy = cla.zeros(self.queue, (4,), np.float32)
@@ -243,8 +182,7 @@ class OpenCLBackend(Backend):
         self._overlap = None  # `llmc bench overlap`'s queues (overlap.py), made on first use
         self.blas = None  # an optional external BLAS (CLBlast) when present and faster
         try:
-            from . import clblast as _clb
-            self.blas = _clb.maybe_load(self, settings["blas"])
+            self.blas = clblast.maybe_load(self, settings["blas"])
         except Exception:  # pragma: no cover - the fallback is always ours
             self.blas = None
         if settings["blas"] == "clblast" and self.blas is None:  # asked for by name: not silently llmc's instead
@@ -380,7 +318,7 @@ class OpenCLBackend(Backend):
     # ---- copy/compute overlap (`llmc bench overlap`: overlap.py, overlap.cl) -----------------------------------
     def _overlapper(self):
         if self._overlap is None:
-            from .overlap import Overlap
+            from .overlap import Overlap  # (imports pyopencl at its top, which this module may lack)
             self._overlap = Overlap(self)
         return self._overlap
 
@@ -793,7 +731,7 @@ class OpenCLPlugin(BackendPlugin):
         except Exception as e:
             return False, f"no OpenCL platform ({type(e).__name__}: {str(e).strip() or 'none found'})"
         if not devs:
-            return False, "no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')"
+            return False, no_device_reason(cl.get_platforms())
         try:
             plat, dev = select_device(None)
         except BackendUnavailable as e:  # every device failed to build or run a kernel: the first one's reason

@@ -12,7 +12,8 @@ import pyopencl as cl
 
 from llmc_cli.kernels import OVERLAP_CHUNKED, OVERLAP_SYNC
 
-from . import _bo, build_program
+from .programs import bo as _bo
+from .programs import build_program
 
 
 class Overlap:

@@ -7,12 +7,17 @@ else ``~/.cache/llmc/opencl_probe.json``), so later starts pay nothing.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-from . import tune
+from . import sources
+from .cache import cache_file, load_cache, save_cache
 
 PROBE_VERSION = 1
 _SRC = "__kernel void probe(__global float* o) { const int i = get_global_id(0); o[i] = 2.0f * (float)i + 1.0f; }"
@@ -21,11 +26,49 @@ _SEEN: dict[str, str] = {}  # this process's verdicts: device key -> "" (usable)
 
 
 def cache_path() -> Path:
-    return tune.cache_file("LLMC_OPENCL_PROBE_CACHE", "opencl_probe.json")
+    return cache_file("LLMC_OPENCL_PROBE_CACHE", "opencl_probe.json")
+
+
+NO_DEVICE = "no OpenCL device found (install a driver, e.g. pip install 'pyopencl[pocl]')"
+
+
+def pocl_cache_dir() -> Path | None:
+    """The kernel cache folder PoCL makes at start (its pocl_cache.c): $POCL_CACHE_DIR, else
+    $XDG_CACHE_HOME/pocl/kcache, else $HOME/.cache/pocl/kcache; None when neither variable is set."""
+    if os.environ.get("POCL_CACHE_DIR"):
+        return Path(os.environ["POCL_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "pocl" / "kcache"
+    return Path(os.environ["HOME"]) / ".cache" / "pocl" / "kcache" if os.environ.get("HOME") else None
+
+
+def pocl_cache_problem() -> str | None:
+    """Why PoCL cannot make or write its cache folder, or None. PoCL then lists its platform with no device and
+    says nothing, so the user would be told to install a driver they have."""
+    folder = pocl_cache_dir()
+    if folder is None:
+        return None
+    existing = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        why = f"{existing} is not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    else:
+        return None
+    return (f"PoCL cannot make its cache folder {folder} ({why}); set POCL_CACHE_DIR to a writable folder, or fix "
+            "HOME or XDG_CACHE_HOME")
+
+
+def no_device_reason(platforms) -> str:
+    """Why no OpenCL device is listed: PoCL's cache folder when a PoCL platform lists none, else no driver."""
+    pocl = any("portable computing language" in p.name.lower() for p in platforms)
+    return (pocl and pocl_cache_problem()) or NO_DEVICE
 
 
 def device_key(platform, device) -> str:
-    import pyopencl as cl
+    import pyopencl as cl  # (optional: the plugin loads without it, to say why it cannot run)
     return "|".join(s.strip() for s in (platform.name, platform.version, device.name, device.version,
                                         device.driver_version, f"pyopencl {cl.VERSION_TEXT}", f"v{PROBE_VERSION}"))
 
@@ -43,7 +86,7 @@ def first_error_line(e: BaseException) -> str:
 
 def _run(device) -> tuple[str, bool]:
     """("" or why not, whether the verdict may be cached: a compiler's refusal stays, a lack of resources may not)."""
-    import pyopencl as cl
+    import pyopencl as cl  # (optional: the plugin loads without it, to say why it cannot run)
     try:
         ctx = cl.Context([device])
         queue = cl.CommandQueue(ctx)
@@ -71,7 +114,7 @@ def check(platform, device) -> str:
     if key in _SEEN:
         return _SEEN[key]
     path = cache_path()
-    cache = tune.load_cache(path)
+    cache = load_cache(path)
     hit = cache.get(key)
     if isinstance(hit, dict) and isinstance(hit.get("reason"), str):
         _SEEN[key] = hit["reason"]
@@ -79,9 +122,9 @@ def check(platform, device) -> str:
     reason, keep = _run(device)
     _SEEN[key] = reason
     if keep:
-        cache = tune.load_cache(path)  # another process may have written meanwhile
+        cache = load_cache(path)  # another process may have written meanwhile
         cache[key] = {"reason": reason}
-        tune.save_cache(cache, path)
+        save_cache(cache, path)
     return reason
 
 
@@ -115,18 +158,12 @@ _BUILT: dict[str, dict[str, str]] = {}  # this process's build verdicts: device 
 
 def _builds_in_child(device, jobs: list[tuple[str, str]]) -> dict[str, str]:
     """{"file options": "" or why not} for the jobs a child process answered (a child that died answers fewer)."""
-    import json
-    import subprocess
-    import sys
-
-    import pyopencl as cl
-
-    from . import _signatures, _source
+    import pyopencl as cl  # (optional: the plugin loads without it, to say why it cannot run)
     where = next(((pi, di) for pi, plat in enumerate(cl.get_platforms()) for di, d in enumerate(plat.get_devices())
                   if d.int_ptr == device.int_ptr), None)
     if where is None:
         return {}
-    todo = [[str(Path(__file__).with_name(name)), opts, sorted(_signatures(_source(name)))] for name, opts in jobs]
+    todo = [[str(sources.path(name)), opts, sorted(sources.signatures(sources.source(name)))] for name, opts in jobs]
     try:
         r = subprocess.run([sys.executable, "-c", _BUILD_CHILD, str(where[0]), str(where[1])], input=json.dumps(todo),
                            capture_output=True, text=True, timeout=900)
@@ -149,7 +186,7 @@ def build_verdicts(device, jobs: list[tuple[str, str]]) -> dict[str, str]:
     key = device_key(device.platform, device) + "|builds"
     known = _BUILT.get(key)
     if known is None:
-        hit = tune.load_cache(cache_path()).get(key)
+        hit = load_cache(cache_path()).get(key)
         known = _BUILT[key] = dict(hit) if isinstance(hit, dict) and all(
             isinstance(v, str) for v in hit.values()) else {}
     names = [f"{name} {opts}" for name, opts in jobs]
@@ -158,8 +195,8 @@ def build_verdicts(device, jobs: list[tuple[str, str]]) -> dict[str, str]:
         said = _builds_in_child(device, list(dict.fromkeys(missing)))
         known.update(said)
         if said:
-            cache = tune.load_cache(cache_path())  # another process may have written meanwhile
+            cache = load_cache(cache_path())  # another process may have written meanwhile
             cache[key] = {**(cache.get(key) if isinstance(cache.get(key), dict) else {}), **said}
-            tune.save_cache(cache, cache_path())
+            save_cache(cache, cache_path())
     # (a job the child never answered, its process dead: not built here, and asked again next time)
     return {n: known.get(n, "the build check's child process ended without an answer") for n in names}

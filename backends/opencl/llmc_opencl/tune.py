@@ -8,14 +8,13 @@ configuration is used), ``LLMC_OPENCL_TUNE=force`` re-runs it.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.kernels import cache_root, read_cache_json, write_cache_file
+from . import cache, probe
 
 TUNE_VERSION = 5  # 5: VEC tiles (float4 local-memory reads, float4 global reads where aligned)
 LAYOUTS = ("NT", "NN", "TN")  # forward, dinp, dweight
@@ -73,7 +72,7 @@ def config_name(c: dict) -> str:
 
 def default_config(device) -> dict:
     """{layout: config} without tuning."""
-    import pyopencl as cl
+    import pyopencl as cl  # (optional: the plugin loads without it, to say why it cannot run)
     c = DEFAULT_CPU if device.type & cl.device_type.CPU else DEFAULT_GPU
     if not fits(device, c):
         c = next((x for x in (DIRECT + TILED if c is DEFAULT_CPU else TILED + DIRECT) if fits(device, x)), c)
@@ -81,20 +80,14 @@ def default_config(device) -> dict:
 
 
 def candidates(device) -> list[dict]:
-    import pyopencl as cl
+    import pyopencl as cl  # (optional: the plugin loads without it, to say why it cannot run)
     if device.type & cl.device_type.CPU:
         return DIRECT + TILED[:1]
     return TILED + DIRECT[:1]
 
 
-def cache_file(env: str, name: str) -> Path:
-    """Where a per-device cache lives: $`env`, else `name` in llmc's cache folder (kernels.cache_root)."""
-    p = os.environ.get(env)
-    return Path(p) if p else cache_root() / name
-
-
 def cache_path() -> Path:
-    return cache_file("LLMC_OPENCL_TUNE_CACHE", "opencl_tune.json")
+    return cache.cache_file("LLMC_OPENCL_TUNE_CACHE", "opencl_tune.json")
 
 
 def device_key(platform, device) -> str:
@@ -102,13 +95,13 @@ def device_key(platform, device) -> str:
             f"|v{TUNE_VERSION}")
 
 
-def load_cache(path: Path | None = None) -> dict:
-    """A JSON cache file's contents ({} when absent or damaged); `path` None = the tune cache."""
-    return read_cache_json(path or cache_path())
+def load_cache() -> dict:
+    """The tune cache's contents ({} when absent or damaged)."""
+    return cache.load_cache(cache_path())
 
 
-def save_cache(data: dict, path: Path | None = None) -> None:
-    write_cache_file(path or cache_path(), json.dumps(data, indent=1, sort_keys=True))  # (a failure is ignored)
+def save_cache(data: dict) -> None:
+    cache.save_cache(data, cache_path())
 
 
 def build_options(c: dict, layout: str, va: int = 0, vb: int = 0) -> tuple[str, str]:
@@ -125,9 +118,8 @@ def builds(device, configs: list[dict]) -> list[bool]:
     """Whether each configuration builds on `device` in every layout (asked in one child process for all of them
     and cached: probe.build_verdicts). Not every compiler builds every configuration (PoCL's znver3 target and
     float16 vectors)."""
-    from .probe import build_verdicts
     jobs = [build_options(c, lay) for c in configs for lay in LAYOUTS]
-    ok = build_verdicts(device, jobs)
+    ok = probe.build_verdicts(device, jobs)
     return [all(ok[f"{n} {o}"] == "" for n, o in (build_options(c, lay) for lay in LAYOUTS)) for c in configs]
 
 
@@ -148,7 +140,7 @@ def fits(device, c: dict) -> bool:
 def measure(be, c: dict, M: int, N: int, K: int, reps: int = 2, check: bool = True, layout: str = "NT") -> float:
     """GFLOP/s of config `c` on C (M,N) = op(A) @ op(B) with layout "NT" (A (M,K), B stored (N,K)),
     "NN" (B stored (K,N)) or "TN" (A stored (K,M)); 0.0 when it fails or is wrong."""
-    import pyopencl.array as cla
+    import pyopencl.array as cla  # (optional: the plugin loads without it, to say why it cannot run)
     rng = np.random.default_rng(0)
     a_t, b_t = int(layout[0] == "T"), int(layout[1] == "T")
     a = rng.standard_normal((K, M) if a_t else (M, K), dtype=np.float32)
@@ -178,7 +170,7 @@ def measure(be, c: dict, M: int, N: int, K: int, reps: int = 2, check: bool = Tr
 
 def autotune(be) -> tuple[dict, dict]:
     """({layout: best config}, {layout: {config name: GFLOP/s}}) over the candidates that fit the device."""
-    import pyopencl as cl
+    import pyopencl as cl  # (optional: the plugin loads without it, to say why it cannot run)
     gpu = bool(be.device.type & cl.device_type.GPU)
     size = 2048 if gpu else 384
     builds(be.device, candidates(be.device))  # (one child process checks every candidate's build first)
@@ -215,7 +207,7 @@ def get_config(be, tune: bool | None = None, mode: str | None = None) -> dict:
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError):  # (any JSON where a config belongs)
             pass
     best, results = autotune(be)
-    cache = load_cache()  # another process may have written meanwhile
-    cache[key] = {"config": best, "gflops": results, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    save_cache(cache)
+    data = load_cache()  # another process may have written meanwhile
+    data[key] = {"config": best, "gflops": results, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    save_cache(data)
     return dict(best, source="autotuned")

@@ -410,8 +410,8 @@ def test_a_build_that_drops_a_kernel_silently_is_refused(monkeypatch, tmp_path):
     except BackendUnavailable as e:
         pytest.skip(f"no OpenCL device: {e}")
     ctx = llmc_opencl.cl.Context([dev])
-    real = llmc_opencl._signatures
-    monkeypatch.setattr(llmc_opencl, "_signatures", lambda src: {**real(src), "sgemm_wide": []})
+    real = llmc_opencl.sources.signatures
+    monkeypatch.setattr(llmc_opencl.sources, "signatures", lambda src: {**real(src), "sgemm_wide": []})
     with pytest.raises(BackendUnavailable, match=r"cannot build sgemm_direct\.cl \(-DRN=8\): gave no kernel sgemm_wide$"):
         llmc_opencl.build_program(ctx, "sgemm_direct.cl", "-DRN=8")  # (found by the child process)
     monkeypatch.setattr(probe, "build_verdicts", lambda d, jobs: {f"{n} {o}": "" for n, o in jobs})
