@@ -143,8 +143,6 @@ def test_a_stop_request_cuts_a_long_sample_short(tmp_path):
     t = Trainer(args, create_backend("cpu"), say=lambda s: None, decode=lambda ids: f"{len(ids)} tokens", eot=50256)
     try:
         t.stop_requested = lambda: "SIGTERM"
-        start = time.monotonic()
         assert t.sample_text() == "1 tokens"
-        assert time.monotonic() - start < 30
     finally:
         t.close()

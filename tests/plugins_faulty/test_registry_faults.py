@@ -52,13 +52,11 @@ def table_ok(*args) -> str:
 
 def test_a_hung_probe_is_unusable_after_the_timeout(install):
     install(ep("hang", "HangProbe"))
-    t0 = time.monotonic()
     row = one_row("hang")
     assert row["usable"] is False and "probe did not answer within 1 s" in row["reason"], row
     assert "LLMC_PROBE_TIMEOUT" in row["reason"]
     # the thread is still stuck: the next discovery in this process answers at once, without a second thread
     listed()
-    assert time.monotonic() - t0 < 30
     assert faulty_plugins.PROBED.count("HangProbe") == 1
 
 
@@ -279,10 +277,15 @@ def test_prepare_survives_a_plugin_that_exits(install):
 def test_a_slow_import_is_taken_once_it_has_finished(install, tmp_path, monkeypatch):
     """A thread cannot be stopped: an import past the timeout is not started again, and its plugin is taken
     by a later discovery once the import has finished."""
+    gate = tmp_path / "open"  # the import finishes once the test makes this file
     (tmp_path / "adv_slow_import.py").write_text(
-        "import time\ntime.sleep(1.5)\nfrom faulty_plugins import Fake as Plugin\n")
+        f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
+        "from faulty_plugins import Fake as Plugin\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     install(ep("slow", "adv_slow_import:Plugin"))
     assert one_row("slow")["reason"] == "import did not answer within 1 s (LLMC_PROBE_TIMEOUT sets the limit)"
-    time.sleep(1.5)
-    assert one_row("slow")["usable"] is True
+    gate.touch()
+    deadline = time.monotonic() + 120  # (only a hang guard: the import ends within moments of the gate)
+    while not (row := one_row("slow"))["usable"]:
+        assert time.monotonic() < deadline and "did not answer" in row["reason"], row
+        time.sleep(0.01)
