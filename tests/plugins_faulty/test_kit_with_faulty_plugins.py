@@ -24,7 +24,7 @@ def kit_run(tmp_path, **env: str) -> subprocess.CompletedProcess:
                           env=subprocess_env(site, **env), capture_output=True, text=True, timeout=600, check=False)
 
 
-@pytest.mark.parametrize("env, needle", [
+ASKED_AND_BROKEN = [
     ({"LLMC_TEST_BACKENDS": "skeletn"}, "LLMC_TEST_BACKENDS=skeletn: backend 'skeletn' is not installed"),
     ({"LLMC_TEST_PLUGIN": "faulty_plugins:TypoClass"},
      "failed to load: AttributeError: module 'faulty_plugins' has no attribute 'TypoClass'"),
@@ -32,14 +32,28 @@ def kit_run(tmp_path, **env: str) -> subprocess.CompletedProcess:
     ({"LLMC_TEST_PLUGIN": "faulty_plugins:ProbeNone"}, "probe() must answer (usable: bool, reason: str), not NoneType"),
     ({"LLMC_TEST_PLUGIN": "faulty_plugins:BadPriority"}, "priority must be a finite number"),
     ({"LLMC_TEST_BACKENDS": "skeleton_broken"}, "probe failed: RuntimeError: probe boom (test)"),
-])
-def test_a_backend_asked_for_by_name_that_is_missing_or_broken_fails_the_kit(tmp_path, env, needle):
-    r = kit_run(tmp_path, **env)
+]
+
+
+def test_a_backend_asked_for_by_name_that_is_broken_fails_the_kit(tmp_path):
+    """The kit's run ends with the problem's one line (pytest's usage error); the problems themselves are the
+    table below, found in process."""
+    r = kit_run(tmp_path, LLMC_TEST_BACKENDS="skeleton_broken")
+    needle = "probe failed: RuntimeError: probe boom (test)"
     assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-3000:]
     err = r.stderr
     assert needle in err and "Traceback" not in err and "passed" not in r.stdout, err
     lines = [line for line in err.splitlines() if needle in line]
     assert len(lines) == 1, err
+
+
+@pytest.mark.parametrize("env, needle", ASKED_AND_BROKEN)
+def test_a_backend_asked_for_by_name_that_is_missing_or_broken_is_a_problem(install, fresh_kit, env, needle):
+    install(ep("skeleton_broken", "ProbeRaises"))
+    for name, value in env.items():
+        fresh_kit.setenv(name, value)
+    problems = kit.requested_problems()
+    assert len(problems) == 1 and needle in problems[0] and "\n" not in problems[0], problems
 
 
 def test_an_honest_probe_is_a_skip(tmp_path):
