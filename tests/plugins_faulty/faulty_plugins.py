@@ -127,7 +127,7 @@ class HangProbe(Fake):
         PROBED.append("HangProbe")
         if mark := os.environ.get("ADV_PROBE_MARK"):
             Path(mark).write_text("probed")
-        if os.environ.get("ADV_SUBPROCESS"):  # as the adversarial pass had it: never answers
+        if os.environ.get("ADV_SUBPROCESS"):  # (a real process: never answers)
             time.sleep(10**6)
         RELEASE.wait()  # in-process: until the test ends, so that no thread outlives the test for long
         return True, "woke up (test)"

@@ -1,4 +1,4 @@
-"""The adversarial pass's plugins, installed as a real distribution (a dist-info folder on PYTHONPATH) and run
+"""The faulty plugins, installed as a real distribution (a dist-info folder on PYTHONPATH) and run
 through the `llmc` process: a probe that sleeps for ever, an import that calls sys.exit, a plugin that prints on
 import, probe and create. Every command finishes, --json stays JSON, and a named --backend never probes the hung
 plugin."""
