@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from test_adversarial_interrupts import Held
+from test_killed_writers import Held
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])

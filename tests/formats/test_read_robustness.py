@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from llmc_test_support import TINY, run
 
+from llmc_cli.formats.checkpoint import CheckpointError, read_run_state
 from llmc_cli.formats.llama_file import write_llama_model
 from llmc_cli.formats.llmc_bin import write_model
 from llmc_cli.formats.safetensors import read_safetensors
@@ -106,22 +107,45 @@ STATE_BAD = [("optimizer_steps", "x"), ("optimizer_steps", -1), ("tokens_per_ste
              ("dataloader.shard_file", 7), ("dataloader.version", -1), ("step", "1"), ("args", []), ("rng", "x")]
 
 
+@pytest.fixture(scope="module")
+def one_step_run(shards, tmp_path_factory):
+    """A run directory after one step: the state.json a resume reads, as the trainer writes it."""
+    rd = tmp_path_factory.mktemp("run") / "r"
+    run(*TINY, "--data", shards / "*train*.bin", "--out", rd, "--steps", 1)
+    return rd
+
+
+def damage(state: dict, field: str, value) -> dict:
+    """`state` with `field` ("outer.inner" for a nested one) set to `value`."""
+    if "." in field:
+        outer, inner = field.split(".")
+        state[outer][inner] = value
+    else:
+        state[field] = value
+    return state
+
+
 @pytest.mark.parametrize("field, value", STATE_BAD, ids=[f"{f}={v!r}" for f, v in STATE_BAD])
-def test_state_json_field_types(shards, tmp_path, field, value):
+def test_state_json_field_types(one_step_run, tmp_path, field, value):
+    st = json.loads((one_step_run / "step_00000001" / "state.json").read_text())
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(damage(st, field, value)))
+    with pytest.raises(CheckpointError) as e:
+        read_run_state(path)
+    msg = str(e.value)
+    assert "state.json" in msg and "\n" not in msg and (field.split(".")[-1] in msg or "RNG" in msg), msg
+
+
+@pytest.mark.parametrize("field, value", [("tokens_per_step", 0), ("dataloader.B", "4")])
+def test_a_resume_from_a_damaged_state_json_is_one_line_and_changes_nothing(shards, tmp_path, field, value):
     rd = tmp_path / "r"
     args = [*TINY, "--data", shards / "*train*.bin", "--out", rd]
     run(*args, "--steps", 1)
     path = rd / "step_00000001" / "state.json"
-    st = json.loads(path.read_text())
-    if "." in field:
-        outer, inner = field.split(".")
-        st[outer][inner] = value
-    else:
-        st[field] = value
-    path.write_text(json.dumps(st))
+    path.write_text(json.dumps(damage(json.loads(path.read_text()), field, value)))
     before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
     msg = one_line(run(*args, "--steps", 2, "--resume", ok=False))
-    assert "state.json" in msg and (field.split(".")[-1] in msg or "RNG" in msg), msg
+    assert "state.json" in msg and field.split(".")[-1] in msg, msg
     assert {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()} == before
 
 

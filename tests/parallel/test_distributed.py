@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -280,14 +281,25 @@ def test_single_process_zero_equals_plain_adamw(data, tmp_path):
 
 def test_supervisor_stops_all_ranks_and_names_the_failed_one(tmp_path, capfd):
     """The --gpus launcher's process supervision, with stand-in ranks: rank 1 fails, rank 0 (which would wait
-    forever in a collective) is stopped, the exit status is rank 1's and the message names it."""
-    sleeper = [sys.executable, "-c", "import time; print('rank 0 up', flush=True); time.sleep(60)"]
+    forever in a collective) is stopped, the exit status is rank 1's and the message names it. Rank 0 sleeps for an
+    hour: a supervisor that waited for it meets the watchdog, which fails the test."""
+    pid = tmp_path / "rank0.pid"
+    sleeper = [sys.executable, "-c", f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); "
+               "print('rank 0 up', flush=True); time.sleep(3600)"]
     failer = [sys.executable, "-c", "import sys, time; time.sleep(0.5); print('boom on rank 1'); sys.exit(5)"]
     env = dict(os.environ)
-    import time
-    t0 = time.monotonic()
-    rc = supervise([sleeper, failer], [env, env], tmp_path, grace=2.0)
-    assert rc == 5 and time.monotonic() - t0 < 20
+    fired = []
+
+    def watchdog():  # (a hang guard only: ends the rank a supervisor waits for)
+        fired.append(True)
+        os.kill(int(pid.read_text()), signal.SIGKILL)
+    timer = threading.Timer(600, watchdog)
+    timer.start()
+    try:
+        rc = supervise([sleeper, failer], [env, env], tmp_path, grace=2.0)
+    finally:
+        timer.cancel()
+    assert rc == 5 and not fired, "the supervisor did not stop rank 0 when rank 1 failed"
     err = capfd.readouterr().err
     assert "rank 1 exited with status 5" in err and "boom on rank 1" in err
     ok = [sys.executable, "-c", "pass"]

@@ -162,10 +162,10 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def _signals_while_rank_0_writes(data, run, delay: str, to_rank_1: list) -> tuple[int, str, float]:
+def _signals_while_rank_0_writes(data, run, delay: str, to_rank_1: list) -> tuple[int, str]:
     """`--procs 2` with rank 0's checkpoint slowed (LLMC_FAULT_CHECKPOINT_DELAY seconds at each of its phases):
     SIGTERM to rank 0 alone, which both ranks stop on (the vote); once rank 0 writes, `to_rank_1`'s signals to
-    rank 1, half a second apart. (exit status, stderr, seconds from the last signal to the end)."""
+    rank 1, half a second apart. (exit status, stderr)."""
     import os
     import time
     env = dict(os.environ, LLMC_FAULT_CHECKPOINT_DELAY=delay)
@@ -182,10 +182,8 @@ def _signals_while_rank_0_writes(data, run, delay: str, to_rank_1: list) -> tupl
         for sig in to_rank_1:
             time.sleep(0.5)
             os.kill(r1, sig)
-        t0 = time.monotonic()
-        p.stdout.read()
-        code, err = p.wait(timeout=240), p.stderr.read().decode()
-        return code, err, time.monotonic() - t0
+        _, err = p.communicate(timeout=240)
+        return p.returncode, err.decode()
     finally:
         p.kill()
 
@@ -198,7 +196,7 @@ def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoi
     loop with the default handlers back: it died, and mpiexec took rank 0 down mid-write (exit 1, no checkpoint).
     Every rank now waits inside the loop's handlers until rank 0 has written."""
     run = tmp_path / "run"
-    code, err, _ = _signals_while_rank_0_writes(data, run, "1", [signal.SIGHUP])
+    code, err = _signals_while_rank_0_writes(data, run, "1", [signal.SIGHUP])
     assert code == 75, (code, err[-2000:])
     assert (run / "latest").is_file() and len(list(run.glob("step_*"))) == 1, sorted(x.name for x in run.iterdir())
 
@@ -207,10 +205,10 @@ def test_a_rank_that_stopped_keeps_its_handlers_while_rank_0_writes_the_checkpoi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks in /proc")
 def test_a_second_signal_aborts_a_rank_waiting_for_rank_0s_checkpoint(data, tmp_path):
     """Rank 1 waits for rank 0's last checkpoint inside its stop handlers; a blocking MPI_Barrier held them off, so
-    a second signal there ("send it again to abort at once") was lost and the rank waited on. Now it aborts."""
-    code, err, took = _signals_while_rank_0_writes(data, tmp_path / "run", "3", [signal.SIGTERM, signal.SIGTERM])
+    a second signal there ("send it again to abort at once") was lost and the rank waited on. Now it aborts.
+    Rank 0's checkpoint would take hours: a rank that waited for it outlasts the helper's timeout."""
+    code, err = _signals_while_rank_0_writes(data, tmp_path / "run", "3600", [signal.SIGTERM, signal.SIGTERM])
     assert code == 130 and "aborted by a second SIGTERM" in err, (code, err[-2000:])
-    assert took < 6, took  # (rank 0's checkpoint would take 12 s)
     # (the run had no checkpoint yet: it used to say that it kept its last complete one, and how to resume it)
     assert "holds no complete checkpoint yet" in err and "--resume" not in err, err[-2000:]
 

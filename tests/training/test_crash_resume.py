@@ -196,18 +196,28 @@ def test_signal_stops_with_checkpoint_and_resume_command(sig, shard, tmp_path):
     assert steps_logged == list(range(1, steps + 1))
 
 
+def wait_until(cond, what: str, timeout: float = 120.0) -> None:
+    """Polls `cond` until it holds; the timeout only guards against a hang."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_second_signal_aborts_at_once(shard, tmp_path):
+    """The checkpoint write the first signal starts would take an hour: a second signal that waited for it
+    outlasts finish()'s timeout."""
     run_dir = tmp_path / "run"
-    # a slow checkpoint write (1 s per phase): the second signal lands inside it
-    p = Proc([*BASE, "--data", shard, "--steps", 50, "--out", run_dir], {"LLMC_FAULT_CHECKPOINT_DELAY": "1"})
-    p.wait_for(lambda lines: sum(1 for l in lines if "| loss" in l) >= 1)
-    p.p.send_signal(signal.SIGINT)
-    p.wait_for(lambda lines: any("send it again" in l for l in lines))
-    t = time.monotonic()
-    time.sleep(1.2)
-    p.p.send_signal(signal.SIGINT)
-    rc, out = p.finish()
-    assert time.monotonic() - t < 3.0, "the second signal must not wait for the checkpoint"
+    p = Proc([*BASE, "--data", shard, "--steps", 50, "--out", run_dir], {"LLMC_FAULT_CHECKPOINT_DELAY": "3600"})
+    try:
+        p.wait_for(lambda lines: sum(1 for l in lines if "| loss" in l) >= 1)
+        p.p.send_signal(signal.SIGINT)
+        p.wait_for(lambda lines: any("send it again" in l for l in lines))
+        wait_until(lambda: any(run_dir.glob(".step_*.tmp-*")), "the checkpoint write to begin")
+        p.p.send_signal(signal.SIGINT)
+        rc, out = p.finish()
+    finally:
+        p.p.kill()
     assert rc == 130, out
     assert "Traceback" not in out
     # (aborted inside the first checkpoint: nothing to resume, and the line no longer says how to resume it)

@@ -1,4 +1,4 @@
-"""The fifth sweep, kernels: shapes and values the conformance kit (llmc_cli.testing.test_kernels) did not reach, run
+"""Kernels on shapes and values the conformance kit (llmc_cli.testing.test_kernels) did not reach, run
 over every installed backend with the kit's fixtures, references and conventions (outputs poisoned, references
 from the values the device holds, dtype-fit bounds).
 

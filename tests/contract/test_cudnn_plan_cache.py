@@ -1,4 +1,4 @@
-"""The sweep: the cuDNN attention plans cached on disk are read like every other cache, only when they are regular
+"""The cuDNN attention plans cached on disk are read like every other cache, only when they are regular
 files of a cache's size; a sparse gigabyte under a plan's name is passed over (built again), never read whole.
 Runs without a GPU: `cudnn` is a stand-in that records what would be deserialized."""
 
@@ -27,7 +27,7 @@ def test_a_huge_file_under_a_plan_name_is_passed_over_not_read(tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(pygraph=Graph))
     # the module loaded under a name of its own: the real llmc_cuda.cudnn_attention (on a GPU machine) is untouched
     import llmc_cuda
-    spec = importlib.util.spec_from_file_location("sweep_cudnn_attention",
+    spec = importlib.util.spec_from_file_location("cudnn_attention_under_test",
                                                   Path(llmc_cuda.__file__).parent / "cudnn_attention.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,5 +1,5 @@
 """Broken third-party backend plugins, each breaking the contract one way (docs/writing-a-backend.md), and the
-entry points that install them without pip: `ep("name", "adv_plugins:Class")` for `registry._entry_points`
+entry points that install them without pip: `ep("name", "faulty_plugins:Class")` for `registry._entry_points`
 in-process, `dist_info(dir, {...})` for a subprocess (a *.dist-info folder on PYTHONPATH is an installed
 distribution to importlib.metadata)."""
 
@@ -41,7 +41,7 @@ class EP:
 
 def ep(name: str, attr: str, dist: str | None = "adv-test") -> EP:
     """An entry point to `attr` of this module (or "module:attr" as given)."""
-    return EP(name, attr if ":" in attr else f"adv_plugins:{attr}", dist)
+    return EP(name, attr if ":" in attr else f"faulty_plugins:{attr}", dist)
 
 
 def dist_info(site: Path, entries: dict[str, str], dist: str = "adv-test") -> Path:
@@ -127,7 +127,7 @@ class HangProbe(Fake):
         PROBED.append("HangProbe")
         if mark := os.environ.get("ADV_PROBE_MARK"):
             Path(mark).write_text("probed")
-        if os.environ.get("ADV_SUBPROCESS"):  # as the adversarial pass had it: never answers
+        if os.environ.get("ADV_SUBPROCESS"):  # (a real process: never answers)
             time.sleep(10**6)
         RELEASE.wait()  # in-process: until the test ends, so that no thread outlives the test for long
         return True, "woke up (test)"

@@ -1,4 +1,4 @@
-"""The sweep after the adversarial passes: the other sites of the same classes, each case as found.
+"""Files that may be huge or FIFOs read in bounded pieces, and names shown as they are, across the commands.
 
 * a file under a log's or a manifest's name that is gigabytes (sparse) is refused by reading a bounded prefix,
   never read whole: `train --log`, `plot`, `tokenize`'s manifest, a later rank's `--init-file`;

@@ -9,9 +9,9 @@ import io
 import json
 import time
 
-import adv_plugins
+import faulty_plugins
 import pytest
-from adv_plugins import ep
+from faulty_plugins import ep
 from click.testing import CliRunner
 
 from llmc_cli import registry
@@ -52,14 +52,12 @@ def table_ok(*args) -> str:
 
 def test_a_hung_probe_is_unusable_after_the_timeout(install):
     install(ep("hang", "HangProbe"))
-    t0 = time.monotonic()
     row = one_row("hang")
     assert row["usable"] is False and "probe did not answer within 1 s" in row["reason"], row
     assert "LLMC_PROBE_TIMEOUT" in row["reason"]
     # the thread is still stuck: the next discovery in this process answers at once, without a second thread
     listed()
-    assert time.monotonic() - t0 < 30
-    assert adv_plugins.PROBED.count("HangProbe") == 1
+    assert faulty_plugins.PROBED.count("HangProbe") == 1
 
 
 def test_a_named_backend_probes_no_other_plugin(install):
@@ -69,7 +67,7 @@ def test_a_named_backend_probes_no_other_plugin(install):
     be = registry.create_backend("cpu")
     assert be.name == "cpu"
     assert registry.usable_plugin("fake").name == "fake"
-    assert "HangProbe" not in adv_plugins.PROBED
+    assert "HangProbe" not in faulty_plugins.PROBED
 
 
 def test_auto_selection_survives_a_hung_probe(install):
@@ -217,7 +215,7 @@ def test_devices_that_raise_or_are_odd(install):
 
 def test_prints_from_a_plugin_go_to_stderr(install, tmp_path, monkeypatch):
     (tmp_path / "adv_print_on_import.py").write_text(
-        "print('hello from import (test)')\nfrom adv_plugins import Printer as Plugin\n")
+        "print('hello from import (test)')\nfrom faulty_plugins import Printer as Plugin\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     install(ep("printer", "adv_print_on_import:Plugin"))
     r = llmc("backends", "--json")
@@ -260,14 +258,14 @@ def test_an_unknown_name_lists_the_installed_without_importing_them(install):
     install(ep("hang", "HangProbe"))
     with pytest.raises(registry.BackendUnavailable, match=r"unknown backend 'nope' \(installed: cpu, hang\)"):
         registry.usable_plugin("nope")
-    assert adv_plugins.PROBED == []
+    assert faulty_plugins.PROBED == []
 
 
 def test_prepare_survives_a_plugin_that_exits(install):
-    class Exits(adv_plugins.Fake):
+    class Exits(faulty_plugins.Fake):
         def prepare(self):
             raise SystemExit("bye from prepare (test)")
-    adv_plugins.ExitsInPrepare = Exits
+    faulty_plugins.ExitsInPrepare = Exits
     install(ep("exits", "ExitsInPrepare"))
     r = llmc("backends", "--prepare", "--json")
     assert r.exit_code == 1, r.output
@@ -279,10 +277,15 @@ def test_prepare_survives_a_plugin_that_exits(install):
 def test_a_slow_import_is_taken_once_it_has_finished(install, tmp_path, monkeypatch):
     """A thread cannot be stopped: an import past the timeout is not started again, and its plugin is taken
     by a later discovery once the import has finished."""
+    gate = tmp_path / "open"  # the import finishes once the test makes this file
     (tmp_path / "adv_slow_import.py").write_text(
-        "import time\ntime.sleep(1.5)\nfrom adv_plugins import Fake as Plugin\n")
+        f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
+        "from faulty_plugins import Fake as Plugin\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     install(ep("slow", "adv_slow_import:Plugin"))
     assert one_row("slow")["reason"] == "import did not answer within 1 s (LLMC_PROBE_TIMEOUT sets the limit)"
-    time.sleep(1.5)
-    assert one_row("slow")["usable"] is True
+    gate.touch()
+    deadline = time.monotonic() + 120  # (only a hang guard: the import ends within moments of the gate)
+    while not (row := one_row("slow"))["usable"]:
+        assert time.monotonic() < deadline and "did not answer" in row["reason"], row
+        time.sleep(0.01)

@@ -1,4 +1,4 @@
-"""`llmc sample`, `llmc eval` and the API under them (generate, choose_token, HellaSwag), fourth sweep, each case as
+"""`llmc sample`, `llmc eval` and the API under them (generate, choose_token, HellaSwag), each case as
 found:
 
 * a model whose arithmetic overflows (finite weights, NaN or infinite logits) sampled token 0 forever ('!!!!!'),

@@ -1,4 +1,4 @@
-"""`llmc tokenize` on the cases an adversarial pass found after the first ones (2026-11-27): a run of a million
+"""`llmc tokenize` on corpora at the edges of what it reads: a run of a million
 blank characters (tiktoken's pattern overflows its stack), a dataset named with glob characters, an input directory
 with a folder that cannot be listed, an input or a tokenizer changed under a resume, byte offsets of bad UTF-8 in
 JSON Lines, a lone carriage return inside a JSON line, suffixes in capitals, gzipped parquet, two parquet columns of

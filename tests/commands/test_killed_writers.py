@@ -1,4 +1,4 @@
-"""Interruptions and concurrent writers, for the commands that write files (the cases the earlier passes left).
+"""Interruptions and concurrent writers, for the commands that write files.
 
 Each interrupted process is held inside a chosen function by a small wrapper (`_PAUSE`: the function's Nth call
 touches a marker file and sleeps), so the signal lands at a known moment; the test polls for the marker with a

@@ -1,4 +1,4 @@
-"""The adversarial pass's plugins, installed as a real distribution (a dist-info folder on PYTHONPATH) and run
+"""The faulty plugins, installed as a real distribution (a dist-info folder on PYTHONPATH) and run
 through the `llmc` process: a probe that sleeps for ever, an import that calls sys.exit, a plugin that prints on
 import, probe and create. Every command finishes, --json stays JSON, and a named --backend never probes the hung
 plugin."""
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from adv_plugins import dist_info, subprocess_env
+from faulty_plugins import dist_info, subprocess_env
 
 ENTRY = "from llmc_cli.entry import run; run()"
 
@@ -22,8 +22,8 @@ def site(tmp_path_factory):
     d = tmp_path_factory.mktemp("site")
     (d / "adv_exit_on_import_sp.py").write_text("import sys\nsys.exit('bye from import (test)')\n")
     (d / "adv_print_on_import_sp.py").write_text(
-        "print('hello from import (test)')\nfrom adv_plugins import Printer as Plugin\n")
-    return dist_info(d, {"hang": "adv_plugins:HangProbe", "exits": "adv_exit_on_import_sp:Plugin",
+        "print('hello from import (test)')\nfrom faulty_plugins import Printer as Plugin\n")
+    return dist_info(d, {"hang": "faulty_plugins:HangProbe", "exits": "adv_exit_on_import_sp:Plugin",
                          "printer": "adv_print_on_import_sp:Plugin"}, dist="adv-sub")
 
 

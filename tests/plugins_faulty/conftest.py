@@ -1,9 +1,9 @@
-"""Installs broken plugins (adv_plugins) beside the real cpu plugin for one test, through the registry's
+"""Installs broken plugins (faulty_plugins) beside the real cpu plugin for one test, through the registry's
 entry-point source, so that no other installed plugin (opencl, cuda) is probed or timed meanwhile."""
 
 from __future__ import annotations
 
-import adv_plugins
+import faulty_plugins
 import pytest
 
 from llmc_cli import registry
@@ -18,9 +18,9 @@ def install(monkeypatch):
     def use(*eps, cpu_too: bool = True):
         listed = (cpu if cpu_too else []) + list(eps)
         monkeypatch.setattr(registry, "_entry_points", lambda: list(listed))
-    adv_plugins.RELEASE.clear()
-    adv_plugins.PROBED.clear()
+    faulty_plugins.RELEASE.clear()
+    faulty_plugins.PROBED.clear()
     use()
     yield use
-    adv_plugins.RELEASE.set()  # a hung probe's thread returns
+    faulty_plugins.RELEASE.set()  # a hung probe's thread returns
     registry._STUCK.clear()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-import adv_plugins
+import faulty_plugins
 import pytest
-from adv_plugins import ep
+from faulty_plugins import ep
 from click.testing import CliRunner
 
 from llmc_cli.bench.backends import choose_reference, resolve_backends
@@ -120,7 +120,7 @@ def test_train_times_the_others_when_one_backend_fails(install):
     assert "2 backend(s) failed to train" in r.stderr
 
 
-class _OverlapPlugin(adv_plugins.Fake):
+class _OverlapPlugin(faulty_plugins.Fake):
     name = "hostoverlap"
 
     def create(self, device=None, dtype=None, options=None):
@@ -128,11 +128,11 @@ class _OverlapPlugin(adv_plugins.Fake):
         return overlap_backend()
 
 
-class _BrokenOverlap(adv_plugins.Fake):
+class _BrokenOverlap(faulty_plugins.Fake):
     def create(self, device=None, dtype=None, options=None):
         from llmc_cli.kernels import CAP_COPY_OVERLAP
 
-        class NoOverlap(adv_plugins.CpuBackend):
+        class NoOverlap(faulty_plugins.CpuBackend):
             capabilities = frozenset({CAP_COPY_OVERLAP})
 
             def overlap_layernorm(self, *a, **k):
@@ -141,7 +141,7 @@ class _BrokenOverlap(adv_plugins.Fake):
 
 
 def test_overlap_runs_the_others_when_one_backend_fails(install):
-    adv_plugins.AdvOverlap, adv_plugins.AdvBrokenOverlap = _OverlapPlugin, _BrokenOverlap
+    faulty_plugins.AdvOverlap, faulty_plugins.AdvBrokenOverlap = _OverlapPlugin, _BrokenOverlap
     install(ep("hostoverlap", "AdvOverlap"), ep("broken", "AdvBrokenOverlap"))
     r = llmc("bench", "overlap", "-b", "2", "-t", "8", "-c", "16", "--streams", "2", "--block", "32",
              "--host-memory", "pinned", "--repeat", "1", "--warmup", "0", "--json")

@@ -1,4 +1,4 @@
-"""Checkpoint and model files against their readers, a fourth sweep: state.json numbers that parse but that numpy or
+"""Checkpoint and model files against their readers: state.json numbers that parse but that numpy or
 Python refuse later (an RNG state past 128 bits, counts past int64, integers of 5000 digits), an optimizer.npz whose
 .npy header claims more values than it holds, Adam's second moment below zero, a step folder holding a directory or
 a FIFO where a file belongs, a run state of another family than the model beside it, Hugging Face configs asking for

@@ -1,4 +1,4 @@
-"""The fourth adversarial sweep: the named datasets' downloads and resumes, and the shard reader as `llmc train`
+"""The named datasets' downloads and resumes, and the shard reader as `llmc train`
 uses it (shards changing under a run, globs naming odd files)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from adv_plugins import HERE, dist_info, ep, subprocess_env
+from faulty_plugins import HERE, dist_info, ep, subprocess_env
 
 from llmc_cli import registry
 from llmc_cli.testing import backends as kit
@@ -18,23 +18,28 @@ from llmc_cli.testing import backends as kit
 def kit_run(tmp_path, **env: str) -> subprocess.CompletedProcess:
     """`pytest --pyargs llmc_cli.testing` with `env`, outside llmc's tests (its own conftest only)."""
     pytest.importorskip("torch", reason="the kit's oracle")
-    site = dist_info(tmp_path / "site", {"skeleton_broken": "adv_plugins:ProbeRaises"}, dist="adv-kit")
+    site = dist_info(tmp_path / "site", {"skeleton_broken": "faulty_plugins:ProbeRaises"}, dist="adv-kit")
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
                            "llmc_cli.testing", "-k", "alloc_shapes or gelu_forward"], cwd=tmp_path,
                           env=subprocess_env(site, **env), capture_output=True, text=True, timeout=600, check=False)
 
 
-@pytest.mark.parametrize("env, needle", [
+ASKED_AND_BROKEN = [
     ({"LLMC_TEST_BACKENDS": "skeletn"}, "LLMC_TEST_BACKENDS=skeletn: backend 'skeletn' is not installed"),
-    ({"LLMC_TEST_PLUGIN": "adv_plugins:TypoClass"},
-     "failed to load: AttributeError: module 'adv_plugins' has no attribute 'TypoClass'"),
+    ({"LLMC_TEST_PLUGIN": "faulty_plugins:TypoClass"},
+     "failed to load: AttributeError: module 'faulty_plugins' has no attribute 'TypoClass'"),
     ({"LLMC_TEST_PLUGIN": "no_such_module_adv:Plugin"}, "failed to load: ModuleNotFoundError"),
-    ({"LLMC_TEST_PLUGIN": "adv_plugins:ProbeNone"}, "probe() must answer (usable: bool, reason: str), not NoneType"),
-    ({"LLMC_TEST_PLUGIN": "adv_plugins:BadPriority"}, "priority must be a finite number"),
+    ({"LLMC_TEST_PLUGIN": "faulty_plugins:ProbeNone"}, "probe() must answer (usable: bool, reason: str), not NoneType"),
+    ({"LLMC_TEST_PLUGIN": "faulty_plugins:BadPriority"}, "priority must be a finite number"),
     ({"LLMC_TEST_BACKENDS": "skeleton_broken"}, "probe failed: RuntimeError: probe boom (test)"),
-])
-def test_a_backend_asked_for_by_name_that_is_missing_or_broken_fails_the_kit(tmp_path, env, needle):
-    r = kit_run(tmp_path, **env)
+]
+
+
+def test_a_backend_asked_for_by_name_that_is_broken_fails_the_kit(tmp_path):
+    """The kit's run ends with the problem's one line (pytest's usage error); the problems themselves are the
+    table below, found in process."""
+    r = kit_run(tmp_path, LLMC_TEST_BACKENDS="skeleton_broken")
+    needle = "probe failed: RuntimeError: probe boom (test)"
     assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-3000:]
     err = r.stderr
     assert needle in err and "Traceback" not in err and "passed" not in r.stdout, err
@@ -42,14 +47,23 @@ def test_a_backend_asked_for_by_name_that_is_missing_or_broken_fails_the_kit(tmp
     assert len(lines) == 1, err
 
 
+@pytest.mark.parametrize("env, needle", ASKED_AND_BROKEN)
+def test_a_backend_asked_for_by_name_that_is_missing_or_broken_is_a_problem(install, fresh_kit, env, needle):
+    install(ep("skeleton_broken", "ProbeRaises"))
+    for name, value in env.items():
+        fresh_kit.setenv(name, value)
+    problems = kit.requested_problems()
+    assert len(problems) == 1 and needle in problems[0] and "\n" not in problems[0], problems
+
+
 def test_an_honest_probe_is_a_skip(tmp_path):
-    r = kit_run(tmp_path, LLMC_TEST_PLUGIN="adv_plugins:Honest")
+    r = kit_run(tmp_path, LLMC_TEST_PLUGIN="faulty_plugins:Honest")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "skipped" in r.stdout and "failed" not in r.stdout and "error" not in r.stdout.lower()
 
 
 def test_a_correct_plugin_passes(tmp_path):
-    r = kit_run(tmp_path, LLMC_TEST_PLUGIN="adv_plugins:Fake")
+    r = kit_run(tmp_path, LLMC_TEST_PLUGIN="faulty_plugins:Fake")
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
@@ -90,7 +104,7 @@ def test_requested_problems_name_each_backend_once(install, fresh_kit):
 
 def test_the_spec_loads_through_the_registry(fresh_kit):
     fresh_kit.syspath_prepend(str(HERE))
-    fresh_kit.setenv("LLMC_TEST_PLUGIN", "adv_plugins:Printer")
+    fresh_kit.setenv("LLMC_TEST_PLUGIN", "faulty_plugins:Printer")
     info = kit._discovered()[0]
     assert info.name == "fake" and info.usable and not info.broken
     assert kit.requested_problems() == []

@@ -1,4 +1,4 @@
-"""`llmc train`'s options and run control on the cases the fourth adversarial pass found (2026-11-27): signals
+"""`llmc train`'s options and run control at their edges: signals
 delivered together (one request, as they must stay: a single Ctrl-C can reach a rank twice), `--dry-run`
 with a backend that is not installed (planned float32, exit 0), `--init` beside a `--model` naming another model
 (ignored silently), launcher variables whose message named `None`, a `--config` giving one option under two
@@ -143,8 +143,6 @@ def test_a_stop_request_cuts_a_long_sample_short(tmp_path):
     t = Trainer(args, create_backend("cpu"), say=lambda s: None, decode=lambda ids: f"{len(ids)} tokens", eot=50256)
     try:
         t.stop_requested = lambda: "SIGTERM"
-        start = time.monotonic()
         assert t.sample_text() == "1 tokens"
-        assert time.monotonic() - start < 30
     finally:
         t.close()

@@ -1,4 +1,4 @@
-"""`train`, `sample` and `convert` on the cases an adversarial pass found after the first ones (2026-11-27): a
+"""`train`, `sample` and `convert` on run directories and paths at their edges: a
 symbolic link or a user's file under a lock's name, folders and files beside the checkpoints that only look like
 them, `--resume` with another run's log or a bad option, config.toml after a resume, empty paths, a `--log` onto
 the run's own files, `--out` under a file, a Hugging Face config listing fewer layers than its weights, a prompt

@@ -1,6 +1,6 @@
-"""The fifth adversarial sweep: `llmc bench`, `llmc convert` as a command, and the `llmc` group's own options.
+"""`llmc bench`, `llmc convert` as a command, and the `llmc` group's own options.
 
-Each test holds one class of problem found by the sweep: the group's options read outside the one-line error
+Each test holds one class of problem: the group's options read outside the one-line error
 handling (`llmc --bogus`, `--help` into a full disk or a closed pipe), `convert` destinations whose name or place
 contradicts what is written (inside the source, `--to run` onto a `.bin`, `m.pt` as a directory, empty paths),
 `bench` options that failed only after the whole benchmark (`--plot` into a folder that takes no file) or not at
@@ -153,8 +153,8 @@ def _no_benchmark(monkeypatch):
 def test_bench_plot_into_a_folder_that_takes_no_file_is_refused_before_running(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     _no_benchmark(monkeypatch)
-    one_line_error(run("bench", "kernels", "--backend", "cpu", *TINY, "--plot", "/proc/llmc-sweep5.png", ok=False),
-                   "--plot /proc/llmc-sweep5.png: cannot write in /proc", "nothing was run")
+    one_line_error(run("bench", "kernels", "--backend", "cpu", *TINY, "--plot", "/proc/llmc-bench.png", ok=False),
+                   "--plot /proc/llmc-bench.png: cannot write in /proc", "nothing was run")
     # a read-only file system, as the probe meets it
     import tempfile
 
@@ -213,10 +213,10 @@ def test_bench_train_progress_counts_the_steps():
     assert np.isfinite(res["results"][0]["loss_last"])
 
 
-# ---- regressions of the fourth sweep, found in review --------------------------------------------------------
+# ---- sampling from masked logits -----------------------------------------------------------------------------
 
 def test_choose_token_still_takes_masked_logits():
-    """-inf is how a caller bans a token (choose_token drew around it before the fourth sweep); only NaN, +inf or
+    """-inf is how a caller bans a token (choose_token draws around it); only NaN, +inf or
     no finite logit at all is nothing to sample from."""
     from llmc_cli.inference.sampling import NonFiniteLogits, choose_token
     logits = np.array([-np.inf, 1.0, 2.0, -np.inf])

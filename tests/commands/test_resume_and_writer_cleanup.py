@@ -1,4 +1,4 @@
-"""Reliability leftovers of the fifth sweep (2026-11-28): a resume refused for a changed data setup in the loader's
+"""Resumes, writers' cleanup and eval's counting options: a resume refused for a changed data setup in the loader's
 words (`num_shards 2 -> 1`), naming neither the option nor the run; `tokenize tinystories --local DIR` passing over
 FIFOs, dangling links and unlistable folders (and the generic input path over FIFOs and dangling links); a failed
 download leaving the empty folder made for it; a bad `latest` falling back to the newest complete step without a
