@@ -120,8 +120,8 @@ class ZeroOrReal(Real):
 
 
 class EscapedText(click.ParamType):
-    """Non-empty UTF-8 text in which \\n, \\t, \\r and \\\\ are escapes: a shell passes `--stop "\\n\\n"` as backslashes,
-    and a newline is what such an option almost always means (llama.cpp reads its stop words so too)."""
+    """Non-empty UTF-8 text in which \\n, \\t, \\r and \\\\ are escapes: a shell passes `--stop "\\n\\n"` as
+    backslashes, and a newline is what such an option almost always means (llama.cpp reads its stop words so too)."""
 
     name = "text"
     ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

@@ -34,8 +34,8 @@ def test_the_grids_and_an_axis_given_in_place_of_the_grids():
     mixed = ov.grid_axes("full", batches=(64,), streams=(), blocks=None)
     assert mixed["batches"] == (64,) and mixed["streams"] == ov.STREAMS and mixed["blocks"] == ov.BLOCKS
     assert len(ov.overlap_cases(**mixed)) == 6 * 6 * 2
-    assert ov.grid_line("small", small, 2, 1024, 768) == ("bench overlap: 16 case(s) on 2 backend(s) (grid small; --grid full "
-                                               "runs 504 per backend)")
+    assert ov.grid_line("small", small, 2, 1024, 768) == (
+        "bench overlap: 16 case(s) on 2 backend(s) (grid small; --grid full runs 504 per backend)")
     assert ov.grid_line("full", mixed, 1, 1024, 768) == "bench overlap: 72 case(s) on 1 backend(s) (grid full)"
     with pytest.raises(BenchError, match="--streams 16: more chunks than the 8 rows"):
         ov.grid_line("full", ov.grid_axes("full"), 1, 1, 768)

@@ -126,7 +126,8 @@ def test_generate_ends_after_the_token_that_completes_a_stop_string(cpu):
 
 @pytest.mark.parametrize("kw, needle", [
     (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
-    (dict(repetition_penalty=-1.2), "repetition_penalty must be"), (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(repetition_penalty=-1.2), "repetition_penalty must be"),
+    (dict(repetition_penalty=True), "repetition_penalty"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty"), (dict(repetition_penalty="2"), "repetition_penalty"),
     (dict(stop="\n"), "stop needs tokenizer="), (dict(stop=["x"], tokenizer="gpt2"), "stop needs tokenizer="),
     (dict(stop=[""], tokenizer=Pieces([])), "stop must hold non-empty strings"),
