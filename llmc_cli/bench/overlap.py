@@ -43,6 +43,15 @@ STREAMS = (1, 2, 4, 8, 16)
 BLOCKS = (32, 64, 128, 256, 512, 1024)
 MAX_STREAMS = 64
 HOST_MEMORY = ("pinned", "pageable")
+# the axes `--grid` names, which an axis's own option replaces. small: sync against 4 streams at two batch sizes in
+# both host memories, 8 cases that end in seconds on a GPU and in under a minute on a 2-core CPU's OpenCL; full: the
+# diary's sweep, 504 cases copying about 1.8 TB (minutes even on an H200)
+GRIDS = {
+    "small": {"batches": (8, 16), "modes": OVERLAP_MODES, "streams": (4,), "blocks": (256,),
+              "host_memory": HOST_MEMORY},
+    "full": {"batches": BATCHES, "modes": OVERLAP_MODES, "streams": STREAMS, "blocks": BLOCKS,
+             "host_memory": HOST_MEMORY},
+}
 TOLERANCE = 1e-4  # max|got - ref| / max|ref|, float32 against float64
 CHECK_ROWS = 4096  # rows of out read back after every call (mean and rstd are read in full)
 EPS = 1e-5
@@ -76,6 +85,28 @@ def overlap_cases(batches: Sequence[int], modes: Sequence[str], streams: Sequenc
                 for s in ((1,) if mode == OVERLAP_SYNC else dict.fromkeys(streams)):
                     cases += [OverlapCase(B, mode, s, blk, host == "pinned") for blk in dict.fromkeys(blocks)]
     return cases
+
+
+def grid_axes(grid: str, **given: Sequence) -> dict:
+    """The axes of the named grid (GRIDS) as run_overlap takes them, each axis `given` non-empty in its place."""
+    return {axis: tuple(given.get(axis) or values) for axis, values in GRIDS[grid].items()}
+
+
+def grid_line(grid: str, axes: dict, backends: int, T: int, C: int) -> str:
+    """What a run is about to do, said before it starts: its cases, and the grid they come from (a BenchError for
+    a grid run_overlap refuses, so that its one line is all a bad grid prints)."""
+    check_grid(axes["batches"], T, C, axes["modes"], axes["streams"], axes["blocks"], axes["host_memory"])
+    n = len(overlap_cases(**axes)) * backends
+    more = f"; --grid full runs {len(overlap_cases(**GRIDS['full']))} per backend" if grid != "full" else ""
+    return f"bench overlap: {n} case(s) on {backends} backend(s) (grid {grid}{more})"
+
+
+def grid_help() -> str:
+    """Each grid's cases and axes, for --help: `small: 8 cases (-b 8 16, --streams 4, ...)`."""
+    def axes(g: dict) -> str:
+        return (f"-b {' '.join(map(str, g['batches']))}, --streams {' '.join(map(str, g['streams']))}, --block "
+                f"{' '.join(map(str, g['blocks']))}, --host-memory {' '.join(g['host_memory'])}")
+    return "; ".join(f"{name}: {len(overlap_cases(**g))} cases ({axes(g)})" for name, g in GRIDS.items())
 
 
 def bytes_moved(N: int, C: int) -> int:

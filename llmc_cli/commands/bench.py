@@ -36,11 +36,12 @@ from llmc_cli.bench.decode import run_decode
 from llmc_cli.bench.kernel_cases import run_kernels
 from llmc_cli.bench.machine import describe_machine, machine_lines
 from llmc_cli.bench.overlap import (
-    BATCHES,
-    BLOCKS,
+    GRIDS,
     HOST_MEMORY,
     MAX_STREAMS,
-    STREAMS,
+    grid_axes,
+    grid_help,
+    grid_line,
     overlap_backends,
     run_overlap,
 )
@@ -441,8 +442,10 @@ def decode(**o) -> None:
               help="Backend to benchmark (repeatable; default: every usable one that can overlap copies).")
 @click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE",
               help=BACKEND_OPT_HELP + " Each backend takes the ones it declares.")
+@click.option("--grid", type=click.Choice(list(GRIDS)), default="small", show_default=True,
+              help=f"The cases per backend: {grid_help()}; an axis's own option replaces the grid's.")
 @click.option("-b", "--batch-size", "batches", type=POSITIVE, multiple=True,
-              help="Batch size (sequences of -t rows; repeatable) [default: 8 16 32 64 128 256 512].")
+              help="Batch size (sequences of -t rows; repeatable) [default: the --grid's].")
 @click.option("-t", "--seq-len", type=POSITIVE, default=1024, show_default=True, help="Rows per sequence (tokens).")
 @click.option("-c", "--channels", type=POSITIVE, default=768, show_default=True,
               help="Channels per row (floats; 768 is GPT-2 124M's width).")
@@ -450,10 +453,10 @@ def decode(**o) -> None:
               help="sync: the fast kernel between one copy in and the copies out; chunked: the naive kernel over "
                    "--streams chunks, each on its own stream (repeatable) [default: both].")
 @click.option("--streams", type=Int(1, MAX_STREAMS), multiple=True,
-              help=f"Streams (chunks) of the chunked mode, 1..{MAX_STREAMS} (repeatable) [default: 1 2 4 8 16].")
+              help=f"Streams (chunks) of the chunked mode, 1..{MAX_STREAMS} (repeatable) [default: the --grid's].")
 @click.option("--block", "blocks", type=PowerOfTwo(32, 1024), multiple=True,
               help="Threads per block (work-items per work-group), a power of two in 32..1024 (repeatable) "
-                   "[default: 32 64 128 256 512 1024].")
+                   "[default: the --grid's].")
 @click.option("--host-memory", type=click.Choice(HOST_MEMORY), multiple=True,
               help="Host memory the copies read and write (repeatable) [default: both].")
 @click.option("--repeat", type=POSITIVE, default=3, show_default=True, help="Timed calls per case (median taken).")
@@ -474,12 +477,13 @@ def overlap(**o) -> None:
     pageable is plain memory, which the driver stages with the host waiting. GB/s = (4*N*C in + 4*N*C + 8*N out)
     bytes / time. Every case is checked against a numpy layernorm (outputs NaN-poisoned before each call); exits
     with status 1 when one is off. Backends without the copy_overlap capability (cpu) are listed as skipped. The
-    default grid (7 batches x 6 blocks x (sync + 5 stream counts) x 2 host memories: 504 cases of 4 calls) copies
-    about 1.8 TB: narrow it with -b, --block, --streams, --host-memory.
+    small default grid (8 cases) ends in under a minute on a 2-core CPU; --grid full (7 batches x 6 blocks x
+    (sync + 5 stream counts) x 2 host memories: 504 cases of 4 calls) copies about 1.8 TB. How many cases a run
+    has is printed (stderr) before it starts.
 
     \b
     Example:
-      llmc bench overlap --backend cuda --host-memory pinned --block 256
+      llmc bench overlap --backend cuda --grid full --host-memory pinned --block 256
       llmc bench overlap --backend cuda -b 64 -b 512 --streams 1 --streams 8 --json > overlap.json
       llmc bench overlap --backend cuda --block 32 --block 256 --block 1024 --plot overlap.png
     """
@@ -489,14 +493,16 @@ def overlap(**o) -> None:
         backends, skipped = resolve_backends(o["backend_names"], None, options=backend_options(o["backend_opt"]),
                                              failed=failed)
         backends, more = overlap_backends(backends, named=bool(o["backend_names"]))
+        axes = grid_axes(o["grid"], **{k: o[k] for k in ("batches", "modes", "streams", "blocks", "host_memory")})
+        line = grid_line(o["grid"], axes, len(backends), o["seq_len"], o["channels"])
     except BenchError as e:
         fail(str(e))
+    if not o["as_json"]:  # (with --json, stderr holds nothing but a failure's line)
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
     with _progress(o["as_json"]) as progress:
         try:
-            res = run_overlap(backends, T=o["seq_len"], C=o["channels"], batches=o["batches"] or BATCHES,
-                              modes=o["modes"] or OVERLAP_MODES, streams=o["streams"] or STREAMS,
-                              blocks=o["blocks"] or BLOCKS, host_memory=o["host_memory"] or HOST_MEMORY,
-                              repeat=o["repeat"], warmup=o["warmup"], seed=o["seed"], progress=progress)
+            res = run_overlap(backends, T=o["seq_len"], C=o["channels"], **axes, repeat=o["repeat"],
+                              warmup=o["warmup"], seed=o["seed"], progress=progress)
         except BenchError as e:
             fail(str(e))
     o["_failed"] = [{"backend": label, "kernel": None, "error": why} for label, why in failed]

@@ -10,6 +10,7 @@ command layer prints after the option's name.
 from __future__ import annotations
 
 import math
+import re
 
 import click
 
@@ -115,6 +116,24 @@ class ZeroOrReal(Real):
             hi = f" and <= {self.max:g}" if self.max is not None else ""
             self.fail(f"must be 0 or >= {self.min:g}{hi} (got {value})", param, ctx)
         return x
+
+
+class EscapedText(click.ParamType):
+    """Non-empty UTF-8 text in which \\n, \\t, \\r and \\\\ are escapes: a shell passes `--stop "\\n\\n"` as
+    backslashes, and a newline is what such an option almost always means (llama.cpp reads its stop words so too)."""
+
+    name = "text"
+    ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        text = re.sub(r"\\([ntr\\])", lambda m: self.ESCAPES[m.group(1)], value)
+        if not text:
+            self.fail("must be non-empty text (an empty one would end before the first token)", param, ctx)
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in text):  # (bytes that are not UTF-8 arrive as lone surrogates)
+            self.fail(f"{value!r} is not UTF-8 text", param, ctx)
+        return text
 
 
 POSITIVE = Int(1, cap=INT32_MAX)  # counts and sizes that cannot be zero: batch size, sequence length, dimensions

@@ -20,7 +20,7 @@ from llmc_cli.commands.console import (
     refuse_empty_paths,
     terminal_text,
 )
-from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real, ZeroOrReal
+from llmc_cli.commands.options import COUNT, POSITIVE, SEED, EscapedText, Real, ZeroOrReal
 from llmc_cli.data.home import DataHomeError
 from llmc_cli.data.tokenizer import load_tokenizer
 from llmc_cli.formats.files import CheckpointError, DataError
@@ -28,6 +28,7 @@ from llmc_cli.formats.sources import load_config_any, tokenizer_for
 from llmc_cli.inference.decode import has_kv_cache
 from llmc_cli.inference.loading import load_model
 from llmc_cli.inference import sampling  # (as a module: tests put a spy in for generate)
+from llmc_cli.inference.stops import StopText
 
 PROMPT_MAX_BYTES = 64 * 2**20
 
@@ -128,13 +129,15 @@ def _one_sample(model, tok, ids: list[int], draw: dict, kv: bool, show, where: s
     # decoded text that does not end in U+FFFD printed nothing while the model wrote invalid bytes, and decoded
     # everything since the last print again per token (quadratic)
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    shown = StopText(draw["stop"], tok.decode_bytes)  # the text up to a --stop string
     n = 0
     t0 = time.perf_counter()
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # (an overflowing model is one line, below)
-            for t in sampling.generate(model, ids, stop_token=tok.eot, kv_cache=kv, vocab_limit=tok.vocab_size, **draw):
+            for t in sampling.generate(model, ids, stop_token=tok.eot, kv_cache=kv, vocab_limit=tok.vocab_size,
+                                       tokenizer=tok, **draw):
                 n += 1
-                if text := utf8.decode(tok.decode_bytes([t])):
+                if text := utf8.decode(shown.add(t)):
                     click.echo(show(text), nl=False, color=True)
     except sampling.NonFiniteLogits as e:  # the weights' fault, not the backend's
         click.echo()
@@ -143,7 +146,7 @@ def _one_sample(model, tok, ids: list[int], draw: dict, kv: bool, show, where: s
         click.echo()
         fail(f"--backend {where[1]}: {e}")
     seconds = time.perf_counter() - t0
-    click.echo(show(utf8.decode(b"", final=True)), color=True)
+    click.echo(show(utf8.decode(shown.rest(), final=True)), color=True)
     return n, seconds
 
 
@@ -158,14 +161,19 @@ def _one_sample(model, tok, ids: list[int], draw: dict, kv: bool, show, where: s
               help="0 = greedy; else at least 1e-6 (below it the logits' quotient overflows).")
 @click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the k most likely (0 = all).")
 @click.option("--top-p", type=Real(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus mass (1.0 = off).")
+@click.option("--repetition-penalty", type=Real(0, min_open=True), default=1.0, show_default=True,
+              help="Divide the logits of tokens already in the context by this (multiply negative ones); 1.0 = off.")
+@click.option("--stop", multiple=True, type=EscapedText(), metavar="TEXT",
+              help="End a sample where its text reaches TEXT (repeatable; \\n, \\t are escapes). "
+                   "TEXT is not printed (as llama.cpp's server and OpenAI's API do).")
 @click.option("--seed", type=SEED, default=1337, show_default=True)
 @click.option("--no-kv-cache", is_flag=True, help="Recompute the whole window per token (for comparison).")
 @click.option("--backend", default="auto", show_default=True)
 @click.option("--device", default=None)
 @click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE", help=BACKEND_OPT_HELP)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
-def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, temperature, top_k, top_p, seed,
-           no_kv_cache, backend, device, backend_opt, dtype) -> None:
+def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, temperature, top_k, top_p,
+           repetition_penalty, stop, seed, no_kv_cache, backend, device, backend_opt, dtype) -> None:
     """Generate text from a trained GPT-2 or Llama 3, streaming it as it comes; tokens/s goes to stderr at the end.
     The tokenizer is the checkpoint's: GPT-2's, or a Llama directory's tokenizer.model.
     Uses a key/value cache where the backend has one (each new token costs one position, not the window).
@@ -184,7 +192,7 @@ def sample(checkpoint, prompt, prompt_file, max_new_tokens, num_samples, tempera
     model = load_for_inference(checkpoint, be, 1, window)
     kv = has_kv_cache(model) and not no_kv_cache
     draw = dict(max_new_tokens=max_new_tokens, rng=np.random.default_rng(seed), temperature=temperature,
-                top_k=top_k, top_p=top_p)
+                top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, stop=stop)
     total, seconds = 0, 0.0
     # a model's text can hold any bytes: on a terminal an escape sequence is shown, not obeyed (into a pipe or a
     # file the text goes as the model wrote it)

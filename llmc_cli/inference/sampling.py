@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from numbers import Integral, Real
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from llmc_cli.models.base import Model
+from llmc_cli.inference import decode
+from llmc_cli.inference.stops import StopText
+from llmc_cli.models.base import Model, unimplemented_kernel
 
 
 MIN_TEMPERATURE = 1e-6  # below it (but above 0) the logits' quotient overflows to inf and every draw is token 0
@@ -23,8 +27,6 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> tuple[float,
     """A ValueError of one line for settings that would sample garbage without a sign: a NaN temperature drew
     token 0 every time, a negative one was greedy, a top_p of NaN or <= 0 and a negative top_k were ignored.
     Returns them as float, int, float (a Fraction temperature divided the logits into an array of objects)."""
-    import math
-    from numbers import Integral, Real
     if isinstance(temperature, (bool, np.bool_)) or not (  # (True is no temperature: bools are not numbers)
             isinstance(temperature, Real) and math.isfinite(temperature)
             and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
@@ -35,6 +37,47 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> tuple[float,
     if isinstance(top_p, (bool, np.bool_)) or not (isinstance(top_p, Real) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] (1 = off; got {top_p!r})")
     return float(temperature), int(top_k), float(top_p)
+
+
+def check_penalty(repetition_penalty) -> float:
+    """The repetition penalty as a float, else a ValueError of one line: 0 would divide by zero, a negative one
+    would turn the logits' signs and NaN would make every logit of the context NaN."""
+    p = repetition_penalty
+    if isinstance(p, (bool, np.bool_)) or not (isinstance(p, Real) and math.isfinite(p) and p > 0):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off; got {p!r})")
+    return float(p)
+
+
+def penalize(logits: np.ndarray, context, penalty: float) -> np.ndarray:
+    """The logits with CTRL's repetition penalty (Keskar et al. 2019, transformers' RepetitionPenaltyLogitsProcessor):
+    the logit of every id in `context` divided by `penalty` where it is positive, multiplied where it is not, so a
+    penalty > 1 makes each such id less likely whatever its sign. Ids past the logits (a vocabulary limit) are
+    skipped; a penalty of 1 returns the logits themselves."""
+    if penalty == 1.0:
+        return logits
+    ids = np.unique(np.asarray(context, dtype=np.int64))
+    ids = ids[ids < logits.size]
+    out = np.array(logits, dtype=np.float64)
+    x = out[ids]
+    out[ids] = np.where(x > 0, x / penalty, x * penalty)
+    return out
+
+
+class Sampling(NamedTuple):
+    """How a token is drawn from the logits, each setting checked (check_sampling, check_penalty)."""
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+
+    def choose(self, logits: np.ndarray, context, rng: np.random.Generator) -> int:
+        """The next token after `context` (the ids the penalty applies to)."""
+        return choose_token(penalize(logits, context, self.repetition_penalty), rng, self.temperature, self.top_k,
+                            self.top_p)
+
+    def drawn_on_device(self, limit: int) -> bool:
+        """True when the rule is the one Backend.sample_token applies: no top-k, top-p or repetition penalty."""
+        return not 0 < self.top_k < limit and self.top_p == 1.0 and self.repetition_penalty == 1.0
 
 
 def _is_int(v) -> bool:
@@ -76,8 +119,7 @@ def check_generate(model: Model, prompt, max_new_tokens, rng, stop_token, kv_cac
                          f"{stop_token!r}); it would never be matched")
     if kv_cache is not None and not isinstance(kv_cache, (bool, np.bool_)):
         raise ValueError(f"kv_cache must be None (whenever the backend can), True or False (got {kv_cache!r})")
-    from llmc_cli.inference.decode import check_token_ids
-    return check_token_ids(ids, V)
+    return decode.check_token_ids(ids, V)
 
 
 def choose_token(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0,
@@ -173,71 +215,118 @@ def _draw(dec, fed: np.ndarray, rng: np.random.Generator, temperature: float, li
     return tok
 
 
+class _Cached:
+    """Next tokens over the model's KV cache: the prompt computed once, then one position per token. The token is
+    drawn on the device where `on_device` (the backend's sample_token), else by the host's rule."""
+
+    def __init__(self, model: Model, rng: np.random.Generator, rule: Sampling, limit: int, on_device: bool):
+        self.model, self.rng, self.rule, self.limit, self.on_device = model, rng, rule, limit, on_device
+
+    def start(self, tokens: list[int]) -> None:
+        with _one_caller(self.model):
+            self.dec = decode.decoder_for(self.model)
+            self.dec.reset()
+            # the model's one cache now holds this generator's tokens; a second generate() on the model resets it,
+            # and this one, resumed, went on from the other's context without a sign
+            self.dec.owner = self.me = object()
+            self._compute(np.asarray(tokens, dtype=np.int32))
+
+    def feed(self, token: int) -> None:
+        with _one_caller(self.model):
+            if getattr(self.dec, "owner", None) is not self.me:
+                raise ValueError("generate: another generate() on this model began since this one did, and the "
+                                 "model's key/value cache holds its tokens now; run them one after the other, pass "
+                                 "kv_cache=False, or load the model twice")
+            self._compute(np.asarray([token], dtype=np.int32))
+
+    def _compute(self, fed: np.ndarray) -> None:
+        if self.on_device:
+            self.drawn = _draw(self.dec, fed, self.rng, self.rule.temperature, self.limit)
+        else:
+            self.logits = self.dec.feed(fed)[0]
+
+    def next(self, tokens: list[int]) -> int:
+        if self.on_device:
+            return self.drawn
+        return self.rule.choose(self.logits[:self.limit], tokens[-self.model.T:], self.rng)
+
+
+class _Recomputed:
+    """Next tokens by a forward pass over the whole window (left-aligned), dropping the oldest tokens past it."""
+
+    def __init__(self, model: Model, rng: np.random.Generator, rule: Sampling, limit: int):
+        self.model, self.rng, self.rule, self.limit = model, rng, rule, limit
+        self.buf = np.zeros((1, model.T), dtype=np.int32)
+
+    def start(self, tokens: list[int]) -> None:
+        pass
+
+    def feed(self, token: int) -> None:
+        pass
+
+    def next(self, tokens: list[int]) -> int:
+        ctx = tokens[-self.model.T:]
+        self.buf[0, :len(ctx)] = ctx
+        self.buf[0, len(ctx):] = 0
+        with _one_caller(self.model):
+            self.model.forward(self.buf)
+            logits = self.model.logits_host(len(ctx) - 1)[0]
+        return self.rule.choose(logits[:self.limit], ctx, self.rng)
+
+
+def _stop_text(stop, tokenizer) -> StopText | None:
+    """generate's stop strings, watched over the tokenizer's bytes (None: there are none)."""
+    if stop is None or (isinstance(stop, (list, tuple)) and not stop):
+        return None
+    if not callable(getattr(tokenizer, "decode_bytes", None)):
+        raise ValueError(f"stop needs tokenizer=, the model's tokenizer (llmc.load_tokenizer), to read the text "
+                         f"of the tokens (got tokenizer={tokenizer!r:.60})")
+    return StopText(stop, tokenizer.decode_bytes)
+
+
 def generate(model: Model, prompt: list[int], max_new_tokens: int, rng: np.random.Generator,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_token: int | None = None,
-             kv_cache: bool | None = None, vocab_limit: int | None = None) -> Iterator[int]:
+             kv_cache: bool | None = None, vocab_limit: int | None = None, repetition_penalty: float = 1.0,
+             stop: str | Sequence[str] = (), tokenizer=None) -> Iterator[int]:
     """Yields new token ids one at a time from a model planned for B=1, T=window. With a KV cache (`kv_cache`
     None = whenever the backend announces CAP_KV_CACHE) the prompt is computed once and each new token costs one
     position; past the window the cache slides (rotary models) or refills from its newest half (learned absolute
     positions), see inference.decode. Without one the whole window is rerun per token (left-aligned), dropping
     the oldest tokens past it. Within the window both give the same logits, so the same tokens for the same rng.
-    Where the backend draws tokens itself (CAP_SAMPLING) and neither top_k nor top_p restricts the draw, the
-    token is drawn where the logits are, by the same rule from the same uniform (the same tokens, but where the
-    uniform lies within float64 rounding of a boundary). `vocab_limit` keeps ids below the tokenizer's size where
-    the model's vocabulary is larger (rows no tokenizer id names). One thread at a time per model: a call from
-    another thread while one computes is a ValueError."""
+    Where the backend draws tokens itself (CAP_SAMPLING) and neither top_k, top_p nor a repetition penalty changes
+    the draw, the token is drawn where the logits are, by the same rule from the same uniform (the same tokens, but
+    where the uniform lies within float64 rounding of a boundary). `vocab_limit` keeps ids below the tokenizer's
+    size where the model's vocabulary is larger (rows no tokenizer id names). `repetition_penalty` (see penalize)
+    applies to the ids in the window. Generation ends before `stop_token`, or after the token whose text
+    (`tokenizer.decode_bytes`) completes one of the `stop` strings: that token is the last one yielded, as
+    transformers' stop_strings keep it (inference.stops.StopText cuts the text there). One thread at a time per
+    model: a call from another thread while one computes is a ValueError."""
     ids = check_generate(model, prompt, max_new_tokens, rng, stop_token, kv_cache, vocab_limit)
-    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
-    from llmc_cli.inference.decode import decoder_for, has_kv_cache, samples_on_device
-    from llmc_cli.models.base import unimplemented_kernel
+    rule = Sampling(*check_sampling(temperature, top_k, top_p), check_penalty(repetition_penalty))
+    text = _stop_text(stop, tokenizer)
     if kv_cache is None:
-        kv_cache = has_kv_cache(model)
-    window = model.T
+        kv_cache = decode.has_kv_cache(model)
     limit = model.cfg.vocab_size if vocab_limit is None else int(vocab_limit)
-    on_device = (kv_cache and max_new_tokens > 0 and not 0 < top_k < limit and top_p == 1.0
-                 and samples_on_device(model))
+    stop_id = None if stop_token is None else int(stop_token)
+    if kv_cache:
+        on_device = max_new_tokens > 0 and rule.drawn_on_device(limit) and decode.samples_on_device(model)
+        source = _Cached(model, rng, rule, limit, on_device)
+    else:
+        source = _Recomputed(model, rng, rule, limit)
     tokens = [int(t) for t in ids]
-    stop = None if stop_token is None else int(stop_token)
     try:  # (a kernel a backend announces but lacks: one line naming it, see decode.KVDecoder.feed)
-        if kv_cache:
-            with _one_caller(model):
-                dec = decoder_for(model)
-                dec.reset()
-                # the model's one cache now holds this generator's tokens; a second generate() on the model resets
-                # it, and this one, resumed, went on from the other's context without a sign
-                dec.owner = me = object()
-                fed = np.asarray(tokens, dtype=np.int32)
-                if on_device:
-                    drawn = _draw(dec, fed, rng, temperature, limit)
-                else:
-                    logits = dec.feed(fed)[0]
-        buf = np.zeros((1, window), dtype=np.int32)
+        source.start(tokens)
         for i in range(max_new_tokens):
-            if on_device:
-                nxt = drawn
-            else:
-                if not kv_cache:
-                    ctx = tokens[-window:]
-                    buf[0, :len(ctx)] = ctx
-                    buf[0, len(ctx):] = 0
-                    with _one_caller(model):
-                        model.forward(buf)
-                        logits = model.logits_host(len(ctx) - 1)[0]
-                nxt = choose_token(logits[:vocab_limit], rng, temperature, top_k, top_p)
-            if stop is not None and nxt == stop:
+            nxt = source.next(tokens)
+            if nxt == stop_id:
                 return
             tokens.append(nxt)
             yield nxt
-            if kv_cache and i + 1 < max_new_tokens:
-                with _one_caller(model):
-                    if getattr(dec, "owner", None) is not me:
-                        raise ValueError("generate: another generate() on this model began since this one did, and "
-                                         "the model's key/value cache holds its tokens now; run them one after the "
-                                         "other, pass kv_cache=False, or load the model twice")
-                    fed = np.asarray([nxt], dtype=np.int32)
-                    if on_device:
-                        drawn = _draw(dec, fed, rng, temperature, limit)
-                    else:
-                        logits = dec.feed(fed)[0]
+            if text is not None:
+                text.add(nxt)
+                if text.stopped:
+                    return
+            if i + 1 < max_new_tokens:
+                source.feed(nxt)
     except NotImplementedError as e:
         raise ValueError(unimplemented_kernel(model.backend, e)) from None

@@ -27,6 +27,21 @@ def test_grid_runs_sync_once_per_block_and_chunked_per_stream_count():
     assert len(ov.overlap_cases(ov.BATCHES, OVERLAP_MODES, ov.STREAMS, ov.BLOCKS, ov.HOST_MEMORY)) == 504
 
 
+def test_the_grids_and_an_axis_given_in_place_of_the_grids():
+    small = ov.grid_axes("small")
+    assert len(ov.overlap_cases(**small)) == 8 and small["batches"] == (8, 16) and small["streams"] == (4,)
+    assert len(ov.overlap_cases(**ov.grid_axes("full"))) == 504
+    mixed = ov.grid_axes("full", batches=(64,), streams=(), blocks=None)
+    assert mixed["batches"] == (64,) and mixed["streams"] == ov.STREAMS and mixed["blocks"] == ov.BLOCKS
+    assert len(ov.overlap_cases(**mixed)) == 6 * 6 * 2
+    assert ov.grid_line("small", small, 2, 1024, 768) == (
+        "bench overlap: 16 case(s) on 2 backend(s) (grid small; --grid full runs 504 per backend)")
+    assert ov.grid_line("full", mixed, 1, 1024, 768) == "bench overlap: 72 case(s) on 1 backend(s) (grid full)"
+    with pytest.raises(BenchError, match="--streams 16: more chunks than the 8 rows"):
+        ov.grid_line("full", ov.grid_axes("full"), 1, 1, 768)
+    assert ov.grid_help().startswith("small: 8 cases (-b 8 16, --streams 4, --block 256, --host-memory pinned")
+
+
 def test_bytes_chunks_and_checked_rows():
     assert ov.bytes_moved(1024, 768) == 4 * 1024 * 768 * 2 + 8 * 1024
     bounds = ov.chunk_bounds(10, 3)

@@ -118,4 +118,18 @@ def test_plot_without_matplotlib_is_one_line(plugins, monkeypatch, tmp_path):
 def test_help_shows_an_example():
     r = run("bench", "overlap", "--help")
     assert "Example:" in r.output and "llmc bench overlap --backend cuda" in r.output
-    assert "[default: 8 16 32 64 128 256 512]" in " ".join(r.output.split())
+    assert "full: 504 cases (-b 8 16 32 64 128 256 512," in " ".join(r.output.split())
+
+
+def test_no_options_run_the_small_grid_and_say_so_first(plugins):
+    quick = ["-t", "8", "-c", "32", "--repeat", "1", "--warmup", "0"]
+    out = json.loads(run("bench", "overlap", *quick, "--json").stdout)
+    assert len(out["results"]) == 8 and out["config"]["batches"] == [8, 16] and out["config"]["streams"] == [4]
+    r = run("bench", "overlap", *quick)
+    assert r.stderr.splitlines()[0] == ("bench overlap: 8 case(s) on 1 backend(s) (grid small; --grid full runs 504 "
+                                        "per backend)")
+    full = [*quick, "--grid", "full", "-b", "2", "--block", "32"]
+    r = run("bench", "overlap", *full)
+    assert r.stderr.splitlines()[0] == "bench overlap: 12 case(s) on 1 backend(s) (grid full)"
+    assert len(json.loads(run("bench", "overlap", *full, "--json").stdout)["results"]) == 12  # 1 batch x 1 block
+    # x (sync + 5 stream counts) x 2 host memories

@@ -47,10 +47,10 @@ tests)
   tail -n 15 "$OUT/tests.log"
   ;;
 sweep)
-  bench sweep --backend cuda --block 256
+  bench sweep --backend cuda --grid full --block 256
   ;;
 blocks)
-  bench blocks --backend cuda --host-memory pinned -b 8 -b 64 -b 512
+  bench blocks --backend cuda --grid full --host-memory pinned -b 8 -b 64 -b 512
   ;;
 opencl)
   ICD_DIR=/tmp/llmc_icd; mkdir -p "$ICD_DIR"
@@ -59,7 +59,7 @@ opencl)
   (cd /tmp && $LLMC backends --json) > "$OUT/opencl_backends.json" 2>&1
   if $PY -c "import json, sys; sys.exit(not any(b['name'] == 'opencl' and b['usable'] for b in json.load(sys.stdin)))" \
       < "$OUT/opencl_backends.json" 2>/dev/null; then
-    LIMIT=100 bench opencl --backend opencl --backend-opt tune=off -b 64 -b 512 --block 256
+    LIMIT=100 bench opencl --backend opencl --grid full --backend-opt tune=off -b 64 -b 512 --block 256
     timeout 100 $PY -m pytest -q -p no:cacheprovider backends/opencl/tests/test_opencl_overlap.py \
       > "$OUT/opencl_tests.log" 2>&1 || rc=1
     tail -n 5 "$OUT/opencl_tests.log"

@@ -781,3 +781,20 @@ class OpenCLPlugin(BackendPlugin):
         except Exception as e:
             raise BackendUnavailable(f"OpenCL unavailable: {type(e).__name__}: {e}") from None
         return OpenCLBackend(plat, dev, options=opts)
+
+    def prepare(self):
+        """Every usable device's programs built, its SGEMM tuned and every kernel of a training step and of decoding
+        launched once (llmc_opencl.prepare), so that the first run finds all of it in the caches."""
+        ok, reason = self.probe()
+        if not ok:
+            raise BackendUnavailable(reason)
+        from .prepare import prepare_device  # (it imports the engine's trainer: only when preparing)
+        done = []
+        for d in _all_devices():
+            if _why_not(d):
+                continue
+            be = OpenCLBackend(d[2], d[3])
+            prepare_device(be)
+            done.append(f"{d[3].name.strip()} (SGEMM {be.gemm_config['source']})")
+        return (f"programs built, SGEMM tuned and every kernel of a training step and of decoding compiled for "
+                f"{'; '.join(done)}")
