@@ -219,9 +219,9 @@ def random_shard(directory: str | Path, cfg: Config, ntokens: int, seed: int) ->
     """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it. The
     format is the one the trainer takes for the model's vocabulary: GPT-2's (16-bit ids) up to 50257 ids,
     Llama 3's (32-bit) for 128256 and more; a vocabulary between the two has no shard format."""
-    from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import SHARD_VOCAB
-    fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1]) if cfg.vocab_size >= n]
+    from llmc_cli.formats.shards import SHARD_VOCAB, write_shard
+    fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1])
+            if cfg.vocab_size >= n and (t != "bytes" or cfg.vocab_size == n)]  # (bytes: a byte model's alone)
     if not fits or (fits[0] == "gpt2" and cfg.vocab_size > 2**16):
         raise BenchError(f"--vocab-size {cfg.vocab_size}: random tokens need a vocabulary of GPT-2's 50257 to "
                          f"65536 ids or Llama 3's 128256 or more (shard formats); give --data instead")

@@ -11,6 +11,7 @@ downloads); it is located on disk without importing ``whisper`` (whose ``__init_
 
 A Llama 3 tokenizer (tiktoken-format ``tokenizer.model`` from Meta, 128,000 ranks + 256 specials) is
 ``load_tokenizer("llama3", path)``; it needs a path because the ranks are not shipped in any package.
+``load_tokenizer("bytes")`` is the byte-level one (ids 0..255 are UTF-8 bytes, 256 is end-of-text).
 New tokenizers register a builder in ``TOKENIZERS``.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from llmc_cli.data.home import install_hint, packages_dir
 from llmc_cli.formats.files import DataError, read_at_most, special_file
 
 __all__ = [
-    "Tokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
+    "Tokenizer", "ByteTokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
     "write_tokenizer_bin", "read_tokenizer_bin", "ranks_file_bytes", "TOKENIZER_MAGIC", "TOKENIZER_VERSION",
 ]
 
@@ -167,6 +168,62 @@ class Tokenizer:
 
     def token_bytes(self, i: int) -> bytes:
         return self.enc.decode_single_token_bytes(int(i))
+
+
+class ByteTokenizer:
+    """The byte-level tokenizer: a text's UTF-8 bytes are its ids (0..255), end-of-text is 256. No ranks file, no
+    merges: a vocabulary of 257 keeps a small model's embedding and classifier small, where GPT-2's 50,257 rows
+    would be most of its parameters. Documents start with end-of-text, as GPT-2's do in llm.c's shards."""
+
+    name = "bytes"
+    vocab_size = 257
+    eot = 256
+    path = None
+    EOT_TEXT = GPT2_EOT
+
+    def __init__(self):
+        self.doc_prefix = [self.eot]
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(vocab_size={self.vocab_size}, eot={self.eot})"
+
+    @functools.cached_property
+    def vocabulary_sha256(self) -> str:
+        h = hashlib.sha256()
+        for i in range(self.vocab_size):
+            b = self.token_bytes(i)
+            h.update(len(b).to_bytes(4, "little") + b)
+        return h.hexdigest()
+
+    def encode(self, text: str, allowed_special="all") -> list[int]:
+        """Text -> ids (prompts): ``<|endoftext|>`` becomes 256 unless ``allowed_special`` leaves it out."""
+        if allowed_special != "all" and self.EOT_TEXT not in allowed_special:
+            return self.encode_ordinary(text)
+        out: list[int] = []
+        for k, part in enumerate(text.split(self.EOT_TEXT)):
+            out += ([self.eot] if k else []) + self.encode_ordinary(part)
+        return out
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_ordinary_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+
+    def encode_document(self, text: str) -> list[int]:
+        return self.doc_prefix + self.encode_ordinary(text)
+
+    def token_bytes(self, i: int) -> bytes:
+        i = int(i)
+        if not 0 <= i < self.vocab_size:
+            raise TokenizerError(f"token id {i} out of range for a vocabulary of {self.vocab_size}")
+        return self.EOT_TEXT.encode() if i == self.eot else bytes((i,))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors=errors)
 
 
 class TokenTable:
@@ -424,9 +481,16 @@ def _build_llama3(path: str | None) -> Tokenizer:
                      doc_prefix=[specials["<|begin_of_text|>"]], path=str(path))
 
 
-TOKENIZERS: dict[str, Callable[[str | None], Tokenizer]] = {
+def _build_bytes(path: str | None) -> ByteTokenizer:
+    if path:
+        raise TokenizerError(f"the bytes tokenizer has no ranks file; leave out --tokenizer-path ({path})")
+    return ByteTokenizer()
+
+
+TOKENIZERS: dict[str, Callable[[str | None], Tokenizer | ByteTokenizer]] = {
     "gpt2": _build_gpt2,
     "llama3": _build_llama3,
+    "bytes": _build_bytes,
 }
 _CACHE: dict[tuple[str, str | None], Tokenizer] = {}
 
