@@ -22,6 +22,7 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import struct
@@ -31,7 +32,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from llmc_cli.data.home import install_hint, packages_dir
-from llmc_cli.formats.files import DataError, read_at_most, special_file
+from llmc_cli.formats.files import (DataError, atomic_write_bytes, check_replaceable, read_at_most,
+                                    special_file)
+from llmc_cli.formats.hf_tokenizer import bytes_to_unicode
 
 __all__ = [
     "Tokenizer", "ByteTokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
@@ -49,7 +52,7 @@ GPT2_PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 def _gpt2_pat() -> str:
     try:
-        from tiktoken_ext.openai_public import r50k_pat_str
+        from tiktoken_ext.openai_public import r50k_pat_str  # (tiktoken's own spelling, where installed)
         return r50k_pat_str
     except Exception:  # pragma: no cover - older / trimmed tiktoken
         return GPT2_PAT_STR
@@ -350,9 +353,6 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
     special tokens are not ranks. Everything llmc does not read but the file states is checked against what llmc
     builds instead (the merges, the special tokens' ids, the split pattern), so a file that tokenizes otherwise in
     transformers is refused rather than read differently."""
-    import json
-
-    from llmc_cli.formats.hf_tokenizer import bytes_to_unicode
     try:
         doc = json.loads(raw)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
@@ -366,6 +366,18 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
     vocab = model.get("vocab")
     if not isinstance(vocab, dict):
         raise TokenizerError(f"{p}: model.vocab is {type(vocab).__name__}, expected an object of token: id")
+    ranks = _json_vocab_ranks(p, vocab, what)
+    _check_json_merges(p, model.get("merges"), vocab)
+    _check_json_specials(p, doc.get("added_tokens"), vocab, len(ranks), what)
+    patterns = _split_patterns(doc.get("pre_tokenizer"))
+    if patterns != [LLAMA3_PAT_STR]:
+        raise TokenizerError(f"{p}: pre_tokenizer splits with {patterns or 'no regex'}, expected {what}'s split "
+                             f"pattern alone (llmc tokenizes with it)")
+    return ranks
+
+
+def _json_vocab_ranks(p: Path, vocab: dict, what: str) -> dict[bytes, int]:
+    """model.vocab's tokens as bytes -> id: byte-level BPE ranks 0..n-1 holding every single byte."""
     decode = {c: b for b, c in bytes_to_unicode().items()}
     ranks: dict[bytes, int] = {}
     for tok, i in vocab.items():
@@ -379,7 +391,10 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
     n = len(ranks)
     if sorted(ranks.values()) != list(range(n)) or any(bytes([b]) not in ranks for b in range(256)):
         raise TokenizerError(f"{p}: the {what} vocabulary is not byte-level BPE ranks 0..{n - 1}")
-    merges = model.get("merges")
+    return ranks
+
+
+def _check_json_merges(p: Path, merges, vocab: dict) -> None:
     if not isinstance(merges, list):
         raise TokenizerError(f"{p}: model.merges is {type(merges).__name__}, expected a list of merges")
     for k, m in enumerate(merges):
@@ -388,7 +403,10 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
             raise TokenizerError(f"{p}: model.merges[{k}] is {m!r}, expected 'a b' or [\"a\", \"b\"]")
         if not all(s in vocab for s in (*pair, pair[0] + pair[1])):
             raise TokenizerError(f"{p}: model.merges[{k}] {m!r} names a token not in model.vocab")
-    added = doc.get("added_tokens")
+
+
+def _check_json_specials(p: Path, added, vocab: dict, n: int, what: str) -> None:
+    """added_tokens: Llama 3's specials, after the n ranks, the fixed ones at their ids."""
     if not isinstance(added, list) or not all(isinstance(a, dict) and isinstance(a.get("content"), str)
                                               and type(a.get("id")) is int for a in added):
         raise TokenizerError(f"{p}: added_tokens is not a list of {{\"id\": int, \"content\": str}}, expected "
@@ -404,11 +422,6 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
             found = "is missing" if tok not in ids else f"has id {ids[tok]}"
             raise TokenizerError(f"{p}: added token {tok} {found}, expected id {want} "
                                  f"({what}'s special tokens follow the vocabulary's {n} ranks)")
-    patterns = _split_patterns(doc.get("pre_tokenizer"))
-    if patterns != [LLAMA3_PAT_STR]:
-        raise TokenizerError(f"{p}: pre_tokenizer splits with {patterns or 'no regex'}, expected {what}'s split "
-                             f"pattern alone (llmc tokenizes with it)")
-    return ranks
 
 
 def _split_patterns(pre) -> list[str]:
@@ -454,7 +467,7 @@ def gpt2_ranks(path: str | os.PathLike | None = None) -> dict[bytes, int]:
 
 
 def _build_gpt2(path: str | None) -> Tokenizer:
-    import tiktoken
+    import tiktoken  # (its Rust extension loads only where a BPE tokenizer is built: bytes needs none)
 
     p = Path(path) if path else gpt2_ranks_path()
     ranks = _load_ranks(p, "GPT-2", GPT2_RANKS_SHA256)
@@ -466,7 +479,7 @@ def _build_gpt2(path: str | None) -> Tokenizer:
 
 
 def _build_llama3(path: str | None) -> Tokenizer:
-    import tiktoken
+    import tiktoken  # (as in _build_gpt2)
 
     if not path:
         raise TokenizerError(
@@ -512,7 +525,6 @@ def load_tokenizer(name: str = "gpt2", path: str | os.PathLike | None = None) ->
 
 def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
     """Write llm.c's tokenizer file for ``tok`` (anything with vocab_size, eot, token_bytes)."""
-    from llmc_cli.formats.files import check_replaceable
     path = Path(path)
     check_replaceable(path, [TOKENIZER_MAGIC], "tokenizer file")
     header = np.zeros(HEADER_INTS, dtype="<i4")
@@ -524,8 +536,6 @@ def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
             raise TokenizerError(f"token {i} is {len(b)} bytes long; llm.c's format holds 1..255")
         parts.append(struct.pack("<B", len(b)))
         parts.append(b)
-    from llmc_cli.formats.files import atomic_write_bytes
-
     atomic_write_bytes(path, b"".join(parts), through_links=True)  # (checked a tokenizer file above)
     return path
 
