@@ -61,6 +61,7 @@ _BLAS_THREADS = _numpy_blas_threads()
 # products below this many multiply-adds run on one BLAS thread: splitting them costs more than it saves (768x128 by
 # 128x384 on 2 cores: 2.1 ms on one thread, 7.9 ms on two while other processes share the cores)
 SMALL_GEMM_MACS = 1 << 27
+SPLIT_GEMM_MACS = 1 << 20  # smaller ones run whole on the calling thread: a handoff to the pool costs ~50 us
 
 
 _SUMSQ_ROW = 4096
@@ -219,39 +220,67 @@ class CpuBackend(Backend):
     def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None):
         OC, C = weight.shape
         target = (pre_gelu if pre_gelu is not None else out).reshape(-1, OC)
-        self._blas_for(target.size * C)
-        np.matmul(inp.reshape(-1, C), weight.T, out=target)
-        if bias is not None:
-            target += bias
+        x = inp.reshape(-1, C)
+
+        def rows(lo: int, hi: int) -> None:
+            np.matmul(x[lo:hi], weight.T, out=target[lo:hi])
+            if bias is not None:
+                target[lo:hi] += bias
+
+        self._in_parts(target.size * C, [(rows, target.shape[0])])
         if pre_gelu is not None:
             self.gelu_forward(out, pre_gelu)
 
     def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu=None):
         OC, C = weight.shape
         g, x = dout.reshape(-1, OC), inp.reshape(-1, C)
-        self._blas_for(g.size * C)
+        work = [(lambda lo, hi: self._accumulate_gemm_tn(dweight, g, x, lo, hi), OC)]
         if dinp is not None:
-            np.matmul(g, weight, out=dinp.reshape(-1, C))
-            if pre_gelu is not None:
-                self.gelu_backward(dinp, pre_gelu, dinp)
+            dx = dinp.reshape(-1, C)
+            work.append((lambda lo, hi: np.matmul(g[lo:hi], weight, out=dx[lo:hi]), g.shape[0]))
+        self._in_parts(g.size * C, work)
+        if dinp is not None and pre_gelu is not None:
+            self.gelu_backward(dinp, pre_gelu, dinp)
         if dbias is not None:
             dbias += g.sum(axis=0)
-        self._accumulate_gemm_tn(dweight, g, x)
 
-    def _accumulate_gemm_tn(self, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-        """c (M,K) += a(N,M)^T @ b(N,K), with beta=1 in numpy's own OpenBLAS (the same library and thread pool
-        numpy's matmul uses; scipy's sgemm brings a second pool that fights it for the cores: 8 ms instead of
-        0.2 ms for a 64x128x384 product on 2 cores). Saves a pass over the weight gradient: 256x50304x768
+    def _in_parts(self, macs: int, work: list) -> None:
+        """Run each (fn, n) as fn(lo, hi) over [0, n): a small product in as many slices as the backend has
+        threads, each on one BLAS thread (blocked in our pool rather than spinning in BLAS's, which stalls on cores
+        shared with other processes); a large one whole, on every BLAS thread. Each output element is made by one
+        call, whatever the slicing: the same bits on every run of a given thread count."""
+        self._blas_for(macs)
+        parts = self.threads if (self._pool is not None and SPLIT_GEMM_MACS <= macs < SMALL_GEMM_MACS) else 1
+        calls = [(fn, n * i // parts, n * (i + 1) // parts) for i in range(parts) for fn, n in work]
+        if parts == 1:
+            for fn, lo, hi in calls:
+                fn(lo, hi)
+            return
+        mine = [c for i, c in enumerate(calls) if i // len(work) == 0]
+        futures = [self._pool.submit(fn, lo, hi) for i, (fn, lo, hi) in enumerate(calls) if i // len(work) > 0]
+        for fn, lo, hi in mine:
+            fn(lo, hi)
+        for f in futures:
+            f.result()
+
+    def _accumulate_gemm_tn(self, c: np.ndarray, a: np.ndarray, b: np.ndarray, lo: int = 0,
+                            hi: int | None = None) -> None:
+        """c[lo:hi] (M,K) += a[:, lo:hi](N,M)^T @ b(N,K), with beta=1 in numpy's own OpenBLAS (the same library and
+        thread pool numpy's matmul uses; scipy's sgemm brings a second pool that fights it for the cores: 8 ms
+        instead of 0.2 ms for a 64x128x384 product on 2 cores). Saves a pass over the weight gradient: 256x50304x768
         88 -> 63 ms here. Elsewhere: a matmul into a kept scratch, then an add."""
         (N, M), K = a.shape, b.shape[1]
-        if (_SGEMM is not None and min(N, M, K) > 0 and all(x.dtype == np.float32 and x.flags.c_contiguous
-                                                             for x in (a, b, c))):
-            _SGEMM(_ROW_MAJOR, _TRANS, _NO_TRANS, M, K, N, 1.0, a.ctypes.data, M, b.ctypes.data, K, 1.0,
-                   c.ctypes.data, K)
+        hi = M if hi is None else hi
+        if (_SGEMM is not None and min(N, hi - lo, K) > 0 and all(x.dtype == np.float32 and x.flags.c_contiguous
+                                                                  for x in (a, b, c))):
+            _SGEMM(_ROW_MAJOR, _TRANS, _NO_TRANS, hi - lo, K, N, 1.0, a.ctypes.data + 4 * lo, M, b.ctypes.data, K,
+                   1.0, c.ctypes.data + 4 * lo * K, K)
             return
-        tmp = self._tmp("gemm_tn", c.shape)
-        np.matmul(a.T, b, out=tmp)
-        c += tmp
+        if hi - lo == 0:
+            return
+        tmp = self._tmp(f"gemm_tn{lo}", (hi - lo, K))
+        np.matmul(a[:, lo:hi].T, b, out=tmp)
+        c[lo:hi] += tmp
 
     # ---- gelu (tanh approximation) --------------------------------------------------------------------------
     def gelu_forward(self, out, inp):
