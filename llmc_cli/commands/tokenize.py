@@ -159,8 +159,9 @@ def _common(fn):
         click.option("--workers", type=WORKERS, default=os.cpu_count() or 1,
                      show_default="number of CPUs", help="Tokenizer worker processes."),
         click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default="gpt2",
-                     show_default=True, help="Vocabulary (recorded in the shard format: gpt2 -> uint16 "
-                                             "magic 20240520, llama3 -> uint32 magic 20240801)."),
+                     show_default=True, help="Vocabulary, recorded in the shards: gpt2 (uint16, magic 20240520), "
+                                             "llama3 (uint32, magic 20240801), bytes (UTF-8 bytes + end-of-text, "
+                                             "uint16, magic 20240520 version 2)."),
         click.option("--tokenizer-path", type=ExistingPath(dir_okay=False, exists=True), default=None,
                      help="tiktoken ranks file  [default for gpt2: whisper/assets/gpt2.tiktoken from "
                           "openai-whisper; required for llama3]"),
@@ -211,6 +212,7 @@ def _run(src: Source, o: dict, default_dir: str | None = None) -> Summary:
 EPILOG_TOP = """\b
 Examples:
   llmc tokenize shakespeare                      # offline, writes datasets/shakespeare/
+  llmc tokenize shakespeare --tokenizer bytes    # one token a byte, for a character-level model
   llmc tokenize text notes.txt docs/ --name mine
   llmc tokenize fineweb --version 10B --edu --workers 16
   llmc tokenize hellaswag --local hellaswag_val.jsonl
@@ -219,7 +221,7 @@ Examples:
 
 @click.group(epilog=EPILOG_TOP)
 def tokenize():
-    """Tokenize corpora into llm.c-format shards (1 KiB header; uint16 GPT-2 or uint32 Llama 3 ids).
+    """Tokenize corpora into llm.c-format shards (1 KiB header; uint16 GPT-2 or byte ids, uint32 Llama 3 ids).
 
     Writes <name>_val_000000.bin, <name>_train_000001.bin, ... under datasets/<name>/ (--out-dir
     overrides). Every document starts with <|endoftext|>. Interrupted runs resume after the last
