@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,6 +89,8 @@ class CpuBackend(Backend):
         self._allocated: dict[str, int] = defaultdict(int)
         self._scratch: dict[tuple, np.ndarray] = {}
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self._masks: dict[int, np.ndarray] = {}
+        self._slice = threading.local()  # .on: this thread runs a slice of a kernel (_in_slices)
         self._blas_all = _BLAS_THREADS[1]() if _BLAS_THREADS is not None else 1
         self._blas_now = self._blas_all
 
@@ -125,8 +128,9 @@ class CpuBackend(Backend):
         return f"numpy {np.__version__} on the host, {self.threads} threads"
 
     def _tmp(self, key: str, shape: tuple, dtype=np.float32) -> np.ndarray:
-        """Scratch kept between calls, so steady-state steps allocate nothing large."""
-        k = (key, shape, dtype)
+        """Scratch kept between calls, so steady-state steps allocate nothing large; one set per thread, so that a
+        kernel's slices (_in_slices) run side by side."""
+        k = (key, shape, dtype, threading.get_ident())
         a = self._scratch.get(k)
         if a is None:
             a = self._scratch[k] = np.empty(shape, dtype=dtype)
@@ -221,15 +225,16 @@ class CpuBackend(Backend):
         OC, C = weight.shape
         target = (pre_gelu if pre_gelu is not None else out).reshape(-1, OC)
         x = inp.reshape(-1, C)
+        y = out.reshape(-1, OC)
 
         def rows(lo: int, hi: int) -> None:
             np.matmul(x[lo:hi], weight.T, out=target[lo:hi])
             if bias is not None:
                 target[lo:hi] += bias
+            if pre_gelu is not None:
+                self.gelu_forward(y[lo:hi], target[lo:hi])
 
         self._in_parts(target.size * C, [(rows, target.shape[0])])
-        if pre_gelu is not None:
-            self.gelu_forward(out, pre_gelu)
 
     def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu=None):
         OC, C = weight.shape
@@ -237,10 +242,15 @@ class CpuBackend(Backend):
         work = [(lambda lo, hi: self._accumulate_gemm_tn(dweight, g, x, lo, hi), OC)]
         if dinp is not None:
             dx = dinp.reshape(-1, C)
-            work.append((lambda lo, hi: np.matmul(g[lo:hi], weight, out=dx[lo:hi]), g.shape[0]))
+            pre = pre_gelu.reshape(-1, C) if pre_gelu is not None else None
+
+            def rows(lo: int, hi: int) -> None:
+                np.matmul(g[lo:hi], weight, out=dx[lo:hi])
+                if pre is not None:
+                    self.gelu_backward(dx[lo:hi], pre[lo:hi], dx[lo:hi])
+
+            work.append((rows, g.shape[0]))
         self._in_parts(g.size * C, work)
-        if dinp is not None and pre_gelu is not None:
-            self.gelu_backward(dinp, pre_gelu, dinp)
         if dbias is not None:
             dbias += g.sum(axis=0)
 
@@ -396,14 +406,14 @@ class CpuBackend(Backend):
     def _probs(self, q, k, hd, lse=None):
         """Scaled causal scores softmaxed in place: P (B,NH,T,T); fills lse or uses the given one."""
         B, NH, T, _ = q.shape
-        self._blas_for(B * NH * T * T * hd)
+        if not getattr(self._slice, "on", False):  # (a slice runs with the BLAS threads its caller set)
+            self._blas_for(B * NH * T * T * hd)
         att = self._tmp("att_p", (B, NH, T, T))
         np.matmul(q, k.transpose(0, 1, 3, 2), out=att)
         att *= np.float32(1.0 / math.sqrt(hd))
-        mask = self._tmp("att_mask", (T, T))
-        if not getattr(self, "_mask_T", None) == T:
-            mask[...] = np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
-            self._mask_T = T
+        mask = self._masks.get(T)
+        if mask is None:  # (built twice at worst, by two slices at once: the same values)
+            mask = self._masks[T] = np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
         att += mask
         if lse is None:
             m = att.max(axis=-1, keepdims=True)
@@ -417,6 +427,36 @@ class CpuBackend(Backend):
         return att, None
 
     def attention_forward(self, out, lse, qkv, n_head, n_kv_head):
+        B, T, W = qkv.shape
+        self._in_slices(B, B * n_head * T * T * W // (n_head + 2 * n_kv_head), lambda lo, hi: self._attention_forward(
+            out[lo:hi], lse[lo:hi], qkv[lo:hi], n_head, n_kv_head))
+
+    def attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
+        B, T, W = qkv.shape
+        self._in_slices(B, B * n_head * T * T * W // (n_head + 2 * n_kv_head), lambda lo, hi: self._attention_backward(
+            dqkv[lo:hi], dout[lo:hi], qkv[lo:hi], out[lo:hi], lse[lo:hi], n_head, n_kv_head))
+
+    def _in_slices(self, n: int, macs: int, fn) -> None:
+        """fn(lo, hi) over slices of [0, n) (the batch) side by side on the pool, where the products are small
+        enough for one BLAS thread each (see _in_parts); whole otherwise."""
+        parts = min(n, self.threads) if (self._pool is not None and SPLIT_GEMM_MACS <= macs < SMALL_GEMM_MACS) else 1
+        if parts == 1:
+            fn(0, n)
+            return
+        def part(lo: int, hi: int) -> None:
+            self._slice.on = True
+            try:
+                fn(lo, hi)
+            finally:
+                self._slice.on = False
+
+        self._blas_for(0)
+        futures = [self._pool.submit(part, n * i // parts, n * (i + 1) // parts) for i in range(1, parts)]
+        part(0, n // parts)
+        for f in futures:
+            f.result()
+
+    def _attention_forward(self, out, lse, qkv, n_head, n_kv_head):
         B, T, _ = qkv.shape
         q, k, v, hd = self._split_heads(qkv, n_head, n_kv_head)
         att, l = self._probs(q, k, hd)
@@ -425,7 +465,7 @@ class CpuBackend(Backend):
         np.matmul(att, v, out=y)
         out.reshape(B, T, n_head, hd)[...] = y.transpose(0, 2, 1, 3)
 
-    def attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
+    def _attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
         B, T, _ = qkv.shape
         q, k, v, hd = self._split_heads(qkv, n_head, n_kv_head)
         p, _ = self._probs(q, k, hd, lse)
