@@ -42,8 +42,9 @@ PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (n_layer, n_head, n_embd
     "d36": (36, 20, 1280), "d48": (48, 25, 1600),
     "bytes-d4": (4, 4, 128),  # a character-level model for byte shards (nanoGPT's shakespeare-char CPU shape)
 }
-# presets with a context of their own (the rest: 1024): a byte model sees 256 characters, what it trains on
-PRESET_BLOCK_SIZE = {"bytes-d4": 256}
+# presets with a context of their own (the rest: 1024): the byte model's, what its recipe trains on (a position
+# past the trained ones has an embedding no step updated)
+PRESET_BLOCK_SIZE = {"bytes-d4": 64}
 
 
 def preset(name: str, **overrides) -> GPT2Config:

@@ -125,8 +125,8 @@ def test_model_file_names_the_tokenizer(tmp_path):
 def test_preset():
     fam = family_for("bytes-d4")
     cfg = fam.preset("bytes-d4")
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (4, 4, 128, 256)
-    assert fam.preset("bytes-d4", block_size=64).block_size == 64
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (4, 4, 128, 64)
+    assert fam.preset("bytes-d4", block_size=256).block_size == 256
     assert gpt2.preset("d6").block_size == 1024  # (the others keep GPT-2's context)
 
 
