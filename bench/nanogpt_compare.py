@@ -89,6 +89,7 @@ def timed(cmd: list[str], cwd: Path, patterns: dict[str, re.Pattern], log: Path)
         for line in p.stdout:
             t = time.perf_counter() - t0
             f.write(f"{t:9.3f} {line}")
+            f.flush()
             for name, pat in patterns.items():
                 if m := pat.match(line.strip()):
                     curves[name].append((round(t, 3), int(m.group(1)), float(m.group(2))))
