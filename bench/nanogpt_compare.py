@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,23 +80,39 @@ def prepare(work: Path, nanogpt: Path) -> Path:
     return nano
 
 
-def timed(cmd: list[str], cwd: Path, patterns: dict[str, re.Pattern], log: Path) -> dict:
-    """Run `cmd`, noting when each line that a pattern matches arrives: {name: [(seconds, step, loss)]}."""
+def timed(cmd: list[str], cwd: Path, patterns: dict[str, re.Pattern], log: Path, limit: float | None) -> dict:
+    """Run `cmd` (stopped after `limit` seconds), noting when each line arrives in `log`; its curves (read_log)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     t0 = time.perf_counter()
-    curves: dict[str, list] = {k: [] for k in patterns}
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p, \
             open(log, "w") as f:
+        stopper = threading.Timer(limit, p.terminate) if limit else None
+        if stopper:
+            stopper.start()
         for line in p.stdout:
-            t = time.perf_counter() - t0
-            f.write(f"{t:9.3f} {line}")
+            f.write(f"{time.perf_counter() - t0:9.3f} {line}")
             f.flush()
-            for name, pat in patterns.items():
-                if m := pat.match(line.strip()):
-                    curves[name].append((round(t, 3), int(m.group(1)), float(m.group(2))))
-    if p.returncode:
+        if stopper:
+            stopper.cancel()
+    if p.returncode and not (limit and time.perf_counter() - t0 >= limit):
         raise SystemExit(f"{cmd[0]} ... exited {p.returncode}; see {log}")
-    curves["seconds"] = round(time.perf_counter() - t0, 3)
+    return read_log(log, patterns)
+
+
+def read_log(log: Path, patterns: dict[str, re.Pattern]) -> dict:
+    """{name: [(seconds, step, loss)] of the lines `patterns[name]` matches, "seconds": the last line's time}."""
+    curves: dict = {k: [] for k in patterns}
+    t = 0.0
+    for row in log.read_text().splitlines():
+        stamp, _, line = row.strip().partition(" ")
+        try:
+            t = float(stamp)
+        except ValueError:
+            continue
+        for name, pat in patterns.items():
+            if m := pat.match(line.strip()):
+                curves[name].append((round(t, 3), int(m.group(1)), float(m.group(2))))
+    curves["seconds"] = round(t, 3)
     return curves
 
 
@@ -116,15 +133,18 @@ def plot(runs: list[dict], png: Path) -> None:
     for k, r in enumerate(runs):
         c, first = colours[r["name"]], k < 2
         t, _, loss = zip(*r["curves"]["train"])
-        ax.plot(t, loss, color=c, alpha=0.25, lw=0.8)
+        ax.plot(t, loss, color=c, alpha=0.2, lw=0.6)
         t, _, val = zip(*r["curves"]["val"])
         ax.plot(t, val, color=c, marker="o", ms=3, lw=1.5,
                 label=f"{r['name']} val ({r['tok_per_s']:,} tok/s)" if first else None)
     ax.axhline(TARGET, color="grey", ls="--", lw=0.8, label=f"val {TARGET}")
     ax.set_xlabel("seconds since the process started")
     ax.set_ylabel("loss per byte (nats)")
-    ax.set_ylim(1.3, 3.5)
-    ax.set_title("Shakespeare, 4 layers x 128 channels, B=12 T=64, CPU")
+    ax.set_ylim(1.4, 4.6)
+    loads = [r["load_average"] for r in runs if r.get("load_average") is not None]
+    where = f", load average {max(loads):.0f} at the start" if loads else ""
+    ax.set_title(f"Shakespeare bytes, 4 layers x 128 channels, B=12 T=64, {os.cpu_count()} CPU cores{where}",
+                 fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -139,22 +159,27 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/llmc-vs-nanogpt"))
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "quickstart-vs-nanogpt.png")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--time-limit", type=float, default=None, help="stop each run after this many seconds")
+    ap.add_argument("--replot", action="store_true", help="plot the logs an earlier run left in --work")
     a = ap.parse_args()
     nanogpt = a.nanogpt.resolve()
     a.work.mkdir(parents=True, exist_ok=True)
-    nano = prepare(a.work, nanogpt)
+    nano = a.work / "nanogpt" if a.replot else prepare(a.work, nanogpt)
     nano_cmd = [sys.executable, str(nanogpt / "train.py"), str(nanogpt / "config" / "train_shakespeare_char.py"),
                 "--dataset=shakespeare_bytes", f"--out_dir={nano / 'out'}"] + NANOGPT_ARGS
+    patterns = {"llmc": {"train": _LLMC_STEP, "val": _LLMC_VAL}, "nanoGPT": {"train": _NANO_STEP, "val": _NANO_VAL}}
     runs = []
     for r in range(a.rounds):
         for name in ("llmc", "nanoGPT"):
-            if name == "llmc":
+            log = a.work / f"{name.lower()}_{r}.log"
+            if a.replot:
+                c = read_log(log, patterns[name])
+            elif name == "llmc":
                 shutil.rmtree(a.work / "run", ignore_errors=True)
-                c = timed(llmc_command(a.work), REPO, {"train": _LLMC_STEP, "val": _LLMC_VAL},
-                          a.work / f"llmc_{r}.log")
+                c = timed(llmc_command(a.work), REPO, patterns[name], log, a.time_limit)
             else:
-                c = timed(nano_cmd, nano, {"train": _NANO_STEP, "val": _NANO_VAL}, a.work / f"nanogpt_{r}.log")
-            runs.append(summary(name, c) | {"curves": c})
+                c = timed(nano_cmd, nano, patterns[name], log, a.time_limit)
+            runs.append(summary(name, c) | {"load_average": None if a.replot else os.getloadavg()[0], "curves": c})
             print(json.dumps(runs[-1] | {"curves": None}), flush=True)
     plot(runs, a.png)
     if a.json:
