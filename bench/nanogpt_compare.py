@@ -80,9 +80,10 @@ def prepare(work: Path, nanogpt: Path) -> Path:
     return nano
 
 
-def timed(cmd: list[str], cwd: Path, patterns: dict[str, re.Pattern], log: Path, limit: float | None) -> dict:
+def timed(cmd: list[str], cwd: Path, patterns: dict[str, re.Pattern], log: Path, limit: float | None,
+          env: dict | None = None) -> dict:
     """Run `cmd` (stopped after `limit` seconds), noting when each line arrives in `log`; its curves (read_log)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", **(env or {}))
     t0 = time.perf_counter()
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p, \
             open(log, "w") as f:
@@ -161,6 +162,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--time-limit", type=float, default=None, help="stop each run after this many seconds")
     ap.add_argument("--replot", action="store_true", help="plot the logs an earlier run left in --work")
+    ap.add_argument("--nanogpt-threads", type=int, default=None,
+                    help="PyTorch's threads for nanoGPT (OMP_NUM_THREADS; default: PyTorch's, one per core)")
     a = ap.parse_args()
     nanogpt = a.nanogpt.resolve()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -178,7 +181,8 @@ def main() -> None:
                 shutil.rmtree(a.work / "run", ignore_errors=True)
                 c = timed(llmc_command(a.work), REPO, patterns[name], log, a.time_limit)
             else:
-                c = timed(nano_cmd, nano, patterns[name], log, a.time_limit)
+                threads = {"OMP_NUM_THREADS": str(a.nanogpt_threads)} if a.nanogpt_threads else {}
+                c = timed(nano_cmd, nano, patterns[name], log, a.time_limit, threads)
             runs.append(summary(name, c) | {"load_average": None if a.replot else os.getloadavg()[0], "curves": c})
             print(json.dumps(runs[-1] | {"curves": None}), flush=True)
     plot(runs, a.png)
