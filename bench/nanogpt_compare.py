@@ -137,7 +137,7 @@ def plot(runs: list[dict], png: Path) -> None:
         ax.plot(t, loss, color=c, alpha=0.2, lw=0.6)
         t, _, val = zip(*r["curves"]["val"])
         ax.plot(t, val, color=c, marker="o", ms=3, lw=1.5,
-                label=f"{r['name']} val ({r['tok_per_s']:,} tok/s)" if first else None)
+                label=f"{r['label']} val ({r['tok_per_s']:,} tok/s)" if first else None)
     ax.axhline(TARGET, color="grey", ls="--", lw=0.8, label=f"val {TARGET}")
     ax.set_xlabel("seconds since the process started")
     ax.set_ylabel("loss per byte (nats)")
@@ -183,7 +183,10 @@ def main() -> None:
             else:
                 threads = {"OMP_NUM_THREADS": str(a.nanogpt_threads)} if a.nanogpt_threads else {}
                 c = timed(nano_cmd, nano, patterns[name], log, a.time_limit, threads)
-            runs.append(summary(name, c) | {"load_average": None if a.replot else os.getloadavg()[0], "curves": c})
+            label = f"nanoGPT, {a.nanogpt_threads} PyTorch thread(s)" if name == "nanoGPT" and a.nanogpt_threads \
+                else name
+            load = None if a.replot else os.getloadavg()[0]
+            runs.append(summary(name, c) | {"label": label, "load_average": load, "curves": c})
             print(json.dumps(runs[-1] | {"curves": None}), flush=True)
     plot(runs, a.png)
     if a.json:

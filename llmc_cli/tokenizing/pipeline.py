@@ -258,8 +258,8 @@ class _ShardWriter:
                  done: list[dict], val_size: int | None, val_tokens: int | None, val_fraction: float,
                  summary: Summary):
         self.src, self.tokenizer, self.out_dir, self.manifest_path = src, tokenizer, out_dir, manifest_path
-        self.shard_size, self.val_tokens, self.val_fraction, self.summary = shard_size, val_tokens, val_fraction, summary
-        self.done = done
+        self.shard_size, self.val_tokens, self.val_fraction = shard_size, val_tokens, val_fraction
+        self.summary, self.done = summary, done
         self.state = {"fingerprint": fp, "shards": list(done), "complete": False, "val_size": val_size}
         summary.resumed = len(done)
         self.skip_doc, self.skip_off = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
