@@ -29,7 +29,7 @@ from llmc_cli.commands import interrupts
 from llmc_cli.commands.console import STDERR, fail, printable
 from llmc_cli.commands.options import ExistingPath, Int, Real
 from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer, write_tokenizer_bin
-from llmc_cli.formats.evalfile import write_evalfile
+from llmc_cli.formats.evalfile import eval_format, write_evalfile
 from llmc_cli.formats.files import CheckpointError, DataError
 from llmc_cli.formats.rundir import check_outside_checkpoints
 from llmc_cli.formats.shards import MAX_TOKENS
@@ -369,6 +369,7 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
             raise DataError(f"--checkpoint: {e}") from None
     # the tokenizer first: a missing ranks file is one line before anything is downloaded
     tok = load_tokenizer(tokenizer_name or "gpt2", tokenizer_path)
+    eval_format(tok.name)  # (a tokenizer no eval file holds, bytes': one line before the download)
     # GPT-2 contexts as llm.c encodes them (no prefix); a Llama's with the <|begin_of_text|> its training documents
     # and prompts start with (sample does the same)
     prefix = [] if tok.name == "gpt2" else tok.doc_prefix

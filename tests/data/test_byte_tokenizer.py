@@ -185,3 +185,9 @@ def test_tokenize_cli_takes_bytes(tmp_path):
             "--workers", 1)
     assert "1 val, 1 train" in r.output
     assert read_shard_header(next((tmp_path / "d").glob("*_val_*.bin"))).tokenizer == "bytes"
+
+
+def test_hellaswag_has_no_byte_eval_file(tmp_path):
+    r = run("tokenize", "hellaswag", "--tokenizer", "bytes", "--out-dir", tmp_path / "hs", ok=False)
+    one_line_error(r, "bytes")
+    assert not (tmp_path / "hs").exists()  # (refused before the download)
