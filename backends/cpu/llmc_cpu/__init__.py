@@ -7,6 +7,8 @@ step allocates nothing large.
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import math
 import os
 import threading
@@ -26,8 +28,6 @@ _ADAM_CHUNK = 1 << 16  # elements per AdamW chunk: five float32 chunks stay insi
 def _numpy_sgemm():
     """cblas_sgemm of the OpenBLAS that numpy itself loaded (numpy's wheels ship scipy-openblas, 64-bit ints),
     or None where numpy links another BLAS."""
-    import ctypes
-    import glob
     libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))
     if not libs or not np.__config__.CONFIG.get("Build Dependencies", {}).get("blas", {}).get("name", "").startswith(
             "scipy-openblas"):
@@ -44,8 +44,6 @@ def _numpy_sgemm():
 
 def _numpy_blas_threads():
     """(set, get) of the thread count of the OpenBLAS numpy loaded, or None where numpy links another BLAS."""
-    import ctypes
-    import glob
     libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))
     try:
         lib = ctypes.CDLL(libs[0])
