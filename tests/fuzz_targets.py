@@ -50,6 +50,13 @@ def _shard_seed(_: Path) -> bytes:
     return h.tobytes() + (np.arange(200) % 50257).astype("<u2").tobytes()
 
 
+def _byte_shard_seed(_: Path) -> bytes:
+    h = np.zeros(256, "<i4")
+    h[:3] = [20240520, 2, 200]
+    h[4:12] = np.frombuffer(b"bytes".ljust(32, b"\0"), "<i4")
+    return h.tobytes() + (np.arange(200) % 257).astype("<u2").tobytes()
+
+
 def _tokenizer_seed(_: Path) -> bytes:
     toks = [bytes([i]) for i in range(40)] + [b"<|endoftext|>"]
     h = np.zeros(256, "<i4")
@@ -141,6 +148,7 @@ def _read_hf_config(p: Path):
 TARGETS: dict[str, Target] = {
     "model_bin": Target(_model_seed, read_model, (ckpt.CheckpointError,)),
     "shard": Target(_shard_seed, _read_shard, (DataError,)),
+    "shard_bytes": Target(_byte_shard_seed, _read_shard, (DataError,), header_ints=12),
     "tokenizer_bin": Target(_tokenizer_seed, read_tokenizer_bin, (TokenizerError,)),
     "eval_file": Target(_eval_seed, read_evalfile, (DataError,)),
     "eval_file_llama3": Target(_eval_llama3_seed, read_evalfile, (DataError,), header_ints=12),

@@ -18,7 +18,7 @@ from llmc_cli.bench.torch_gpt2 import build_torch_gpt2
 from llmc_cli.bench.torch_llama3 import build_torch_llama3, sdpa_enable_gqa
 from llmc_cli.data.loader import DataLoader
 from llmc_cli.formats.files import temporary_directory
-from llmc_cli.formats.shards import write_shard
+from llmc_cli.formats.shards import SHARD_VOCAB, write_shard
 from llmc_cli.kernels import (
     BFLOAT16,
     FLOAT32,
@@ -28,7 +28,7 @@ from llmc_cli.models.base import INT32_MAX, check_seq_len
 from llmc_cli.models.families import family_of, flops_per_token
 from llmc_cli.models.family import Config
 from llmc_cli.optim import AdamWConfig
-from llmc_cli.training.trainer import SHARD_VOCAB, TrainArgs, Trainer
+from llmc_cli.training.trainer import TrainArgs, Trainer
 
 # ---------------------------------------------------------------------------------------------------------------
 # end-to-end training
@@ -218,7 +218,8 @@ def random_shard(directory: str | Path, cfg: Config, ntokens: int, seed: int) ->
     """A shard of `ntokens` uniformly random token ids (seeded) in `directory`; returns a glob for it. The
     format is the one the trainer takes for the model's vocabulary: GPT-2's (16-bit ids) up to 50257 ids,
     Llama 3's (32-bit) for 128256 and more; a vocabulary between the two has no shard format."""
-    fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1]) if cfg.vocab_size >= n]
+    fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1])
+            if cfg.vocab_size >= n and (t != "bytes" or cfg.vocab_size == n)]  # (bytes: a byte model's alone)
     if not fits or (fits[0] == "gpt2" and cfg.vocab_size > 2**16):
         raise BenchError(f"--vocab-size {cfg.vocab_size}: random tokens need a vocabulary of GPT-2's 50257 to "
                          f"65536 ids or Llama 3's 128256 or more (shard formats); give --data instead")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -25,12 +26,14 @@ from rich.progress import (
 )
 
 from llmc_cli.commands import interrupts
+from llmc_cli.commands.console import STDERR, fail, printable
 from llmc_cli.commands.options import ExistingPath, Int, Real
-from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer
-from llmc_cli.formats.evalfile import write_evalfile
-from llmc_cli.formats.files import DataError
+from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer, write_tokenizer_bin
+from llmc_cli.formats.evalfile import eval_format, write_evalfile
+from llmc_cli.formats.files import CheckpointError, DataError
 from llmc_cli.formats.rundir import check_outside_checkpoints
 from llmc_cli.formats.shards import MAX_TOKENS
+from llmc_cli.formats.sources import tokenizer_for
 from llmc_cli.tokenizing.downloads import URLS, download, hf_check, hf_stream
 from llmc_cli.tokenizing.pipeline import Summary, run_pipeline
 from llmc_cli.tokenizing.readers import _field, expand_inputs, files_in, iter_hellaswag, regular_file
@@ -49,7 +52,6 @@ from llmc_cli.tokenizing.workers import WorkerDied
 
 
 def _console() -> Console:
-    from llmc_cli.commands.console import STDERR
     return Console(file=STDERR)
 
 
@@ -59,9 +61,6 @@ class _Display(Progress):
     def add_task(self, description: str, *a, **kw):
         # the description holds the dataset's name (a directory's, or --name): '[red]' there is text, not markup,
         # and a newline or an escape sequence in it is shown escaped, not sent to the terminal
-        from rich.markup import escape
-
-        from llmc_cli.commands.console import printable
         return super().add_task(escape(printable(description)), *a, **kw)
 
     def discard(self) -> None:
@@ -127,8 +126,6 @@ def _friendly(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        from llmc_cli.commands.console import fail  # (cli imports this module)
-
         try:
             for key, option in (("out_dir", "--out-dir"), ("out", "OUT")):  # (before a download lands there)
                 if kw.get(key) is not None:
@@ -159,8 +156,9 @@ def _common(fn):
         click.option("--workers", type=WORKERS, default=os.cpu_count() or 1,
                      show_default="number of CPUs", help="Tokenizer worker processes."),
         click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default="gpt2",
-                     show_default=True, help="Vocabulary (recorded in the shard format: gpt2 -> uint16 "
-                                             "magic 20240520, llama3 -> uint32 magic 20240801)."),
+                     show_default=True, help="Vocabulary, recorded in the shards: gpt2 (uint16, magic 20240520), "
+                                             "llama3 (uint32, magic 20240801), bytes (UTF-8 bytes + end-of-text, "
+                                             "uint16, magic 20240520 version 2)."),
         click.option("--tokenizer-path", type=ExistingPath(dir_okay=False, exists=True), default=None,
                      help="tiktoken ranks file  [default for gpt2: whisper/assets/gpt2.tiktoken from "
                           "openai-whisper; required for llama3]"),
@@ -200,7 +198,6 @@ def _run(src: Source, o: dict, default_dir: str | None = None) -> Summary:
     summary = run_pipeline(src, tok, out, o["shard_size"], workers=o["workers"],
                            val_tokens=o.get("val_tokens"), val_fraction=o.get("val_fraction") or 0.1,
                            force=o["force"], progress=_progress_factory(console))
-    from llmc_cli.commands.console import printable  # (the line names the dataset and its directory: one line)
     if summary.resumed == len(summary.shards):
         click.echo(printable(f"already complete (use --force to redo): {summary.line()}"))
     else:
@@ -211,6 +208,7 @@ def _run(src: Source, o: dict, default_dir: str | None = None) -> Summary:
 EPILOG_TOP = """\b
 Examples:
   llmc tokenize shakespeare                      # offline, writes datasets/shakespeare/
+  llmc tokenize shakespeare --tokenizer bytes    # one token a byte, for a character-level model
   llmc tokenize text notes.txt docs/ --name mine
   llmc tokenize fineweb --version 10B --edu --workers 16
   llmc tokenize hellaswag --local hellaswag_val.jsonl
@@ -219,7 +217,7 @@ Examples:
 
 @click.group(epilog=EPILOG_TOP)
 def tokenize():
-    """Tokenize corpora into llm.c-format shards (1 KiB header; uint16 GPT-2 or uint32 Llama 3 ids).
+    """Tokenize corpora into llm.c-format shards (1 KiB header; uint16 GPT-2 or byte ids, uint32 Llama 3 ids).
 
     Writes <name>_val_000000.bin, <name>_train_000001.bin, ... under datasets/<name>/ (--out-dir
     overrides). Every document starts with <|endoftext|>. Interrupted runs resume after the last
@@ -365,14 +363,13 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
     if checkpoint is not None:
         if tokenizer_name is not None or tokenizer_path is not None:
             raise DataError("give --checkpoint or --tokenizer/--tokenizer-path, not both")
-        from llmc_cli.formats.files import CheckpointError
-        from llmc_cli.formats.sources import tokenizer_for
         try:
             tokenizer_name, tokenizer_path = tokenizer_for(checkpoint)
         except CheckpointError as e:
             raise DataError(f"--checkpoint: {e}") from None
     # the tokenizer first: a missing ranks file is one line before anything is downloaded
     tok = load_tokenizer(tokenizer_name or "gpt2", tokenizer_path)
+    eval_format(tok.name)  # (a tokenizer no eval file holds, bytes': one line before the download)
     # GPT-2 contexts as llm.c encodes them (no prefix); a Llama's with the <|begin_of_text|> its training documents
     # and prompts start with (sample does the same)
     prefix = [] if tok.name == "gpt2" else tok.doc_prefix
@@ -388,7 +385,6 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
     name = f"hellaswag_{split}.bin" if tok.name == "gpt2" else f"hellaswag_{split}_{tok.name}.bin"
     path = write_evalfile(out / name, examples, tokenizer=tok.name)
     ntok = sum(len(e["ctx_tokens"]) + sum(map(len, e["ending_tokens"])) for e in examples)
-    from llmc_cli.commands.console import printable  # (a name with a newline or an escape: one line)
     click.echo(printable(f"hellaswag: {len(examples):,} examples ({ntok:,} {tok.name} tokens) -> {path}"))
 
 
@@ -402,9 +398,6 @@ def tokenizer_bin(out, tokenizer_name, tokenizer_path):
     """Write llm.c's tokenizer .bin (magic 20240328, version 2) that llm.c's C code decodes with."""
     if os.path.isdir(out):  # ('' arrives as Path('.'), a directory too)
         raise DataError(f"OUT {out}: expected a file name for the tokenizer .bin, not a directory or an empty path")
-    from llmc_cli.data.tokenizer import write_tokenizer_bin
-
     tok = load_tokenizer(tokenizer_name, tokenizer_path)
     write_tokenizer_bin(tok, out)
-    from llmc_cli.commands.console import printable  # (a name with a newline or an escape: one line)
     click.echo(printable(f"{tok.name}: {tok.vocab_size:,} tokens, eot {tok.eot} -> {out}"))

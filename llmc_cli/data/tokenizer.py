@@ -11,6 +11,7 @@ downloads); it is located on disk without importing ``whisper`` (whose ``__init_
 
 A Llama 3 tokenizer (tiktoken-format ``tokenizer.model`` from Meta, 128,000 ranks + 256 specials) is
 ``load_tokenizer("llama3", path)``; it needs a path because the ranks are not shipped in any package.
+``load_tokenizer("bytes")`` is the byte-level one (ids 0..255 are UTF-8 bytes, 256 is end-of-text).
 New tokenizers register a builder in ``TOKENIZERS``.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import struct
@@ -30,10 +32,12 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from llmc_cli.data.home import install_hint, packages_dir
-from llmc_cli.formats.files import DataError, read_at_most, special_file
+from llmc_cli.formats.files import (DataError, atomic_write_bytes, check_replaceable, read_at_most,
+                                    special_file)
+from llmc_cli.formats.hf_tokenizer import bytes_to_unicode
 
 __all__ = [
-    "Tokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
+    "Tokenizer", "ByteTokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
     "write_tokenizer_bin", "read_tokenizer_bin", "ranks_file_bytes", "TOKENIZER_MAGIC", "TOKENIZER_VERSION",
 ]
 
@@ -48,7 +52,7 @@ GPT2_PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 def _gpt2_pat() -> str:
     try:
-        from tiktoken_ext.openai_public import r50k_pat_str
+        from tiktoken_ext.openai_public import r50k_pat_str  # (tiktoken's own spelling, where installed)
         return r50k_pat_str
     except Exception:  # pragma: no cover - older / trimmed tiktoken
         return GPT2_PAT_STR
@@ -167,6 +171,62 @@ class Tokenizer:
 
     def token_bytes(self, i: int) -> bytes:
         return self.enc.decode_single_token_bytes(int(i))
+
+
+class ByteTokenizer:
+    """The byte-level tokenizer: a text's UTF-8 bytes are its ids (0..255), end-of-text is 256. No ranks file, no
+    merges: a vocabulary of 257 keeps a small model's embedding and classifier small, where GPT-2's 50,257 rows
+    would be most of its parameters. Documents start with end-of-text, as GPT-2's do in llm.c's shards."""
+
+    name = "bytes"
+    vocab_size = 257
+    eot = 256
+    path = None
+    EOT_TEXT = GPT2_EOT
+
+    def __init__(self):
+        self.doc_prefix = [self.eot]
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(vocab_size={self.vocab_size}, eot={self.eot})"
+
+    @functools.cached_property
+    def vocabulary_sha256(self) -> str:
+        h = hashlib.sha256()
+        for i in range(self.vocab_size):
+            b = self.token_bytes(i)
+            h.update(len(b).to_bytes(4, "little") + b)
+        return h.hexdigest()
+
+    def encode(self, text: str, allowed_special="all") -> list[int]:
+        """Text -> ids (prompts): ``<|endoftext|>`` becomes 256 unless ``allowed_special`` leaves it out."""
+        if allowed_special != "all" and self.EOT_TEXT not in allowed_special:
+            return self.encode_ordinary(text)
+        out: list[int] = []
+        for k, part in enumerate(text.split(self.EOT_TEXT)):
+            out += ([self.eot] if k else []) + self.encode_ordinary(part)
+        return out
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_ordinary_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+
+    def encode_document(self, text: str) -> list[int]:
+        return self.doc_prefix + self.encode_ordinary(text)
+
+    def token_bytes(self, i: int) -> bytes:
+        i = int(i)
+        if not 0 <= i < self.vocab_size:
+            raise TokenizerError(f"token id {i} out of range for a vocabulary of {self.vocab_size}")
+        return self.EOT_TEXT.encode() if i == self.eot else bytes((i,))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(self.token_bytes(i) for i in ids)
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors=errors)
 
 
 class TokenTable:
@@ -293,9 +353,6 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
     special tokens are not ranks. Everything llmc does not read but the file states is checked against what llmc
     builds instead (the merges, the special tokens' ids, the split pattern), so a file that tokenizes otherwise in
     transformers is refused rather than read differently."""
-    import json
-
-    from llmc_cli.formats.hf_tokenizer import bytes_to_unicode
     try:
         doc = json.loads(raw)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
@@ -309,6 +366,18 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
     vocab = model.get("vocab")
     if not isinstance(vocab, dict):
         raise TokenizerError(f"{p}: model.vocab is {type(vocab).__name__}, expected an object of token: id")
+    ranks = _json_vocab_ranks(p, vocab, what)
+    _check_json_merges(p, model.get("merges"), vocab)
+    _check_json_specials(p, doc.get("added_tokens"), vocab, len(ranks), what)
+    patterns = _split_patterns(doc.get("pre_tokenizer"))
+    if patterns != [LLAMA3_PAT_STR]:
+        raise TokenizerError(f"{p}: pre_tokenizer splits with {patterns or 'no regex'}, expected {what}'s split "
+                             f"pattern alone (llmc tokenizes with it)")
+    return ranks
+
+
+def _json_vocab_ranks(p: Path, vocab: dict, what: str) -> dict[bytes, int]:
+    """model.vocab's tokens as bytes -> id: byte-level BPE ranks 0..n-1 holding every single byte."""
     decode = {c: b for b, c in bytes_to_unicode().items()}
     ranks: dict[bytes, int] = {}
     for tok, i in vocab.items():
@@ -322,7 +391,10 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
     n = len(ranks)
     if sorted(ranks.values()) != list(range(n)) or any(bytes([b]) not in ranks for b in range(256)):
         raise TokenizerError(f"{p}: the {what} vocabulary is not byte-level BPE ranks 0..{n - 1}")
-    merges = model.get("merges")
+    return ranks
+
+
+def _check_json_merges(p: Path, merges, vocab: dict) -> None:
     if not isinstance(merges, list):
         raise TokenizerError(f"{p}: model.merges is {type(merges).__name__}, expected a list of merges")
     for k, m in enumerate(merges):
@@ -331,7 +403,10 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
             raise TokenizerError(f"{p}: model.merges[{k}] is {m!r}, expected 'a b' or [\"a\", \"b\"]")
         if not all(s in vocab for s in (*pair, pair[0] + pair[1])):
             raise TokenizerError(f"{p}: model.merges[{k}] {m!r} names a token not in model.vocab")
-    added = doc.get("added_tokens")
+
+
+def _check_json_specials(p: Path, added, vocab: dict, n: int, what: str) -> None:
+    """added_tokens: Llama 3's specials, after the n ranks, the fixed ones at their ids."""
     if not isinstance(added, list) or not all(isinstance(a, dict) and isinstance(a.get("content"), str)
                                               and type(a.get("id")) is int for a in added):
         raise TokenizerError(f"{p}: added_tokens is not a list of {{\"id\": int, \"content\": str}}, expected "
@@ -347,11 +422,6 @@ def _ranks_from_tokenizer_json(p: Path, raw: bytes, what: str) -> dict[bytes, in
             found = "is missing" if tok not in ids else f"has id {ids[tok]}"
             raise TokenizerError(f"{p}: added token {tok} {found}, expected id {want} "
                                  f"({what}'s special tokens follow the vocabulary's {n} ranks)")
-    patterns = _split_patterns(doc.get("pre_tokenizer"))
-    if patterns != [LLAMA3_PAT_STR]:
-        raise TokenizerError(f"{p}: pre_tokenizer splits with {patterns or 'no regex'}, expected {what}'s split "
-                             f"pattern alone (llmc tokenizes with it)")
-    return ranks
 
 
 def _split_patterns(pre) -> list[str]:
@@ -397,7 +467,7 @@ def gpt2_ranks(path: str | os.PathLike | None = None) -> dict[bytes, int]:
 
 
 def _build_gpt2(path: str | None) -> Tokenizer:
-    import tiktoken
+    import tiktoken  # (its Rust extension loads only where a BPE tokenizer is built: bytes needs none)
 
     p = Path(path) if path else gpt2_ranks_path()
     ranks = _load_ranks(p, "GPT-2", GPT2_RANKS_SHA256)
@@ -409,7 +479,7 @@ def _build_gpt2(path: str | None) -> Tokenizer:
 
 
 def _build_llama3(path: str | None) -> Tokenizer:
-    import tiktoken
+    import tiktoken  # (as in _build_gpt2)
 
     if not path:
         raise TokenizerError(
@@ -424,9 +494,16 @@ def _build_llama3(path: str | None) -> Tokenizer:
                      doc_prefix=[specials["<|begin_of_text|>"]], path=str(path))
 
 
-TOKENIZERS: dict[str, Callable[[str | None], Tokenizer]] = {
+def _build_bytes(path: str | None) -> ByteTokenizer:
+    if path:
+        raise TokenizerError(f"the bytes tokenizer has no ranks file; leave out --tokenizer-path ({path})")
+    return ByteTokenizer()
+
+
+TOKENIZERS: dict[str, Callable[[str | None], Tokenizer | ByteTokenizer]] = {
     "gpt2": _build_gpt2,
     "llama3": _build_llama3,
+    "bytes": _build_bytes,
 }
 _CACHE: dict[tuple[str, str | None], Tokenizer] = {}
 
@@ -448,7 +525,6 @@ def load_tokenizer(name: str = "gpt2", path: str | os.PathLike | None = None) ->
 
 def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
     """Write llm.c's tokenizer file for ``tok`` (anything with vocab_size, eot, token_bytes)."""
-    from llmc_cli.formats.files import check_replaceable
     path = Path(path)
     check_replaceable(path, [TOKENIZER_MAGIC], "tokenizer file")
     header = np.zeros(HEADER_INTS, dtype="<i4")
@@ -460,8 +536,6 @@ def write_tokenizer_bin(tok, path: str | os.PathLike) -> Path:
             raise TokenizerError(f"token {i} is {len(b)} bytes long; llm.c's format holds 1..255")
         parts.append(struct.pack("<B", len(b)))
         parts.append(b)
-    from llmc_cli.formats.files import atomic_write_bytes
-
     atomic_write_bytes(path, b"".join(parts), through_links=True)  # (checked a tokenizer file above)
     return path
 

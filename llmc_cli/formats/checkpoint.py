@@ -44,8 +44,10 @@ from llmc_cli.formats.llama_file import (
 )
 from llmc_cli.formats.llmc_bin import (
     MODEL_MAGIC,
+    read_model_tokenizer,
 )
 from llmc_cli.formats.safetensors import SAFETENSORS_HEADER_MAX, read_safetensors_header
+from llmc_cli.formats.shards import SHARD_VOCAB
 from llmc_cli.models.families import FAMILIES, GPT2, LLAMA3, family_of
 from llmc_cli.models.family import Family
 from llmc_cli.models.gpt2 import GPT2Config
@@ -91,11 +93,12 @@ def read_model_file_config(path: str | Path) -> ModelConfig:
 
 
 def model_file_tokenizer(path: str | Path) -> str:
-    """The tokenizer a model file was trained with: llm.c files are GPT-2's, Llama files record theirs."""
+    """The tokenizer a model file was trained with: llm.c files are GPT-2's unless their header names another (the
+    byte-level one), Llama files record theirs."""
     if _is_safetensors(path):
         tok = read_llama_header(path)[1].get("tokenizer", "gpt2")
         return tok if isinstance(tok, str) else "gpt2"
-    return "gpt2"
+    return read_model_tokenizer(path)
 
 
 def _is_safetensors(path: str | Path) -> bool:
@@ -213,7 +216,7 @@ _STATE_FIELDS = (
     ("optimizer_steps", lambda v: _count(v) and v <= STEP_MAX, f"an integer in [0, {STEP_MAX}]"),
     ("tokens_per_step", lambda v: type(v) is int and v > 0, "a positive integer"),
     ("world_size", lambda v: type(v) is int and v > 0, "a positive integer"),
-    ("tokenizer", lambda v: v in ("gpt2", "llama3"), "'gpt2' or 'llama3'"),
+    ("tokenizer", lambda v: v in SHARD_VOCAB, "'gpt2', 'llama3' or 'bytes'"),
     ("family", lambda v: v in ("gpt2", "llama3"), "'gpt2' or 'llama3'"),
     ("config", lambda v: isinstance(v, dict), "an object"),
     ("outliers", lambda v: isinstance(v, dict) and all(isinstance(v.get(k, []), list) and all(

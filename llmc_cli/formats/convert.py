@@ -134,6 +134,9 @@ def _convert(src: str | Path, dst: str | Path, bf16: bool, to: str, force: bool)
             raise ckpt.CheckpointError(f"SRC: {e}") from None
     d = Path(dst)
     suffix = Path(fam.model_file.name).suffix
+    if tok_name not in HF_TOKENIZERS and to != "run" and d.suffix.lower() not in MODEL_SUFFIXES:
+        raise ckpt.CheckpointError(f"DST: a Hugging Face directory has no {tok_name} tokenizer that transformers "
+                                   f"reads; convert SRC to a {suffix} file or --to run instead; nothing was changed")
     try:
         if to == "run":
             export_run(d, cfg, params, bf16=bf16, tokenizer=tok_name, tokenizer_file=tok_file)
@@ -159,4 +162,5 @@ def _convert(src: str | Path, dst: str | Path, bf16: bool, to: str, force: bool)
         raise ckpt.CheckpointError(f"DST: {e}") from None
 
 
+HF_TOKENIZERS = ("gpt2", "llama3")  # the tokenizers a Hugging Face export writes beside the weights
 MODEL_SUFFIXES = tuple(Path(f.model_file.name).suffix for f in FAMILIES.values())

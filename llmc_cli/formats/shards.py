@@ -6,6 +6,10 @@
 
 byte for byte what llm.c's ``dev/data/data_common.py write_datafile`` writes ("gpt-2" / "llama-3"),
 so the magic/version pair also records which vocabulary the shard was tokenized with.
+
+llmc's own version 2 of magic 20240520 holds uint16 ids of the tokenizer named in header[4:12] (ASCII,
+NUL-padded to 32 bytes, as in llmc's eval files): "bytes", the byte-level vocabulary (256 bytes + end-of-text).
+llm.c's readers refuse it (they know version 1 alone), which is right: its ids are not GPT-2's.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from llmc_cli.formats.files import DataError, atomic_write_bytes, check_replacea
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 MAX_TOKENS = 2**31 - 1
-
-
+NAMED_VERSION = 2  # magic 20240520's version whose header names its tokenizer
+NAME_INTS = slice(4, 12)
+NAME_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -35,19 +40,23 @@ class _Format:
     magic: int
     version: int
     dtype: np.dtype
+    vocab_size: int  # the ids the tokenizer gives (specials included): a model needs at least this many rows
 
 
 SHARD_FORMATS = {
-    "gpt2": _Format("gpt2", 20240520, 1, np.dtype("<u2")),
-    "llama3": _Format("llama3", 20240801, 7, np.dtype("<u4")),
+    "gpt2": _Format("gpt2", 20240520, 1, np.dtype("<u2"), 50257),
+    "llama3": _Format("llama3", 20240801, 7, np.dtype("<u4"), 128256),
+    "bytes": _Format("bytes", 20240520, NAMED_VERSION, np.dtype("<u2"), 257),
 }
-_BY_MAGIC = {(f.magic, f.version): f for f in SHARD_FORMATS.values()}
+SHARD_VOCAB = {f.tokenizer: f.vocab_size for f in SHARD_FORMATS.values()}
+_BY_MAGIC = {(f.magic, f.version): f for f in SHARD_FORMATS.values() if f.version != NAMED_VERSION}
+_NAMED = {f.tokenizer.encode(): f for f in SHARD_FORMATS.values() if f.version == NAMED_VERSION}
 _KNOWN = ", ".join(f"magic {f.magic} version {f.version} ({f.tokenizer}, {f.dtype.itemsize * 8}-bit tokens)"
                    for f in SHARD_FORMATS.values())
 
 
 def shard_format(tokenizer: str = "gpt2") -> _Format:
-    """The on-disk format for shards of a tokenizer's ids ("gpt2" -> uint16, "llama3" -> uint32)."""
+    """The on-disk format for shards of a tokenizer's ids ("gpt2", "bytes" -> uint16, "llama3" -> uint32)."""
     try:
         return SHARD_FORMATS[tokenizer]
     except KeyError:
@@ -61,7 +70,7 @@ class ShardInfo:
     version: int
     num_tokens: int
     dtype: np.dtype
-    tokenizer: str  # which vocabulary the format stands for ("gpt2" or "llama3")
+    tokenizer: str  # which vocabulary the format stands for ("gpt2", "llama3" or "bytes")
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +94,8 @@ def _shard_bytes(tokens, fmt: _Format, name: str) -> list:
         raise DataError(f"{name}: {arr.size:,} tokens is too many for one shard (max {MAX_TOKENS:,})")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = fmt.magic, fmt.version, arr.size
+    if fmt.version == NAMED_VERSION:
+        header[NAME_INTS] = np.frombuffer(fmt.tokenizer.encode("ascii").ljust(NAME_BYTES, b"\0"), dtype="<i4")
     return [header.tobytes(), np.ascontiguousarray(arr, dtype=fmt.dtype).tobytes()]
 
 
@@ -127,12 +138,13 @@ def read_shard_header(path: str | os.PathLike) -> ShardInfo:
             " (this is an llm.c eval file, e.g. HellaSwag)" if magic == 20240522 else (
                 " (this is an llm.c model checkpoint)" if magic == 20240326 else ""))
         raise DataError(f"{path}: bad magic {magic}, expected a token shard ({_KNOWN}){hint}")
-    fmt = _BY_MAGIC.get((magic, version))
-    if fmt is None:
+    named = (magic, version) == (20240520, NAMED_VERSION)
+    if not named and (magic, version) not in _BY_MAGIC:
         raise DataError(f"{path}: unsupported shard version {version} for magic {magic}; "
                         f"this llmc reads {_KNOWN}")
     if len(raw) < HEADER_BYTES:
         raise DataError(f"{path}: truncated shard, {size} bytes is shorter than the {HEADER_BYTES}-byte header")
+    fmt = _named_format(path, header) if named else _BY_MAGIC[(magic, version)]
     if ntok < 0:
         raise DataError(f"{path}: corrupt header, negative token count {ntok}")
     expected = HEADER_BYTES + ntok * fmt.dtype.itemsize
@@ -143,6 +155,30 @@ def read_shard_header(path: str | os.PathLike) -> ShardInfo:
         raise DataError(f"{path}: header says {ntok:,} tokens ({expected:,} bytes) but the file has "
                         f"{size:,} bytes ({size - expected:,} extra)")
     return ShardInfo(path, magic, version, ntok, fmt.dtype, fmt.tokenizer)
+
+
+def _named_format(path: str, header: np.ndarray) -> _Format:
+    """The format a version 2 header names in header[4:12]."""
+    name = header[NAME_INTS].tobytes().rstrip(b"\0")
+    fmt = _NAMED.get(name)
+    if fmt is None:
+        shown = name.decode("ascii", "backslashreplace")
+        raise DataError(f"{path}: shard version {NAMED_VERSION} names tokenizer {shown!r}, expected one of "
+                        f"{', '.join(f.decode() for f in _NAMED)} (corrupt?)")
+    return fmt
+
+
+def data_vocab_size(data) -> int | None:
+    """The vocabulary a model trained on `data` takes when none is given: byte-level shards' 257 (a preset's own,
+    GPT-2's 50,257 rows, would leave 99.5% of the embedding unused); None for other shards, whose model keeps its
+    preset's vocabulary, and for data that does not resolve (the loader names what is wrong with it)."""
+    try:
+        first = resolve_shards(data, "train" if isinstance(data, (str, os.PathLike)) and os.path.isdir(data)
+                               else None)[0]
+        tokenizer = read_shard_header(first).tokenizer
+    except (DataError, TypeError, ValueError):
+        return None
+    return SHARD_VOCAB[tokenizer] if tokenizer == "bytes" else None
 
 
 def read_shard(path: str | os.PathLike, mmap: bool = True) -> np.ndarray:

@@ -14,7 +14,7 @@ from llmc_cli.models.family import Family, HFMapping, ModelFile
 
 
 def _write_gpt2(path: str | Path, cfg, params: np.ndarray, bf16: bool = False, tokenizer: str = "gpt2") -> None:
-    llmc_bin.write_model(path, cfg, params, bf16=bf16)  # llm.c's format has no tokenizer field: GPT-2's, always
+    llmc_bin.write_model(path, cfg, params, bf16=bf16, tokenizer=tokenizer)  # (GPT-2's: llm.c's header as it is)
 
 
 def _read_gpt2(path: str | Path):

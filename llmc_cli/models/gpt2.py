@@ -40,14 +40,19 @@ class GPT2Config:
 PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (n_layer, n_head, n_embd)
     "d2": (2, 2, 128), "d6": (6, 6, 384), "d12": (12, 12, 768), "d24": (24, 16, 1024),
     "d36": (36, 20, 1280), "d48": (48, 25, 1600),
+    "bytes-d4": (4, 4, 128),  # a character-level model for byte shards (nanoGPT's shakespeare-char CPU shape)
 }
+# presets with a context of their own (the rest: 1024): the byte model's, what its recipe trains on (a position
+# past the trained ones has an embedding no step updated)
+PRESET_BLOCK_SIZE = {"bytes-d4": 64}
 
 
 def preset(name: str, **overrides) -> GPT2Config:
     if name not in PRESETS:
         raise ValueError(f"unknown model '{name}' (presets: {', '.join(PRESETS)})")
     L, NH, C = PRESETS[name]
-    return replace(GPT2Config(n_layer=L, n_head=NH, n_embd=C), **overrides)
+    return replace(GPT2Config(n_layer=L, n_head=NH, n_embd=C, block_size=PRESET_BLOCK_SIZE.get(name, 1024)),
+                   **overrides)
 
 
 def parameter_shapes(cfg: GPT2Config) -> list[tuple[str, tuple[int, ...]]]:

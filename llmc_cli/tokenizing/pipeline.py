@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,9 +78,6 @@ def _shard_name(name: str, split: str, k: int) -> str:
 
 
 def _existing_shards(out_dir: Path, name: str) -> list[Path]:
-    import glob
-    import re
-
     pat = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin$")
     # (the name escaped: `[x]` is a character class to glob, and would miss the very shards it names)
     return (sorted(p for p in out_dir.glob(f"{glob.escape(name)}_*.bin") if pat.match(p.name)) if out_dir.is_dir()
@@ -165,47 +164,72 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
 def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, val_tokens: int | None,
                 val_fraction: float, force: bool, progress: ProgressFactory) -> Summary:
     manifest_path = out_dir / f"{src.name}_manifest.json"
+    fp = _fingerprint(src, tok, shard_size, val_tokens, val_fraction)
+    summary = Summary(src.name, out_dir)
+    t0 = time.perf_counter()
+    manifest, done = _resume_point(manifest_path, fp, src, out_dir, force)
+    if manifest and manifest.get("complete") and len(done) == len(manifest.get("shards", [])):
+        summary.shards, summary.resumed = done, len(done)
+        summary.seconds = time.perf_counter() - t0
+        return summary
+    _remove_stale(out_dir, src.name, manifest_path, manifest, done, force)
+    # (input that fails before the first shard leaves nothing behind: the lock's release removes the folders)
+    val_size = manifest.get("val_size") if (manifest and done) else None
+    writer = _ShardWriter(src, tok.name, out_dir, manifest_path, shard_size, fp, done, val_size,
+                          val_tokens, val_fraction, summary)
+    _write_shards(writer, src, tok, workers, progress, t0)
+    summary.shards = writer.state["shards"]
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _fingerprint(src: Source, tok, shard_size: int, val_tokens: int | None, val_fraction: float) -> dict:
+    """What the shards depend on: a resume under another fingerprint is refused."""
     fp = {"source": src.ident, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
           "vocabulary_sha256": tok.vocabulary_sha256,
           "shard_size": shard_size, "explicit_split": src.explicit_split,
           "val_tokens": None if src.explicit_split else val_tokens,
           "val_fraction": None if (src.explicit_split or val_tokens) else val_fraction, "layout": 1}
-    fp = json.loads(json.dumps(fp))
-    summary = Summary(src.name, out_dir)
-    t0 = time.perf_counter()
+    return json.loads(json.dumps(fp))
 
+
+def _resume_point(manifest_path: Path, fp: dict, src: Source, out_dir: Path,
+                  force: bool) -> tuple[dict | None, list[dict]]:
+    """(the manifest of an earlier run of the same fingerprint, or None; its shards still intact, in order)."""
+    if not manifest_path.is_file() or force:
+        return None, []
+    try:
+        manifest = json.loads(_manifest_bytes(manifest_path))
+    except (OSError, ValueError, RecursionError):  # (not JSON, not UTF-8: refused below as not a manifest)
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
+        return None, []
+    if manifest.get("fingerprint") != fp:
+        old = manifest.get("fingerprint") or {}
+        diff = sorted(k for k in set(fp) | set(old) if fp.get(k) != old.get(k))
+        raise DataError(f"{out_dir} holds {src.name} shards made from other inputs or settings "
+                        f"({', '.join(diff)} differ); pass --force to redo them or choose another --out-dir")
+    if manifest:
+        _check_manifest(manifest_path, manifest, src.name, src.explicit_split)
     done: list[dict] = []
-    manifest = None
-    if manifest_path.is_file() and not force:
+    for sh in manifest.get("shards", []):
         try:
-            manifest = json.loads(_manifest_bytes(manifest_path))
-        except (OSError, ValueError, RecursionError):  # (not JSON, not UTF-8: refused below as not a manifest)
-            manifest = None
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
-            manifest = None
-        if manifest and manifest.get("fingerprint") != fp:
-            old = manifest.get("fingerprint") or {}
-            diff = sorted(k for k in set(fp) | set(old) if fp.get(k) != old.get(k))
-            raise DataError(f"{out_dir} holds {src.name} shards made from other inputs or settings "
-                            f"({', '.join(diff)} differ); pass --force to redo them or choose another --out-dir")
-        if manifest:
-            _check_manifest(manifest_path, manifest, src.name, src.explicit_split)
-        for sh in (manifest or {}).get("shards", []):
-            p = out_dir / sh["file"]
-            try:
-                ok = read_shard_header(p).num_tokens == sh["tokens"]
-            except DataError:
-                ok = False
-            if not ok:
-                break
-            done.append(sh)
-        if manifest and manifest.get("complete") and len(done) == len(manifest.get("shards", [])):
-            summary.shards, summary.resumed = done, len(done)
-            summary.seconds = time.perf_counter() - t0
-            return summary
-    stale = [p for p in _existing_shards(out_dir, src.name) if p.name not in {d["file"] for d in done}]
+            ok = read_shard_header(out_dir / sh["file"]).num_tokens == sh["tokens"]
+        except DataError:
+            ok = False
+        if not ok:
+            break
+        done.append(sh)
+    return manifest or None, done
+
+
+def _remove_stale(out_dir: Path, name: str, manifest_path: Path, manifest: dict | None, done: list[dict],
+                  force: bool) -> None:
+    """Remove this corpus' shards that the resume does not keep, once sure that each (and a manifest in the way)
+    is llmc's own: a file of the user's under such a name stays, and the run is refused."""
+    stale = [p for p in _existing_shards(out_dir, name) if p.name not in {d["file"] for d in done}]
     if stale and not force and manifest is None:
-        raise DataError(f"{out_dir} already has {len(stale)} {src.name} shard(s) (e.g. {stale[0].name}) without a "
+        raise DataError(f"{out_dir} already has {len(stale)} {name} shard(s) (e.g. {stale[0].name}) without a "
                         "manifest to resume from; pass --force to overwrite them or choose another --out-dir")
     for p in stale:  # --force replaces llm.c shards only: a file of the user's under a shard's name stays
         try:
@@ -224,155 +248,185 @@ def _run_locked(src: Source, tok, out_dir: Path, shard_size: int, workers: int, 
                             "with --force); move it or choose another --out-dir")
     for p in stale:
         p.unlink()
-    # (input that fails before the first shard leaves nothing behind: the lock's release removes the folders)
 
-    state = {"fingerprint": fp, "shards": list(done), "complete": False,
-             "val_size": manifest.get("val_size") if (manifest and done) else None}
 
-    def save_manifest():
-        atomic_write_bytes(manifest_path, json.dumps(state, indent=1).encode())
+class _ShardWriter:
+    """Tokens in, shards out: buffers the documents' tokens and writes every shard they fill, each followed by a
+    manifest that lists it and where in the input the next one starts."""
 
-    summary.resumed = len(done)
-    skip_doc, skip_off = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
-    k = len(done)
-    pieces: collections.deque[_Piece] = collections.deque()
-    buffered = 0
-    next_doc = skip_doc  # index of the next document the stream will deliver
-    val_size = state["val_size"] if state["val_size"] is not None else (
-        val_tokens if (val_tokens and not src.explicit_split) else None)
+    def __init__(self, src: Source, tokenizer: str, out_dir: Path, manifest_path: Path, shard_size: int, fp: dict,
+                 done: list[dict], val_size: int | None, val_tokens: int | None, val_fraction: float,
+                 summary: Summary):
+        self.src, self.tokenizer, self.out_dir, self.manifest_path = src, tokenizer, out_dir, manifest_path
+        self.shard_size, self.val_tokens, self.val_fraction = shard_size, val_tokens, val_fraction
+        self.summary, self.done = summary, done
+        self.state = {"fingerprint": fp, "shards": list(done), "complete": False, "val_size": val_size}
+        summary.resumed = len(done)
+        self.skip_doc, self.skip_off = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
+        self.k = len(done)
+        self.pieces: collections.deque[_Piece] = collections.deque()
+        self.buffered = 0
+        self.next_doc = self.skip_doc  # index of the next document the stream will deliver
+        self.val_size = val_size if val_size is not None else (
+            val_tokens if (val_tokens and not src.explicit_split) else None)
+        self.on_shard = lambda k: None
 
-    def flush(n: int, split: str) -> None:
-        nonlocal buffered, k
+    def save_manifest(self) -> None:
+        atomic_write_bytes(self.manifest_path, json.dumps(self.state, indent=1).encode())
+
+    def add(self, doc: int, split: str | None, a: np.ndarray) -> None:
+        """Document `doc`'s tokens (past the resume point)."""
+        start = 0
+        if doc == self.skip_doc and self.skip_off:
+            if self.skip_off >= len(a):  # (a shard never ends at a document's end: the next one starts then)
+                raise self.past_the_input(f"that document has {len(a):,} tokens")
+            a, start = a[self.skip_off:], self.skip_off
+        if len(a):
+            self.pieces.append(_Piece(doc, start, split, a))
+            self.buffered += len(a)
+        self.next_doc = doc + 1
+
+    def past_the_input(self, what: str) -> DataError:
+        return DataError(f"{self.manifest_path}: says the next shard starts at token {self.skip_off:,} of document "
+                         f"{self.skip_doc:,}, but {what}; the input is not the one its shards were made from, or the "
+                         "manifest is damaged; pass --force to redo the shards")
+
+    def _take(self, n: int) -> np.ndarray:
+        """The first n buffered tokens, out of the buffer."""
         take, got = [], 0
         while got < n:
-            pc = pieces[0]
+            pc = self.pieces[0]
             need = n - got
             if len(pc.arr) <= need:
-                take.append(pc.arr), pieces.popleft()
+                take.append(pc.arr), self.pieces.popleft()
                 got += len(pc.arr)
             else:
                 take.append(pc.arr[:need])
-                pieces[0] = _Piece(pc.doc, pc.start + need, pc.split, pc.arr[need:])
+                self.pieces[0] = _Piece(pc.doc, pc.start + need, pc.split, pc.arr[need:])
                 got += need
-        buffered -= n
-        arr = np.concatenate(take) if len(take) != 1 else take[0]
-        fname = _shard_name(src.name, split, k)
-        if k == len(done):  # the manifest before this run's first shard: a run killed between a shard and the manifest
-            save_manifest()  # that lists it leaves shards with a manifest (a resume), never shards alone (refused)
-        write_shard(out_dir / fname, arr, tok.name)
-        nd, no = (pieces[0].doc, pieces[0].start) if pieces else (next_doc, 0)
-        state["shards"].append({"file": fname, "split": split, "tokens": int(n), "next_doc": nd, "next_offset": no})
-        state["val_size"] = val_size
-        save_manifest()
-        summary.new_tokens += n
-        k += 1
-        if prog is not None:
-            prog.update(task, shard=k)
+        self.buffered -= n
+        return np.concatenate(take) if len(take) != 1 else take[0]
 
-    def drain(final: bool) -> None:
+    def flush(self, n: int, split: str) -> None:
+        arr = self._take(n)
+        fname = _shard_name(self.src.name, split, self.k)
+        if self.k == len(self.done):  # the manifest before this run's first shard: a run killed between a shard
+            self.save_manifest()      # and the manifest that lists it leaves shards with a manifest (a resume)
+        write_shard(self.out_dir / fname, arr, self.tokenizer)
+        nd, no = (self.pieces[0].doc, self.pieces[0].start) if self.pieces else (self.next_doc, 0)
+        self.state["shards"].append({"file": fname, "split": split, "tokens": int(n), "next_doc": nd,
+                                     "next_offset": no})
+        self.state["val_size"] = self.val_size
+        self.save_manifest()
+        self.summary.new_tokens += n
+        self.k += 1
+        self.on_shard(self.k)
+
+    def drain(self, final: bool) -> None:
         """Write every shard the buffer can fill (all of it when final)."""
-        nonlocal val_size
-        while buffered > 0:
-            if src.explicit_split:
-                split = pieces[0].split or "train"
-                n_split = 0
-                for pc in pieces:  # tokens of the head split available
-                    if pc.split != pieces[0].split:
-                        break
-                    n_split += len(pc.arr)
-                complete = n_split < buffered or final
-                if n_split >= shard_size:
-                    flush(shard_size, split)
-                elif complete:
-                    flush(n_split, split)
-                else:
-                    return
-                continue
-            if k == 0:
-                if val_size is None:
-                    if final:  # a small corpus: val is a fraction of it (leaving train at least 1 token)
-                        val_size = max(1, min(math.ceil(val_fraction * buffered), buffered - 1))
-                    elif buffered > 2 * shard_size:
-                        val_size = shard_size
-                    else:
-                        return
-                if buffered > val_size:  # (val once a train token follows it: never a val shard and no train)
-                    flush(val_size, "val")
-                    continue
-                if final:  # the whole input fits the val split: refused before any shard is written
-                    if val_tokens and not src.explicit_split:
-                        raise DataError(f"{src.name}: the input holds {buffered:,} tokens, all of them inside the "
-                                        f"val split's {val_size:,} (--val-tokens), so no train shard would be left; "
-                                        f"no shard written; pass a --val-tokens below {buffered:,}")
-                    raise DataError(f"{src.name}: the input holds {buffered:,} token(s), too few for a val and a "
-                                    "train shard; no shard written")
-                return
-            if buffered >= shard_size:
-                flush(shard_size, "train")
-            elif final:
-                flush(buffered, "train")
-            else:
-                return
+        step = self._next_of_explicit_split if self.src.explicit_split else self._next_shard
+        while self.buffered > 0 and step(final):
+            pass
 
+    def _next_of_explicit_split(self, final: bool) -> bool:
+        """Write the next shard of a corpus with its own split, if the buffer holds it; whether it did."""
+        split = self.pieces[0].split or "train"
+        n_split = 0
+        for pc in self.pieces:  # tokens of the head split available
+            if pc.split != self.pieces[0].split:
+                break
+            n_split += len(pc.arr)
+        if n_split >= self.shard_size:
+            self.flush(self.shard_size, split)
+        elif n_split < self.buffered or final:
+            self.flush(n_split, split)
+        else:
+            return False
+        return True
+
+    def _next_shard(self, final: bool) -> bool:
+        """Write the next shard (val first, then train), if the buffer holds it; whether it did."""
+        if self.k == 0:
+            return self._val_shard(final)
+        if self.buffered >= self.shard_size:
+            self.flush(self.shard_size, "train")
+        elif final:
+            self.flush(self.buffered, "train")
+        else:
+            return False
+        return True
+
+    def _val_shard(self, final: bool) -> bool:
+        if self.val_size is None:
+            if final:  # a small corpus: val is a fraction of it (leaving train at least 1 token)
+                self.val_size = max(1, min(math.ceil(self.val_fraction * self.buffered), self.buffered - 1))
+            elif self.buffered > 2 * self.shard_size:
+                self.val_size = self.shard_size
+            else:
+                return False
+        if self.buffered > self.val_size:  # (val once a train token follows it: never a val shard and no train)
+            self.flush(self.val_size, "val")
+            return True
+        if final:  # the whole input fits the val split: refused before any shard is written
+            name, buffered = self.src.name, self.buffered
+            if self.val_tokens and not self.src.explicit_split:
+                raise DataError(f"{name}: the input holds {buffered:,} tokens, all of them inside the val split's "
+                                f"{self.val_size:,} (--val-tokens), so no train shard would be left; no shard "
+                                f"written; pass a --val-tokens below {buffered:,}")
+            raise DataError(f"{name}: the input holds {buffered:,} token(s), too few for a val and a train shard; "
+                            "no shard written")
+        return False
+
+    def finish(self) -> None:
+        """After the last document: the rest of the buffer to shards, the manifest marked complete."""
+        name, shards = self.src.name, self.state["shards"]
+        self.drain(final=True)
+        if not shards:  # (before any manifest: a rerun must not find an "already complete" empty run)
+            raise DataError(f"{name}: the input holds no documents, no shards written")
+        if not any(s["split"] == "train" for s in shards):  # (a corpus's own split with no train part)
+            n, first = len(shards), shards[0]["file"]
+            raise DataError(f"{name}: the input's train part holds no documents, so no train shard was "
+                            f"written (only {n} val shard(s), {first}{', ...' if n > 1 else ''}, in {self.out_dir}, "
+                            "its manifest marked unfinished); add train documents and run again with --force")
+
+
+def _write_shards(w: _ShardWriter, src: Source, tok, workers: int, progress: ProgressFactory, t0: float) -> None:
+    """Feed the source's documents, tokenized by the workers, through `w` with a progress display."""
     in_stream = 0  # documents the input holds (skipped ones too): a resume position past them is a lie
 
     def doc_stream():
         nonlocal in_stream
         for i, (split, text) in enumerate(src.docs()):
             in_stream = i + 1
-            if i < skip_doc:
+            if i < w.skip_doc:
                 continue
             yield i, split, text
 
-    def past_the_input(what: str) -> DataError:
-        return DataError(f"{manifest_path}: says the next shard starts at token {skip_off:,} of document "
-                         f"{skip_doc:,}, but {what}; the input is not the one its shards were made from, or the manifest is "
-                         "damaged; pass --force to redo the shards")
-
-    task = None
-    workers = max(1, int(workers))
     total = src.total_bytes
     # (a generator: the workers start with its first batch, and closing it ends them)
-    with progress(False) as prog, contextlib.closing(encoded(_batches(doc_stream()), workers, tok)) as stream:
-        task = prog.add_task(f"tokenize {src.name}", total=total if not done else None,
-                             tokens=0, tok_s=0.0, shard=k)
+    with progress(False) as prog, \
+            contextlib.closing(encoded(_batches(doc_stream()), max(1, int(workers)), tok)) as stream:
+        task = prog.add_task(f"tokenize {src.name}", total=total if not w.done else None,
+                             tokens=0, tok_s=0.0, shard=w.k)
+        w.on_shard = lambda k: prog.update(task, shard=k)
         ntok = 0
         try:
             for idx, splits, arr, lens, nbytes in stream:
                 off = 0
                 for i, s, ln in zip(idx, splits, lens.tolist()):
-                    a = arr[off: off + ln]
+                    w.add(i, s, arr[off: off + ln])
                     off += ln
-                    start = 0
-                    if i == skip_doc and skip_off:
-                        if skip_off >= len(a):  # (a shard never ends at a document's end: the next one starts then)
-                            raise past_the_input(f"that document has {len(a):,} tokens")
-                        a, start = a[skip_off:], skip_off
-                    if len(a):
-                        pieces.append(_Piece(i, start, s, a))
-                        buffered += len(a)
-                    next_doc = i + 1
                 ntok += int(arr.size)
-                summary.input_bytes += nbytes
+                w.summary.input_bytes += nbytes
                 el = max(time.perf_counter() - t0, 1e-9)
                 prog.update(task, advance=nbytes, tokens=ntok, tok_s=ntok / el)
-                drain(final=False)
-            if done and (skip_doc > in_stream or (skip_doc == in_stream and skip_off)):
-                raise past_the_input(f"the input holds {in_stream:,} document(s)")
-            drain(final=True)
-            if not state["shards"]:  # (before any manifest: a rerun must not find an "already complete" empty run)
-                raise DataError(f"{src.name}: the input holds no documents, no shards written")
-            if not any(s["split"] == "train" for s in state["shards"]):  # (a corpus's own split with no train part)
-                n, first = len(state["shards"]), state["shards"][0]["file"]
-                raise DataError(f"{src.name}: the input's train part holds no documents, so no train shard was "
-                                f"written (only {n} val shard(s), {first}{', ...' if n > 1 else ''}, in {out_dir}, "
-                                "its manifest marked unfinished); add train documents and run again with --force")
+                w.drain(final=False)
+            if w.done and (w.skip_doc > in_stream or (w.skip_doc == in_stream and w.skip_off)):
+                raise w.past_the_input(f"the input holds {in_stream:,} document(s)")
+            w.finish()
         except BaseException:  # the error line alone then says what happened (and how to resume)
             prog.discard()
             raise
-        state["complete"] = True  # (before the display ends: its last write is the one a closed stderr fails)
-        state["val_size"] = val_size
-        save_manifest()
-    summary.shards = state["shards"]
-    summary.seconds = time.perf_counter() - t0
-    return summary
+        w.state["complete"] = True  # (before the display ends: its last write is the one a closed stderr fails)
+        w.state["val_size"] = w.val_size
+        w.save_manifest()

@@ -223,69 +223,79 @@ def iter_file_docs(path: Path, text_field: str = "text", remedy: str | None = No
     one per line; .json a list (of strings or objects); .parquet one per row of the ``text_field`` column.
     `remedy`: what a line about a missing or mistyped field advises (default: --text-field)."""
     kind = _kind(path)
+    readers = {"text": _text_docs, "jsonl": _jsonl_docs, "json": _json_docs, "parquet": _parquet_docs}
+    if kind not in readers:
+        raise DataError(f"{path}: unsupported input type")
     try:
-        if kind == "text":
-            text = _whole_text(path)
-            if text.strip():  # an empty (or blank) file is no document: it would be a lone end-of-text token
-                yield text
-        elif kind == "jsonl":
-            for n, line in _text_lines(path):
-                if line.strip():
-                    hint = ("; a JSON array (one document list) belongs in a .json file"
-                            if n == 1 and line.lstrip().startswith("[") else "")
-                    obj = _json_line(line, f"{path}:{n}", hint)
-                    if isinstance(obj, list):
-                        raise DataError(f"{path}:{n}: a JSON array, not one document per line; a list of "
-                                        "documents belongs in a .json file")
-                    yield _field(obj, text_field, f"{path}:{n}", remedy)
-        elif kind == "json":
-            with _open_text(path) as f:
-                try:
-                    data = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-                except RecursionError:
-                    raise DataError(f"{path}: JSON nested too deeply to read") from None
-            if not isinstance(data, list):
-                raise DataError(f"{path}: expected a JSON list of documents, got {type(data).__name__}")
-            for i, obj in enumerate(data):
-                yield _field(obj, text_field, f"{path}[{i}]", remedy)
-        elif kind == "parquet":
-            try:
-                import pyarrow.parquet as pq
-            except ImportError:
-                raise DataError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from None
-            try:
-                pf = pq.ParquetFile(path)
-            except Exception as e:
-                raise DataError(f"{path}: not a readable parquet file ({e})") from None
-            if (k := len(pf.schema_arrow.get_all_field_indices(text_field))) > 1:
-                raise DataError(f"{path}: {k} columns are named {text_field!r}; which one holds the text is ambiguous "
-                                f"(columns: {', '.join(pf.schema_arrow.names)})")
-            if text_field not in pf.schema_arrow.names:
-                raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                                f"{remedy or 'use --text-field'}")
-            _check_text_column(path, text_field, pf.schema_arrow.field(text_field).type, remedy)
-            batches = pf.iter_batches(columns=[text_field], batch_size=1024)
-            while True:
-                try:  # a damaged page is found only when read: name this file, not the output directory
-                    batch = next(batches, None)
-                except (OSError, ValueError) as e:
-                    if isinstance(e, UnicodeDecodeError):
-                        raise
-                    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    raise DataError(f"{path}: corrupt parquet data ({msg})") from None
-                if batch is None:
-                    break
-                for v in batch.column(0).to_pylist():
-                    if v is not None:
-                        yield v
-        else:
-            raise DataError(f"{path}: unsupported input type")
+        yield from readers[kind](path, text_field, remedy)
     except UnicodeDecodeError as e:
         raise not_utf8(path, e) from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # (click would print EOFError as "Aborted!")
         raise DataError(f"{path}: truncated or corrupt gzip file ({e or type(e).__name__})") from None
+
+
+def _text_docs(path: Path, text_field: str, remedy: str | None) -> Iterator[str]:
+    text = _whole_text(path)
+    if text.strip():  # an empty (or blank) file is no document: it would be a lone end-of-text token
+        yield text
+
+
+def _jsonl_docs(path: Path, text_field: str, remedy: str | None) -> Iterator[str]:
+    for n, line in _text_lines(path):
+        if line.strip():
+            hint = ("; a JSON array (one document list) belongs in a .json file"
+                    if n == 1 and line.lstrip().startswith("[") else "")
+            obj = _json_line(line, f"{path}:{n}", hint)
+            if isinstance(obj, list):
+                raise DataError(f"{path}:{n}: a JSON array, not one document per line; a list of "
+                                "documents belongs in a .json file")
+            yield _field(obj, text_field, f"{path}:{n}", remedy)
+
+
+def _json_docs(path: Path, text_field: str, remedy: str | None) -> Iterator[str]:
+    with _open_text(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except RecursionError:
+            raise DataError(f"{path}: JSON nested too deeply to read") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of documents, got {type(data).__name__}")
+    for i, obj in enumerate(data):
+        yield _field(obj, text_field, f"{path}[{i}]", remedy)
+
+
+def _parquet_docs(path: Path, text_field: str, remedy: str | None) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq  # (optional: only parquet inputs need it)
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    if (k := len(pf.schema_arrow.get_all_field_indices(text_field))) > 1:
+        raise DataError(f"{path}: {k} columns are named {text_field!r}; which one holds the text is ambiguous "
+                        f"(columns: {', '.join(pf.schema_arrow.names)})")
+    if text_field not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                        f"{remedy or 'use --text-field'}")
+    _check_text_column(path, text_field, pf.schema_arrow.field(text_field).type, remedy)
+    batches = pf.iter_batches(columns=[text_field], batch_size=1024)
+    while True:
+        try:  # a damaged page is found only when read: name this file, not the output directory
+            batch = next(batches, None)
+        except (OSError, ValueError) as e:
+            if isinstance(e, UnicodeDecodeError):
+                raise
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"{path}: corrupt parquet data ({msg})") from None
+        if batch is None:
+            break
+        for v in batch.column(0).to_pylist():
+            if v is not None:
+                yield v
 
 
 def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
@@ -325,7 +335,7 @@ def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
 
 
 def _check_text_column(path: Path, name: str, t, remedy: str | None = None) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # (optional: only parquet inputs need it)
 
     if pa.types.is_dictionary(t):
         t = t.value_type

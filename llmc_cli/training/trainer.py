@@ -19,7 +19,7 @@ from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, is_runs_own_log, log_lock, open_log, record_line
-from llmc_cli.formats.shards import has_split
+from llmc_cli.formats.shards import SHARD_VOCAB, data_vocab_size, has_split
 from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.inference.sampling import NonFiniteLogits, generate
 from llmc_cli.kernels import BFLOAT16, CAP_GRAPHS, MAX, Backend, update_applies
@@ -70,7 +70,6 @@ GRAPH_AFTER = 6
 # data parallel steps this long (seconds, the slowest rank's) also vote on a stop request after each step (_votes):
 # its host round trip (0.2 ms) is then under 0.02 % of the step
 SLOW_STEP_S = 1.0
-SHARD_VOCAB = {"gpt2": 50257, "llama3": 128256}  # the vocabulary a shard format records (dataloader.SHARD_FORMATS)
 
 # options that fix the model's shape or the meaning of a step: a resumed run must not change them
 RESUME_FIXED = ("model", "n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "vocab_size", "init",
@@ -131,7 +130,7 @@ def model_config(a: TrainArgs):
     family = family_for(a.model)
     over = {k: v for k, v in (("n_layer", a.n_layer), ("n_head", a.n_head), ("n_embd", a.n_embd),
                                ("n_kv_head", a.n_kv_head), ("block_size", a.block_size),
-                               ("vocab_size", a.vocab_size)) if v is not None}
+                               ("vocab_size", a.vocab_size or data_vocab_size(a.data))) if v is not None}
     if "n_kv_head" in over and "n_kv_head" not in {f.name for f in fields(family.config_class)}:
         raise ValueError(f"--n-kv-head applies to Llama models, not {a.model}")
     cfg = family.preset(a.model, **over)

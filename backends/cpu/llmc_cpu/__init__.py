@@ -7,8 +7,11 @@ step allocates nothing large.
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import math
 import os
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,8 +28,6 @@ _ADAM_CHUNK = 1 << 16  # elements per AdamW chunk: five float32 chunks stay insi
 def _numpy_sgemm():
     """cblas_sgemm of the OpenBLAS that numpy itself loaded (numpy's wheels ship scipy-openblas, 64-bit ints),
     or None where numpy links another BLAS."""
-    import ctypes
-    import glob
     libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))
     if not libs or not np.__config__.CONFIG.get("Build Dependencies", {}).get("blas", {}).get("name", "").startswith(
             "scipy-openblas"):
@@ -41,8 +42,25 @@ def _numpy_sgemm():
     return fn
 
 
+def _numpy_blas_threads():
+    """(set, get) of the thread count of the OpenBLAS numpy loaded, or None where numpy links another BLAS."""
+    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))
+    try:
+        lib = ctypes.CDLL(libs[0])
+        set_, get = lib.scipy_openblas_set_num_threads64_, lib.scipy_openblas_get_num_threads64_
+    except (OSError, AttributeError, IndexError):
+        return None
+    set_.argtypes, set_.restype, get.argtypes, get.restype = [ctypes.c_int], None, [], ctypes.c_int
+    return set_, get
+
+
 _SGEMM = _numpy_sgemm()
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_BLAS_THREADS = _numpy_blas_threads()
+# products below this many multiply-adds run on one BLAS thread: splitting them costs more than it saves (768x128 by
+# 128x384 on 2 cores: 2.1 ms on one thread, 7.9 ms on two while other processes share the cores)
+SMALL_GEMM_MACS = 1 << 27
+SPLIT_GEMM_MACS = 1 << 20  # smaller ones run whole on the calling thread: a handoff to the pool costs ~50 us
 
 
 _SUMSQ_ROW = 4096
@@ -69,6 +87,17 @@ class CpuBackend(Backend):
         self._allocated: dict[str, int] = defaultdict(int)
         self._scratch: dict[tuple, np.ndarray] = {}
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self._masks: dict[int, np.ndarray] = {}
+        self._slice = threading.local()  # .on: this thread runs a slice of a kernel (_in_slices)
+        self._blas_all = _BLAS_THREADS[1]() if _BLAS_THREADS is not None else 1
+        self._blas_now = self._blas_all
+
+    def _blas_for(self, macs: int) -> None:
+        """One BLAS thread for a small product, all of them for a large one (the count numpy started with)."""
+        want = 1 if macs < SMALL_GEMM_MACS else self._blas_all
+        if want != self._blas_now and _BLAS_THREADS is not None:
+            _BLAS_THREADS[0](want)
+            self._blas_now = want
 
     # ---- memory --------------------------------------------------------------------------------------------
     def alloc(self, shape, dtype=FLOAT32, tag="other"):
@@ -97,8 +126,9 @@ class CpuBackend(Backend):
         return f"numpy {np.__version__} on the host, {self.threads} threads"
 
     def _tmp(self, key: str, shape: tuple, dtype=np.float32) -> np.ndarray:
-        """Scratch kept between calls, so steady-state steps allocate nothing large."""
-        k = (key, shape, dtype)
+        """Scratch kept between calls, so steady-state steps allocate nothing large; one set per thread, so that a
+        kernel's slices (_in_slices) run side by side."""
+        k = (key, shape, dtype, threading.get_ident())
         a = self._scratch.get(k)
         if a is None:
             a = self._scratch[k] = np.empty(shape, dtype=dtype)
@@ -192,37 +222,73 @@ class CpuBackend(Backend):
     def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None):
         OC, C = weight.shape
         target = (pre_gelu if pre_gelu is not None else out).reshape(-1, OC)
-        np.matmul(inp.reshape(-1, C), weight.T, out=target)
-        if bias is not None:
-            target += bias
-        if pre_gelu is not None:
-            self.gelu_forward(out, pre_gelu)
+        x = inp.reshape(-1, C)
+        y = out.reshape(-1, OC)
+
+        def rows(lo: int, hi: int) -> None:
+            np.matmul(x[lo:hi], weight.T, out=target[lo:hi])
+            if bias is not None:
+                target[lo:hi] += bias
+            if pre_gelu is not None:
+                self.gelu_forward(y[lo:hi], target[lo:hi])
+
+        self._in_parts(target.size * C, [(rows, target.shape[0])])
 
     def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu=None):
         OC, C = weight.shape
         g, x = dout.reshape(-1, OC), inp.reshape(-1, C)
+        work = [(lambda lo, hi: self._accumulate_gemm_tn(dweight, g, x, lo, hi), OC)]
         if dinp is not None:
-            np.matmul(g, weight, out=dinp.reshape(-1, C))
-            if pre_gelu is not None:
-                self.gelu_backward(dinp, pre_gelu, dinp)
+            dx = dinp.reshape(-1, C)
+            pre = pre_gelu.reshape(-1, C) if pre_gelu is not None else None
+
+            def rows(lo: int, hi: int) -> None:
+                np.matmul(g[lo:hi], weight, out=dx[lo:hi])
+                if pre is not None:
+                    self.gelu_backward(dx[lo:hi], pre[lo:hi], dx[lo:hi])
+
+            work.append((rows, g.shape[0]))
+        self._in_parts(g.size * C, work)
         if dbias is not None:
             dbias += g.sum(axis=0)
-        self._accumulate_gemm_tn(dweight, g, x)
 
-    def _accumulate_gemm_tn(self, c: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-        """c (M,K) += a(N,M)^T @ b(N,K), with beta=1 in numpy's own OpenBLAS (the same library and thread pool
-        numpy's matmul uses; scipy's sgemm brings a second pool that fights it for the cores: 8 ms instead of
-        0.2 ms for a 64x128x384 product on 2 cores). Saves a pass over the weight gradient: 256x50304x768
+    def _in_parts(self, macs: int, work: list) -> None:
+        """Run each (fn, n) as fn(lo, hi) over [0, n): a small product in as many slices as the backend has
+        threads, each on one BLAS thread (blocked in our pool rather than spinning in BLAS's, which stalls on cores
+        shared with other processes); a large one whole, on every BLAS thread. Each output element is made by one
+        call, whatever the slicing: the same bits on every run of a given thread count."""
+        self._blas_for(macs)
+        parts = self.threads if (self._pool is not None and SPLIT_GEMM_MACS <= macs < SMALL_GEMM_MACS) else 1
+        calls = [(fn, n * i // parts, n * (i + 1) // parts) for i in range(parts) for fn, n in work]
+        if parts == 1:
+            for fn, lo, hi in calls:
+                fn(lo, hi)
+            return
+        mine = [c for i, c in enumerate(calls) if i // len(work) == 0]
+        futures = [self._pool.submit(fn, lo, hi) for i, (fn, lo, hi) in enumerate(calls) if i // len(work) > 0]
+        for fn, lo, hi in mine:
+            fn(lo, hi)
+        for f in futures:
+            f.result()
+
+    def _accumulate_gemm_tn(self, c: np.ndarray, a: np.ndarray, b: np.ndarray, lo: int = 0,
+                            hi: int | None = None) -> None:
+        """c[lo:hi] (M,K) += a[:, lo:hi](N,M)^T @ b(N,K), with beta=1 in numpy's own OpenBLAS (the same library and
+        thread pool numpy's matmul uses; scipy's sgemm brings a second pool that fights it for the cores: 8 ms
+        instead of 0.2 ms for a 64x128x384 product on 2 cores). Saves a pass over the weight gradient: 256x50304x768
         88 -> 63 ms here. Elsewhere: a matmul into a kept scratch, then an add."""
         (N, M), K = a.shape, b.shape[1]
-        if (_SGEMM is not None and min(N, M, K) > 0 and all(x.dtype == np.float32 and x.flags.c_contiguous
-                                                             for x in (a, b, c))):
-            _SGEMM(_ROW_MAJOR, _TRANS, _NO_TRANS, M, K, N, 1.0, a.ctypes.data, M, b.ctypes.data, K, 1.0,
-                   c.ctypes.data, K)
+        hi = M if hi is None else hi
+        if (_SGEMM is not None and min(N, hi - lo, K) > 0 and all(x.dtype == np.float32 and x.flags.c_contiguous
+                                                                  for x in (a, b, c))):
+            _SGEMM(_ROW_MAJOR, _TRANS, _NO_TRANS, hi - lo, K, N, 1.0, a.ctypes.data + 4 * lo, M, b.ctypes.data, K,
+                   1.0, c.ctypes.data + 4 * lo * K, K)
             return
-        tmp = self._tmp("gemm_tn", c.shape)
-        np.matmul(a.T, b, out=tmp)
-        c += tmp
+        if hi - lo == 0:
+            return
+        tmp = self._tmp(f"gemm_tn{lo}", (hi - lo, K))
+        np.matmul(a[:, lo:hi].T, b, out=tmp)
+        c[lo:hi] += tmp
 
     # ---- gelu (tanh approximation) --------------------------------------------------------------------------
     def gelu_forward(self, out, inp):
@@ -338,13 +404,14 @@ class CpuBackend(Backend):
     def _probs(self, q, k, hd, lse=None):
         """Scaled causal scores softmaxed in place: P (B,NH,T,T); fills lse or uses the given one."""
         B, NH, T, _ = q.shape
+        if not getattr(self._slice, "on", False):  # (a slice runs with the BLAS threads its caller set)
+            self._blas_for(B * NH * T * T * hd)
         att = self._tmp("att_p", (B, NH, T, T))
         np.matmul(q, k.transpose(0, 1, 3, 2), out=att)
         att *= np.float32(1.0 / math.sqrt(hd))
-        mask = self._tmp("att_mask", (T, T))
-        if not getattr(self, "_mask_T", None) == T:
-            mask[...] = np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
-            self._mask_T = T
+        mask = self._masks.get(T)
+        if mask is None:  # (built twice at worst, by two slices at once: the same values)
+            mask = self._masks[T] = np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
         att += mask
         if lse is None:
             m = att.max(axis=-1, keepdims=True)
@@ -358,6 +425,36 @@ class CpuBackend(Backend):
         return att, None
 
     def attention_forward(self, out, lse, qkv, n_head, n_kv_head):
+        B, T, W = qkv.shape
+        self._in_slices(B, B * n_head * T * T * W // (n_head + 2 * n_kv_head), lambda lo, hi: self._attention_forward(
+            out[lo:hi], lse[lo:hi], qkv[lo:hi], n_head, n_kv_head))
+
+    def attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
+        B, T, W = qkv.shape
+        self._in_slices(B, B * n_head * T * T * W // (n_head + 2 * n_kv_head), lambda lo, hi: self._attention_backward(
+            dqkv[lo:hi], dout[lo:hi], qkv[lo:hi], out[lo:hi], lse[lo:hi], n_head, n_kv_head))
+
+    def _in_slices(self, n: int, macs: int, fn) -> None:
+        """fn(lo, hi) over slices of [0, n) (the batch) side by side on the pool, where the products are small
+        enough for one BLAS thread each (see _in_parts); whole otherwise."""
+        parts = min(n, self.threads) if (self._pool is not None and SPLIT_GEMM_MACS <= macs < SMALL_GEMM_MACS) else 1
+        if parts == 1:
+            fn(0, n)
+            return
+        def part(lo: int, hi: int) -> None:
+            self._slice.on = True
+            try:
+                fn(lo, hi)
+            finally:
+                self._slice.on = False
+
+        self._blas_for(0)
+        futures = [self._pool.submit(part, n * i // parts, n * (i + 1) // parts) for i in range(1, parts)]
+        part(0, n // parts)
+        for f in futures:
+            f.result()
+
+    def _attention_forward(self, out, lse, qkv, n_head, n_kv_head):
         B, T, _ = qkv.shape
         q, k, v, hd = self._split_heads(qkv, n_head, n_kv_head)
         att, l = self._probs(q, k, hd)
@@ -366,7 +463,7 @@ class CpuBackend(Backend):
         np.matmul(att, v, out=y)
         out.reshape(B, T, n_head, hd)[...] = y.transpose(0, 2, 1, 3)
 
-    def attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
+    def _attention_backward(self, dqkv, dout, qkv, out, lse, n_head, n_kv_head):
         B, T, _ = qkv.shape
         q, k, v, hd = self._split_heads(qkv, n_head, n_kv_head)
         p, _ = self._probs(q, k, hd, lse)
