@@ -37,7 +37,7 @@ from llmc_cli.formats.files import (
 )
 from llmc_cli.formats import notes
 from llmc_cli.formats.hf import TOKENIZER_FILE
-from llmc_cli.formats.rundir import step_dirs
+from llmc_cli.formats.rundir import step_dir_name, step_dirs, step_of
 from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.llama_file import (
     read_llama_header,
@@ -109,10 +109,6 @@ def _is_safetensors(path: str | Path) -> bool:
 
 
 # ---- run directories ------------------------------------------------------------------------------------------
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
 def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, params: np.ndarray, bf16: bool,
                          optimizer: dict[str, np.ndarray], state: dict, keep: int = 0,
                          tokenizer_file: str | Path | None = None) -> Path:
@@ -249,7 +245,7 @@ def resolve_checkpoint(path: str | Path, note_as: str | None = "using") -> Path:
             raise CheckpointError(f"{path}/latest: unreadable ({e})") from None
         name = raw.decode("utf-8", "backslashreplace").strip() if raw is not None else None
         step = path / (name or "")
-        if name is None or "/" in name or "\\" in name or not name.startswith("step_") or _model_in(step) is None:
+        if name is None or step_of(name) is None or _model_in(step) is None:
             complete = _complete_steps(path)
             if complete:
                 _fell_back(latest, _latest_names(name, step), complete[-1], note_as)
@@ -280,7 +276,7 @@ def _latest_names(name: str | None, step: Path) -> str:
         return f"is a file of over {LATEST_MAX_BYTES} bytes"
     if not name:
         return "is empty"
-    if "/" in name or "\\" in name or not name.startswith("step_"):
+    if step_of(name) is None:
         return f"names {name!r}, not a step folder of the run"
     if not os.path.lexists(step):
         return f"names {name}, which does not exist"
@@ -310,7 +306,7 @@ def _check_model_file_kind(path: Path) -> None:
             head[8:].lstrip(b" \t\r\n").removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")[:1] in (b"{", b""):
         return
     hint = ""
-    if path.parent.name.startswith("step_") and _model_in(path.parent) is not None:
+    if step_of(path.parent.name) is not None and _model_in(path.parent) is not None:
         hint = f"; its folder {path.parent} is a step directory: give that, or its model file {_model_in(path.parent)}"
     raise CheckpointError(f"{path}: not a model file: expected an llm.c .bin (magic {MODEL_MAGIC}), a "
                           f"model.safetensors, a run or step directory, or a Hugging Face directory{hint}")

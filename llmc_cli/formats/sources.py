@@ -9,6 +9,7 @@ import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import special_file
+from llmc_cli.formats.rundir import step_dirs
 from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.hf import (
     LLMC_TOKENIZER_KEY,
@@ -96,7 +97,7 @@ def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
 def _resolve(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir() and not (path / "latest").is_file() and not any((path / f).is_file() for f in ckpt.MODEL_FILES) \
-            and not any(path.glob("step_*")):  # (a run's step folders: resolve_checkpoint says what they lack)
+            and not step_dirs(path):  # (a run's step folders: resolve_checkpoint says what they lack)
         raise ckpt.CheckpointError(f"{path}: not a run directory (no 'latest'), a step directory (no model.bin or "
                                    f"model.safetensors) or a Hugging Face directory (no config.json)")
     return ckpt.resolve_checkpoint(path)
