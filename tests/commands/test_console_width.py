@@ -61,3 +61,12 @@ def test_a_full_stderr_still_ends_with_the_documented_code(args):
     with open("/dev/full", "w") as full:
         r = subprocess.run([*LLMC, *args], stdout=subprocess.PIPE, stderr=full, timeout=120)
     assert r.returncode == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_success_whose_stderr_is_full_still_succeeds(gpt2_model):
+    """sample's last line (tokens/s) goes to stderr: a full one is no failure of the sampling."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*LLMC, "sample", "--backend", "cpu", "--checkpoint", str(gpt2_model), "--prompt", "Hi",
+                            "--max-new-tokens", "2"], stdout=subprocess.PIPE, stderr=full, timeout=300, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Hi"), r.stdout
