@@ -3,8 +3,10 @@
 * llm.c's model .bin: a header of 256 int32 (magic 20240326; version 3 = float32 params, 5 = bfloat16; then
   maxT, V, L, NH, C, Vp) followed by the parameters in llm.c's order. Files written here load in llm.c's
   train_gpt2.c / train_gpt2.cu and the other way round.
-* A run directory: `step_NNNNNNNN/` folders holding model.bin, optimizer.npz (float32 moments and master weights)
-  and state.json (step, data position, RNG, config), plus a `latest` file naming the newest complete one.
+* A run directory: `step_NNNNNNNN/` folders (eight digits at least: rundir.step_of) holding model.bin,
+  optimizer.npz (float32 moments and master weights), state.json (step, data position, RNG, config) and, written
+  last, manifest.json (what the step holds: manifest.py), plus a `latest` file naming the newest complete one and
+  `run_id`, the run's own id.
   A Llama run keeps model.safetensors instead of model.bin (llm.c's format has no Llama layout): llmc's own
   tensor names and stacked per-layer shapes, with the family, config and tokenizer in the file's metadata, so
   the file alone rebuilds the model.

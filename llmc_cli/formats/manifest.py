@@ -40,13 +40,21 @@ _VERIFIED: dict[tuple, None] = {}  # (path, inode, size, mtime) of files whose d
 
 def file_digest(path: str | Path) -> dict:
     """{"size", "crc32"} of a file, read once in chunks."""
-    crc, size = 0, 0
+    crc = [0]
+    size = _chunks(path, lambda view: crc.__setitem__(0, zlib.crc32(view, crc[0])))
+    return {"size": size, "crc32": f"{crc[0]:08x}"}
+
+
+def _chunks(path: str | Path, take) -> int:
+    """Hands `take` the whole of a file, a chunk at a time (never all of it in memory); returns its size."""
+    size = 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
-            crc, size = zlib.crc32(view[:n], crc), size + n
-    return {"size": size, "crc32": f"{crc:08x}"}
+            take(view[:n])
+            size += n
+    return size
 
 
 def run_id(run_dir: str | Path) -> str:
@@ -204,7 +212,9 @@ def data_fingerprint(shards: list[str | Path] | tuple[str | Path, ...]) -> dict:
     for folder in folders:
         for m in sorted(folder.glob("*_manifest.json")):
             if m.is_file():
-                out["tokenize_manifests"][m.name] = hashlib.sha256(m.read_bytes()).hexdigest()
+                h = hashlib.sha256()
+                _chunks(m, h.update)
+                out["tokenize_manifests"][m.name] = h.hexdigest()
     return out
 
 

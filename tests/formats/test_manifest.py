@@ -194,3 +194,12 @@ def test_data_differences(tmp_path, name, now, says):
     was = mf.data_fingerprint(_shards(tmp_path / "was", BASE))
     diff = mf.data_differences(was, mf.data_fingerprint(_shards(tmp_path / "now", now)))
     assert diff is None if says is None else says in diff, diff
+
+
+def test_a_tokenize_manifest_written_again_is_a_difference(tmp_path):
+    shards = _shards(tmp_path, BASE)
+    (tmp_path / "t_manifest.json").write_text('{"complete": true, "files": ["a.txt"]}')
+    was = mf.data_fingerprint(shards)
+    (tmp_path / "t_manifest.json").write_text('{"complete": true, "files": ["b.txt"]}')
+    assert "t_manifest.json differs" in mf.data_differences(was, mf.data_fingerprint(shards))
+    assert mf.data_differences(None, was) is None  # (a run that recorded none: nothing to compare)
