@@ -8,8 +8,8 @@ a state.json, model or optimizer state from another step or run, swapped step fo
 Llama run's step. A step folder without a manifest (written before llmc wrote them) loads as it did.
 
 state.json is bound by what makes it this run's state at this step (`state`: a digest of its step, data position,
-RNG and options), not by its bytes: its readers say what is wrong with a state edited in place (a damaged
-backend_state), and one from another step or run differs in those.
+RNG, update count and family), not by its bytes: its readers say what is wrong with a state edited in place (a
+damaged backend_state or recorded option), and one from another step or run differs in those.
 
 The digest is zlib's CRC-32 with the size beside it: it finds files from elsewhere (which is what a manifest is
 for, not tampering) at about 4 GiB/s of CPU, where SHA-256 (1.7 GiB/s) more than doubled the load of a 1 GiB model
@@ -30,7 +30,8 @@ from llmc_cli.formats.rundir import step_dirs, step_of
 
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "state.json"
-STATE_IDENTITY = ("step", "dataloader", "rng", "args")  # what differs between two runs' or two steps' states
+# what differs between two runs' or two steps' states (the recorded options are not: a resume may override one)
+STATE_IDENTITY = ("step", "dataloader", "rng", "optimizer_steps", "family")
 RUN_ID_FILE = "run_id"
 MANIFEST_VERSION = 1
 MANIFEST_MAX_BYTES = 16 * 2**20  # a few files and the data's fingerprint (thousands of shards): never a big file
@@ -155,8 +156,8 @@ def verify_step_files(step_dir: str | Path, names: tuple[str, ...] | list[str]) 
     for name in names:
         if name == STATE_FILE and isinstance(manifest.get("state"), str):
             if _state_identity(step_dir / name) != manifest["state"]:
-                raise CheckpointError(f"{step_dir / name}: its step, data position, RNG or options differ from "
-                                      f"what step {manifest['step']}'s {MANIFEST_FILE} records (another step's or "
+                raise CheckpointError(f"{step_dir / name}: its step, data position, RNG or update count differ "
+                                      f"from what step {manifest['step']}'s {MANIFEST_FILE} records (another step's or "
                                       "run's state)")
             continue
         _verify_file(step_dir / name, manifest["files"].get(name), manifest["step"])

@@ -33,13 +33,13 @@ def load_model_any(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]
         if is_hf_dir(path):
             importer, _ = _hf_readers(path)
             cfg, params = importer(path)
+            ckpt.check_finite(path, params)
             kind = "hf"
         else:
-            cfg, params, _ = _read_resolved(path, _read_step_model)
+            cfg, params, _ = _read_resolved(path, _read_step_model)  # (checked for NaN there, before the manifest)
             kind = "llmc" if path.is_file() else "run"
     except OSError as e:  # no permission, a directory where a file belongs, an I/O error
         raise ckpt.CheckpointError(f"{e.filename or path}: cannot read it ({e.strerror or e})") from None
-    ckpt.check_finite(path, params)
     return cfg, params, kind
 
 

@@ -118,6 +118,7 @@ def test_a_state_edited_in_place_keeps_its_readers_message(runs):
     p = runs[0] / "step_00000002" / "state.json"
     s = json.loads(p.read_text())
     s["backend_state"] = {"history": [1]}
+    s["args"]["steps"] = 10**30  # (a recorded option: the command line may override it on resume)
     p.write_text(json.dumps(s))
     assert ckpt.read_run_checkpoint(runs[0])[3]["backend_state"] == {"history": [1]}
 
