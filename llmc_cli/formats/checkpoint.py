@@ -47,7 +47,9 @@ from llmc_cli.formats.llama_file import (
     read_llama_header,
 )
 from llmc_cli.formats.llmc_bin import (
+    HEADER_INTS,
     MODEL_MAGIC,
+    VERSION_FP32,
 )
 from llmc_cli.formats.safetensors import SAFETENSORS_HEADER_MAX, read_safetensors_header
 from llmc_cli.models.families import FAMILIES, GPT2, LLAMA3, family_of
@@ -172,6 +174,17 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
         for p in others[:max(len(others) - (keep - 1), 0)]:
             shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def held_model_digest(model: Path, params: np.ndarray) -> dict:
+    """{name: digest} of a float32 llm.c .bin from the bytes just read (its body is `params` as they lie in the file),
+    so that its manifest costs a CRC and no second read; {} for other files (read again to be verified)."""
+    if model.suffix != ".bin" or params.dtype != np.dtype("<f4"):
+        return {}
+    header = np.fromfile(model, dtype="<i4", count=HEADER_INTS)
+    if header.size != HEADER_INTS or int(header[1]) != VERSION_FP32:
+        return {}
+    return {model.name: mf.bytes_digest([header, params])}
 
 
 def _model_in(step_dir: Path) -> Path | None:
@@ -371,7 +384,7 @@ def _read_step(model_path: Path) -> tuple[ModelConfig, np.ndarray, dict[str, np.
         raise CheckpointError(f"{e.filename or model_path}: cannot read it ({e.strerror or e})") from None
     check_finite(model_path, params)
     # each file's own checks say what is wrong with it; the step's manifest then says whether it is the step's own
-    mf.verify_step_files(step_dir, [model_path.name])
+    mf.verify_step_files(step_dir, [model_path.name], held_model_digest(model_path, params))
     state_path, opt_path = step_dir / "state.json", step_dir / "optimizer.npz"
     for p in (state_path, opt_path):
         if not os.path.lexists(p):

@@ -137,9 +137,10 @@ def _read_manifest(path: Path, quiet: bool = False) -> dict | None:
     return body
 
 
-def verify_step_files(step_dir: str | Path, names: tuple[str, ...] | list[str]) -> None:
+def verify_step_files(step_dir: str | Path, names: tuple[str, ...] | list[str], read: dict | None = None) -> None:
     """Checks the files `names` of a step folder against its manifest (none: nothing to check), naming the first
-    that disagrees: a manifest of another step or run, or a file the manifest does not list or lists otherwise."""
+    that disagrees: a manifest of another step or run, or a file the manifest does not list or lists otherwise.
+    `read`: {name: bytes_digest(...)} of files whose bytes the caller already holds (not read a second time)."""
     step_dir = Path(step_dir)
     manifest = step_manifest(step_dir)
     if manifest is None:
@@ -160,10 +161,20 @@ def verify_step_files(step_dir: str | Path, names: tuple[str, ...] | list[str]) 
                                       f"from what step {manifest['step']}'s {MANIFEST_FILE} records (another step's or "
                                       "run's state)")
             continue
-        _verify_file(step_dir / name, manifest["files"].get(name), manifest["step"])
+        _verify_file(step_dir / name, manifest["files"].get(name), manifest["step"], (read or {}).get(name))
 
 
-def _verify_file(path: Path, want: dict | None, step: int) -> None:
+def bytes_digest(chunks) -> dict:
+    """file_digest of a file whose bytes a reader already holds, in order (an llm.c .bin's header and float32 body):
+    verifying it costs the CRC alone, not a second read."""
+    crc, size = 0, 0
+    for c in chunks:
+        view = memoryview(c).cast("B")
+        crc, size = zlib.crc32(view, crc), size + len(view)
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def _verify_file(path: Path, want: dict | None, step: int, got: dict | None = None) -> None:
     if want is None:
         raise CheckpointError(f"{path}: not in its step's {MANIFEST_FILE} (put there after step {step} was written: "
                               "another step's, run's or model family's file); remove it or restore the step's own")
@@ -177,10 +188,11 @@ def _verify_file(path: Path, want: dict | None, step: int) -> None:
     if st.st_size != want["size"]:
         raise CheckpointError(f"{path}: {st.st_size:,} bytes, but step {step}'s {MANIFEST_FILE} records "
                               f"{want['size']:,} (a file from another step or run, or cut short)")
-    try:
-        got = file_digest(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if got is None or got["size"] != st.st_size:
+        try:
+            got = file_digest(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
     if got["crc32"] != want["crc32"].lower():
         raise CheckpointError(f"{path}: its content differs from what step {step}'s {MANIFEST_FILE} records (a file "
                               "from another step or run, or damaged)")

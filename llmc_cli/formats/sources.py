@@ -62,7 +62,7 @@ def _read_step_model(model: Path) -> tuple[ckpt.ModelConfig, np.ndarray, Path]:
     it is)."""
     cfg, params = ckpt.read_model_file(model)
     ckpt.check_finite(model, params)
-    verify_step_files(model.parent, [model.name])
+    verify_step_files(model.parent, [model.name], ckpt.held_model_digest(model, params))
     return cfg, params, model
 
 

@@ -148,14 +148,24 @@ def test_the_manifest_is_written_last_and_lists_every_file(runs):
         assert mf.file_digest(runs[0] / "step_00000002" / name) == want
 
 
-def test_each_file_is_digested_once_per_process(runs, monkeypatch):
+def test_each_file_is_digested_once_per_process_and_a_float32_bin_not_read_twice(runs, monkeypatch):
     calls = []
     real = mf.file_digest
-    monkeypatch.setattr(mf, "file_digest", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(mf, "file_digest", lambda p: calls.append(p.name) or real(p))
     mf._VERIFIED.clear()
     for _ in range(3):
-        load_model_any(runs[0])
-    assert len(calls) == 1
+        load_model_any(runs[0])  # (a float32 .bin: its CRC is taken from the bytes just read)
+        ckpt.read_run_checkpoint(runs[0])
+        load_model_any(runs[2])  # (a Llama's model.safetensors: read once more, in chunks)
+    assert sorted(calls) == ["model.safetensors", "optimizer.npz"]
+
+
+def test_the_digest_of_the_bytes_read_is_the_files(runs):
+    model = runs[0] / "step_00000002" / "model.bin"
+    params = ckpt.read_model_file(model)[1]
+    assert ckpt.held_model_digest(model, params) == {"model.bin": mf.file_digest(model)}
+    llama = runs[2] / "step_00000002" / "model.safetensors"
+    assert ckpt.held_model_digest(llama, ckpt.read_model_file(llama)[1]) == {}
 
 
 def test_an_exported_run_has_a_manifest(tmp_path):
