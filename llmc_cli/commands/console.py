@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import sys
@@ -12,8 +11,8 @@ from rich.console import Console
 
 
 class _Stderr:
-    """sys.stderr, whichever it is at the moment, for rich's consoles: once its reader is gone (`2>&1 | head`, a
-    closed terminal: EPIPE or EIO), what follows goes to /dev/null. rich would otherwise end the command with exit 1
+    """sys.stderr, whichever it is at the moment, for rich's consoles: once it cannot be written (its reader gone,
+    `2>&1 | head` or a closed terminal: EPIPE or EIO; or full, `2>/dev/full`), what follows goes to /dev/null. rich would otherwise end the command with exit 1
     where its own status was due (and point standard output at /dev/null), and a tokenize run that had written
     every shard left its manifest unfinished."""
 
@@ -21,7 +20,9 @@ class _Stderr:
         try:
             return getattr(sys.stderr, op)(*a)
         except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.EIO):
+            # its reader gone (EPIPE, EIO), or nothing more fits (a full disk, 2>/dev/full): nothing can be said
+            # any more, and the command still ends with its own status, not a traceback about its error line
+            if e.errno is None:
                 raise
             try:
                 fd = sys.stderr.fileno()
@@ -43,8 +44,24 @@ class _Stderr:
 
 
 STDERR = _Stderr()
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(file=STDERR, highlight=False)
+PLAIN_WIDTH = 80  # what a console lays its tables out in when the environment gives no usable width
+WIDTH_RANGE = (20, 10_000)  # COLUMNS outside it lays nothing out usefully: 0 printed no table at all
+
+
+def console_size() -> dict[str, int]:
+    """The width (and height) a rich console is made with where COLUMNS (LINES) is set but unusable: 0, a few
+    columns or garbage laid the result out in nothing (`COLUMNS=0 llmc backends` printed no line). Empty where the
+    environment's value is usable or absent (rich then asks the terminal, or takes 80)."""
+    size = {}
+    for var, key, low, fallback in (("COLUMNS", "width", WIDTH_RANGE[0], PLAIN_WIDTH), ("LINES", "height", 1, 25)):
+        raw = os.environ.get(var)
+        if raw is not None and not (raw.isdigit() and low <= int(raw) <= WIDTH_RANGE[1]):
+            size[key] = fallback
+    return size
+
+
+console = Console(highlight=False, soft_wrap=True, **console_size())
+err_console = Console(file=STDERR, highlight=False, **console_size())
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8", "auto": None}  # fp8: bf16 with FP8 matmuls
 

@@ -80,6 +80,56 @@ class _StdoutFd(io.RawIOBase):
             raise OSError(e.errno, e.strerror, STDOUT_NAME) from None
 
 
+class _StderrFd(io.RawIOBase):
+    """Standard error's file descriptor, whose write errors (a full disk, `2>/dev/full`; a reader gone) drop what
+    follows: nothing can be said about them, and a command's exit code is its own (0 with a warning it could not
+    print, 2 for an error line that went nowhere), never a traceback's 1."""
+
+    name = "<stderr>"
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd, self._failed = fd, False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        import os
+        return os.isatty(self._fd)
+
+    def write(self, b) -> int:
+        import os
+        view = memoryview(b).cast("B")
+        done = 0
+        while not self._failed and done < len(view):  # (all of it: the text layer above has no buffer to retry)
+            try:
+                done += os.write(self._fd, view[done:])
+            except InterruptedError:
+                continue
+            except OSError:
+                self._failed = True
+        return len(view)
+
+
+def _guard_stderr() -> None:
+    """Standard error (the process's own) rewrapped over _StderrFd, same encoding and buffering."""
+    import sys
+    err = sys.stderr
+    if err is not sys.__stderr__ or not isinstance(err, io.TextIOWrapper):
+        return
+    try:
+        fd = err.fileno()
+        err.flush()
+    except (OSError, ValueError):
+        return
+    sys.stderr = io.TextIOWrapper(_StderrFd(fd), encoding=err.encoding, errors=err.errors, newline="\n",
+                                  line_buffering=err.line_buffering, write_through=True)  # (unbuffered, as Python's)
+
+
 def _guard_stdout() -> None:
     """Standard output (the process's own, not a test's capture) rewrapped over _StdoutFd, same encoding and
     buffering; its last flush at exit may then fail only quietly (the command already reported its own end)."""
@@ -175,6 +225,7 @@ class _Main(click.Group):
         `llmc --bogus` (click's four-line usage) get the same streams and one-line errors as every command."""
         _tolerant_streams()
         _guard_stdout()
+        _guard_stderr()
         with _one_line_errors():
             return super().make_context(info_name, args, parent=parent, **extra)
 
@@ -183,6 +234,7 @@ class _Main(click.Group):
         from llmc_cli.formats import notes
         _tolerant_streams()
         _guard_stdout()
+        _guard_stderr()
         interrupts.install()
         was = notes.listen(_note)
         try:

@@ -3,8 +3,10 @@
 * llm.c's model .bin: a header of 256 int32 (magic 20240326; version 3 = float32 params, 5 = bfloat16; then
   maxT, V, L, NH, C, Vp) followed by the parameters in llm.c's order. Files written here load in llm.c's
   train_gpt2.c / train_gpt2.cu and the other way round.
-* A run directory: `step_NNNNNNNN/` folders holding model.bin, optimizer.npz (float32 moments and master weights)
-  and state.json (step, data position, RNG, config), plus a `latest` file naming the newest complete one.
+* A run directory: `step_NNNNNNNN/` folders (eight digits at least: rundir.step_of) holding model.bin,
+  optimizer.npz (float32 moments and master weights), state.json (step, data position, RNG, config) and, written
+  last, manifest.json (what the step holds: manifest.py), plus a `latest` file naming the newest complete one and
+  `run_id`, the run's own id.
   A Llama run keeps model.safetensors instead of model.bin (llm.c's format has no Llama layout): llmc's own
   tensor names and stacked per-layer shapes, with the family, config and tokenizer in the file's metadata, so
   the file alone rebuilds the model.
@@ -23,6 +25,7 @@ import os
 import shutil
 import zipfile
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -35,15 +38,18 @@ from llmc_cli.formats.files import (
     read_at_most,
     replace_dir,
 )
+from llmc_cli.formats import manifest as mf
 from llmc_cli.formats import notes
 from llmc_cli.formats.hf import TOKENIZER_FILE
-from llmc_cli.formats.rundir import step_dirs
+from llmc_cli.formats.rundir import step_dir_name, step_dirs, step_of
 from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.llama_file import (
     read_llama_header,
 )
 from llmc_cli.formats.llmc_bin import (
+    HEADER_INTS,
     MODEL_MAGIC,
+    VERSION_FP32,
     read_model_tokenizer,
 )
 from llmc_cli.formats.safetensors import SAFETENSORS_HEADER_MAX, read_safetensors_header
@@ -55,6 +61,7 @@ from llmc_cli.models.llama3 import Llama3Config
 
 # ---- any model file: GPT-2 as llm.c's .bin, Llama as model.safetensors ---------------------------------------
 ModelConfig = GPT2Config | Llama3Config
+T = TypeVar("T")
 MODEL_FILES = ("model.bin", "model.safetensors")
 
 
@@ -112,16 +119,14 @@ def _is_safetensors(path: str | Path) -> bool:
 
 
 # ---- run directories ------------------------------------------------------------------------------------------
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
 def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, params: np.ndarray, bf16: bool,
                          optimizer: dict[str, np.ndarray], state: dict, keep: int = 0,
-                         tokenizer_file: str | Path | None = None) -> Path:
+                         tokenizer_file: str | Path | None = None, data_fingerprint: dict | None = None) -> Path:
     """Writes step_NNNNNNNN/ atomically and then points `latest` at it; keeps the newest `keep` (0 = all).
     The model file is model.bin for GPT-2, model.safetensors for Llama; `tokenizer_file` (a Llama 3
-    tokenizer.model the run was started with) is copied once to the run directory, beside the steps."""
+    tokenizer.model the run was started with) is copied once to the run directory, beside the steps. The step's
+    manifest (formats/manifest.py), written last, binds its files to the run, the step and `data_fingerprint`
+    (manifest.data_fingerprint of the shards the run reads)."""
     run_dir = Path(run_dir)
     final = run_dir / step_dir_name(step)
     tmp = run_dir / f".{final.name}.tmp-{os.getpid()}"
@@ -134,6 +139,7 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
             atomic_write_bytes(run_dir / TOKENIZER_FILE, [tokenizer_model_bytes(tokenizer_file)])
         for stale in run_dir.glob(".step_*.tmp-*"):  # left behind by a killed writer (the run's lock: one writer)
             shutil.rmtree(stale, ignore_errors=True)
+        ident = mf.run_id(run_dir)
         tmp.mkdir()
         fault_delay("model")
         write_model_file(tmp / model_file_name(cfg), cfg, params, bf16=bf16,
@@ -145,6 +151,7 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
             os.fsync(f.fileno())
         fault_delay("state")
         atomic_write_bytes(tmp / "state.json", [json.dumps(state, indent=1, sort_keys=True).encode()])
+        mf.write_manifest(tmp, ident, step, family_of(cfg).name, data_fingerprint)
         fsync_dir(tmp)
         fault_delay("rename")
         replace_dir(tmp, final)  # (rewriting the same step keeps the old one until the new one stands)
@@ -172,6 +179,17 @@ def write_run_checkpoint(run_dir: str | Path, step: int, cfg: ModelConfig, param
     return final
 
 
+def held_model_digest(model: Path, params: np.ndarray) -> dict:
+    """{name: digest} of a float32 llm.c .bin from the bytes just read (its body is `params` as they lie in the file),
+    so that its manifest costs a CRC and no second read; {} for other files (read again to be verified)."""
+    if model.suffix != ".bin" or params.dtype != np.dtype("<f4"):
+        return {}
+    header = np.fromfile(model, dtype="<i4", count=HEADER_INTS)
+    if header.size != HEADER_INTS or int(header[1]) != VERSION_FP32:
+        return {}
+    return {model.name: mf.bytes_digest([header, params])}
+
+
 def _model_in(step_dir: Path) -> Path | None:
     return next((step_dir / f for f in MODEL_FILES if (step_dir / f).is_file()), None)
 
@@ -179,6 +197,16 @@ def _model_in(step_dir: Path) -> Path | None:
 def _complete_steps(run_dir: Path) -> list[Path]:
     return [p for p in step_dirs(run_dir) if _model_in(p) is not None and all(
         (p / f).is_file() for f in ("optimizer.npz", "state.json"))]
+
+
+def _newest_complete(run_dir: Path) -> Path | None:
+    """The model file of the newest complete step, each looked at once (a step that --keep removes meanwhile is
+    passed over, never returned as a model file that is not there)."""
+    for p in reversed(step_dirs(run_dir)):
+        model = _model_in(p)
+        if model is not None and all((p / f).is_file() for f in ("optimizer.npz", "state.json")):
+            return model
+    return None
 
 
 RUN_STATE_VERSION = 1
@@ -234,7 +262,8 @@ STATE_MAX_BYTES = 64 * 2**20
 
 
 def resolve_checkpoint(path: str | Path, note_as: str | None = "using") -> Path:
-    """A run directory (its `latest`), a step directory or a model file -> the model file to load.
+    """A run directory (its `latest`), a step directory or a model file -> the model file to load (its reader then
+    checks it against its step's manifest: manifest.verify_step_files).
 
     A `latest` that names no step with a model (garbage, `../x`, a step since removed; a crash between moving a step
     aside and writing `latest`) falls back to the newest complete step, and says so (notes.note) with `note_as` for
@@ -252,22 +281,21 @@ def resolve_checkpoint(path: str | Path, note_as: str | None = "using") -> Path:
             raise CheckpointError(f"{path}/latest: unreadable ({e})") from None
         name = raw.decode("utf-8", "backslashreplace").strip() if raw is not None else None
         step = path / (name or "")
-        if name is None or "/" in name or "\\" in name or not name.startswith("step_") or _model_in(step) is None:
-            complete = _complete_steps(path)
-            if complete:
-                _fell_back(latest, _latest_names(name, step), complete[-1], note_as)
-                return _model_in(complete[-1])
+        if name is None or step_of(name) is None or (model := _model_in(step)) is None:
+            if (newest := _newest_complete(path)) is not None:
+                _fell_back(latest, _latest_names(name, step), newest.parent, note_as)
+                return newest
             what = f"is a file of over {LATEST_MAX_BYTES} bytes" if name is None else f"points to {name!r}"
             raise CheckpointError(f"{path}/latest {what}, which is not a step directory with a model.bin or "
                                   "model.safetensors")
-        return _model_in(step)
-    if os.path.lexists(latest) and (complete := _complete_steps(path)):  # (a missing `latest` is a crash's: quiet)
-        _fell_back(latest, f"is {not_a_file(latest)}, not a file naming a step", complete[-1], note_as)
-        return _model_in(complete[-1])
+        return model
+    if os.path.lexists(latest) and (newest := _newest_complete(path)) is not None:  # (no `latest`: a crash's, quiet)
+        _fell_back(latest, f"is {not_a_file(latest)}, not a file naming a step", newest.parent, note_as)
+        return newest
     if path.is_dir() and (model := _model_in(path)) is not None:
         return model
-    if path.is_dir() and (complete := _complete_steps(path)):  # killed before its first `latest` was written
-        return _model_in(complete[-1])
+    if path.is_dir() and (newest := _newest_complete(path)) is not None:  # killed before its first `latest`
+        return newest
     steps = [p.name for p in step_dirs(path)] if path.is_dir() else []
     if steps:  # (a run killed while writing its first checkpoint, or step folders made by hand)
         raise CheckpointError(f"{path}: a run directory with no complete checkpoint: no step folder here "
@@ -277,13 +305,31 @@ def resolve_checkpoint(path: str | Path, note_as: str | None = "using") -> Path:
                           f"(model.bin or model.safetensors)")
 
 
+def read_resolved(path: str | Path, read: Callable[[Path], T], note_as: str | None = "using") -> T:
+    """`read(model_file)` of the step `path` resolves to, resolved once and held; where the step is gone when it is
+    read (a live run's `--keep` removed it meanwhile), resolved afresh and read once more, and then one line."""
+    path = Path(path)
+    retried = False
+    while True:
+        model = resolve_checkpoint(path, note_as)
+        try:
+            return read(model)
+        except (CheckpointError, OSError):
+            if model == path or os.path.lexists(model):  # (a file given by name, or still there: its own error)
+                raise
+            if retried:
+                raise CheckpointError(f"{path}: {model.parent.name} was removed while it was read, as was the step "
+                                      "read before it (a live run pruning its steps with --keep); try again") from None
+            retried = True
+
+
 def _latest_names(name: str | None, step: Path) -> str:
     """What is wrong with the step a `latest` names, which is not one to load."""
     if name is None:
         return f"is a file of over {LATEST_MAX_BYTES} bytes"
     if not name:
         return "is empty"
-    if "/" in name or "\\" in name or not name.startswith("step_"):
+    if step_of(name) is None:
         return f"names {name!r}, not a step folder of the run"
     if not os.path.lexists(step):
         return f"names {name}, which does not exist"
@@ -313,7 +359,7 @@ def _check_model_file_kind(path: Path) -> None:
             head[8:].lstrip(b" \t\r\n").removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")[:1] in (b"{", b""):
         return
     hint = ""
-    if path.parent.name.startswith("step_") and _model_in(path.parent) is not None:
+    if step_of(path.parent.name) is not None and _model_in(path.parent) is not None:
         hint = f"; its folder {path.parent} is a step directory: give that, or its model file {_model_in(path.parent)}"
     raise CheckpointError(f"{path}: not a model file: expected an llm.c .bin (magic {MODEL_MAGIC}), a "
                           f"model.safetensors, a run or step directory, or a Hugging Face directory{hint}")
@@ -330,13 +376,18 @@ def check_finite(path: str | Path, params: np.ndarray, what: str = "weights") ->
 
 def read_run_checkpoint(path: str | Path) -> tuple[ModelConfig, np.ndarray, dict[str, np.ndarray], dict]:
     """(config, float32 params, optimizer arrays, state) of a run directory's latest (or a step directory)."""
-    model_path = resolve_checkpoint(path, "resuming from")
+    return read_resolved(path, _read_step, "resuming from")
+
+
+def _read_step(model_path: Path) -> tuple[ModelConfig, np.ndarray, dict[str, np.ndarray], dict]:
     step_dir = model_path.parent
     try:
         cfg, params = read_model_file(model_path)
     except OSError as e:
         raise CheckpointError(f"{e.filename or model_path}: cannot read it ({e.strerror or e})") from None
     check_finite(model_path, params)
+    # each file's own checks say what is wrong with it; the step's manifest then says whether it is the step's own
+    mf.verify_step_files(step_dir, [model_path.name], held_model_digest(model_path, params))
     state_path, opt_path = step_dir / "state.json", step_dir / "optimizer.npz"
     for p in (state_path, opt_path):
         if not os.path.lexists(p):
@@ -349,6 +400,7 @@ def read_run_checkpoint(path: str | Path) -> tuple[ModelConfig, np.ndarray, dict
         raise CheckpointError(f"{state_path}: 'family' is {state['family']!r} but {model_path.name} beside it holds a "
                               f"{fam.label} model; not this checkpoint's run state")
     opt = read_optimizer_state(opt_path, params.size)
+    mf.verify_step_files(step_dir, [state_path.name, opt_path.name])
     return cfg, params, opt, state
 
 

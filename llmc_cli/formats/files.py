@@ -46,6 +46,7 @@ def atomic_file(path: str | os.PathLike, suffix: str = ".tmp", through_links: bo
     try:
         yield tmp
         with open(tmp, "rb+") as f:
+            keep_mode_of(path, f.fileno())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
@@ -58,6 +59,29 @@ def atomic_file(path: str | os.PathLike, suffix: str = ".tmp", through_links: bo
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     fsync_dir(path.parent)  # make the rename itself durable
+
+
+def keep_mode_of(path: str | os.PathLike, fd: int) -> None:
+    """The file open at `fd`, about to replace the regular file at `path`, takes that file's permission bits and,
+    where this process may, its owner and group: a user's private (0600, 0640) log, config or shard rewritten under a
+    new name would otherwise come back with the umask's 0644. Nothing there (or a link, a directory): as created."""
+    import stat
+    try:
+        old = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return
+    if not stat.S_ISREG(old.st_mode):
+        return
+    try:
+        new = os.fstat(fd)
+        if (new.st_uid, new.st_gid) != (old.st_uid, old.st_gid):
+            os.fchown(fd, old.st_uid, old.st_gid)  # (before the mode: a chown clears set-id bits)
+    except OSError:  # (only root gives a file away; a group this user is not in is refused too)
+        pass
+    try:
+        os.fchmod(fd, stat.S_IMODE(old.st_mode))
+    except OSError:  # (a file system without Unix modes)
+        pass
 
 
 def make_folders(folder: str | os.PathLike) -> list[Path]:

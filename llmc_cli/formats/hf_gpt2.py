@@ -23,7 +23,7 @@ from llmc_cli.formats.hf import (
     write_hf_weights,
 )
 from llmc_cli.models.base import split_flat
-from llmc_cli.models.gpt2 import GPT2Config, num_parameters, parameter_shapes
+from llmc_cli.models.gpt2 import GPT2Config, parameter_shapes
 
 
 # ---- GPT-2 <-> transformers' names ----------------------------------------------------------------------------
@@ -152,6 +152,4 @@ def import_hf(path: str | Path) -> tuple[GPT2Config, np.ndarray]:
     for l, layer in enumerate(layers):
         for ours, a in layer:
             p[ours][l] = a
-    flat = np.concatenate([p[n].reshape(-1) for n, _ in parameter_shapes(cfg)])
-    assert flat.size == num_parameters(cfg)
-    return cfg, flat
+    return cfg, np.concatenate([p[n].reshape(-1) for n, _ in parameter_shapes(cfg)])

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from llmc_cli.formats.files import DirectoryLock, non_folder_above
 
-STEP_DIR = re.compile(r"step_\d{8}")
+_STEP_NAME = re.compile(r"step_([0-9]{8,20})")  # (int() of a name of 5,000 digits would raise)
+STEP_DIGITS = 8  # the least a step folder's number is written with: step_00000042 ... step_100000000
 LOCK_FILE = ".lock"
 
 
@@ -22,12 +23,25 @@ class RunDirError(ValueError):
     """A run directory that cannot be used as asked; the message names it and says what to do."""
 
 
+def step_dir_name(step: int) -> str:
+    return f"step_{step:0{STEP_DIGITS}d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a folder name is llmc's name for (step_dir_name's inverse), else None. Every reader of step folder
+    names goes through here: a pattern of eight digits left step_100000000 unpruned by --keep and unseen by a
+    resume. A name llmc never writes (step_000000042, step_best, step_00000003.bak) is the user's, never a step."""
+    m = _STEP_NAME.fullmatch(name)
+    return int(m.group(1)) if m is not None and step_dir_name(int(m.group(1))) == name else None
+
+
 def step_dirs(run_dir: str | Path) -> list[Path]:
-    """The `step_NNNNNNNN` folders of a directory, oldest first (complete or not)."""
+    """The step folders of a directory, oldest (lowest step) first, complete or not."""
     try:
-        return sorted(p for p in Path(run_dir).iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir())
+        found = [(step, p) for p in Path(run_dir).iterdir() if (step := step_of(p.name)) is not None and p.is_dir()]
     except OSError:
         return []
+    return [p for _, p in sorted(found)]
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -40,7 +54,7 @@ def step_folder_of(path: str | Path) -> Path | None:
     nothing there but the checkpoint itself."""
     for p in dict.fromkeys((Path(os.path.abspath(path)), Path(os.path.realpath(path)))):  # (and through links)
         for d in (p, *p.parents):
-            if STEP_DIR.fullmatch(d.name) and is_run_dir(d.parent):
+            if step_of(d.name) is not None and is_run_dir(d.parent):
                 return d
     return None
 
@@ -66,7 +80,7 @@ def check_out(out: str | Path, resume: bool) -> None:
     check_outside_checkpoints(out, "--out")
     if out.is_dir():  # a file or a link to nothing under a step's name: its checkpoint could not be written there
         for p in sorted(out.iterdir()):
-            if STEP_DIR.fullmatch(p.name) and not p.is_dir():
+            if step_of(p.name) is not None and not p.is_dir():
                 raise RunDirError(f"--out {out}: {p.name} is not a checkpoint folder; llmc will not replace it, so "
                                   "move it or give another --out")
     latest = out / "latest"

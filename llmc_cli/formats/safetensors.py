@@ -73,11 +73,12 @@ def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
         raise CheckpointError(f"{path}: is a directory, expected a safetensors file") from None
     try:
         header = json.loads(raw, object_pairs_hook=_unique_keys)
-        assert isinstance(header, dict)
     except _DuplicateKey as e:  # json keeps the last of two equal names: one tensor would silently be another
         raise CheckpointError(f"{path}: the header names {e.args[0]!r} twice (a damaged safetensors file)") from None
-    except (ValueError, AssertionError, RecursionError):  # (RecursionError: JSON nested past Python's stack)
+    except (ValueError, RecursionError):  # (RecursionError: JSON nested past Python's stack)
         raise CheckpointError(f"{path}: the header is not JSON (not a safetensors file)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is JSON but not an object of tensors (not a safetensors file)")
     return header, 8 + n
 
 

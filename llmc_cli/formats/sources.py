@@ -9,6 +9,8 @@ import numpy as np
 
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import special_file
+from llmc_cli.formats.manifest import run_id, verify_step_files, write_manifest
+from llmc_cli.formats.rundir import step_dirs
 from llmc_cli.formats.hf_llama3 import tokenizer_model_bytes
 from llmc_cli.formats.hf import (
     LLMC_TOKENIZER_KEY,
@@ -16,7 +18,7 @@ from llmc_cli.formats.hf import (
     is_hf_dir,
     read_config_json,
 )
-from llmc_cli.models.families import family_of_hf
+from llmc_cli.models.families import family_of, family_of_hf
 
 
 # ---- any model source -----------------------------------------------------------------------------------------
@@ -31,14 +33,37 @@ def load_model_any(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]
         if is_hf_dir(path):
             importer, _ = _hf_readers(path)
             cfg, params = importer(path)
+            ckpt.check_finite(path, params)
             kind = "hf"
         else:
-            cfg, params = ckpt.read_model_file(_resolve(path))
+            cfg, params, _ = _read_resolved(path, _read_step_model)  # (checked for NaN there, before the manifest)
             kind = "llmc" if path.is_file() else "run"
     except OSError as e:  # no permission, a directory where a file belongs, an I/O error
         raise ckpt.CheckpointError(f"{e.filename or path}: cannot read it ({e.strerror or e})") from None
-    ckpt.check_finite(path, params)
     return cfg, params, kind
+
+
+def load_model_and_tokenizer_name(path: str | Path) -> tuple[ckpt.ModelConfig, np.ndarray, str]:
+    """(config, float32 params, tokenizer name) of any model source, both from the one step a run directory
+    resolves to (a live run may move on between two resolutions)."""
+    path = Path(path)
+    if not path.exists() or is_hf_dir(path):
+        cfg, params, _ = load_model_any(path)
+        return cfg, params, tokenizer_name_for(path)
+    try:
+        cfg, params, model = _read_resolved(path, _read_step_model)
+        return cfg, params, ckpt.model_file_tokenizer(model)
+    except OSError as e:
+        raise ckpt.CheckpointError(f"{e.filename or path}: cannot read it ({e.strerror or e})") from None
+
+
+def _read_step_model(model: Path) -> tuple[ckpt.ModelConfig, np.ndarray, Path]:
+    """A model file's (config, params, path), its reader's own checks first, then its step's manifest (whose file
+    it is)."""
+    cfg, params = ckpt.read_model_file(model)
+    ckpt.check_finite(model, params)
+    verify_step_files(model.parent, [model.name], ckpt.held_model_digest(model, params))
+    return cfg, params, model
 
 
 def load_config_any(path: str | Path) -> ckpt.ModelConfig:
@@ -46,7 +71,7 @@ def load_config_any(path: str | Path) -> ckpt.ModelConfig:
     if is_hf_dir(path):
         _, read_config = _hf_readers(path)
         return read_config(path)
-    return ckpt.read_model_file_config(_resolve(path))
+    return _read_resolved(path, ckpt.read_model_file_config)
 
 
 def _hf_readers(path: Path):
@@ -65,7 +90,7 @@ def tokenizer_name_for(path: str | Path) -> str:
         if hf_model_type(path) == "gpt2" or read_config_json(path).get(LLMC_TOKENIZER_KEY) == "gpt2":
             return "gpt2"
         return "llama3"
-    return ckpt.model_file_tokenizer(_resolve(path))
+    return _read_resolved(path, ckpt.model_file_tokenizer)
 
 
 def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
@@ -93,13 +118,23 @@ def tokenizer_for(path: str | Path) -> tuple[str, Path | None]:
 
 
 
+def _read_resolved(path: str | Path, read):
+    """read(model file) of an llmc source (a model file, a run or step directory), through checkpoint.read_resolved:
+    one step, held while it is read, tried once more if a live run removed it meanwhile."""
+    _check_llmc_source(Path(path))
+    return ckpt.read_resolved(path, read)
+
+
 def _resolve(path: str | Path) -> Path:
-    path = Path(path)
+    _check_llmc_source(Path(path))
+    return ckpt.resolve_checkpoint(path)
+
+
+def _check_llmc_source(path: Path) -> None:
     if path.is_dir() and not (path / "latest").is_file() and not any((path / f).is_file() for f in ckpt.MODEL_FILES) \
-            and not any(path.glob("step_*")):  # (a run's step folders: resolve_checkpoint says what they lack)
+            and not step_dirs(path):  # (a run's step folders: resolve_checkpoint says what they lack)
         raise ckpt.CheckpointError(f"{path}: not a run directory (no 'latest'), a step directory (no model.bin or "
                                    f"model.safetensors) or a Hugging Face directory (no config.json)")
-    return ckpt.resolve_checkpoint(path)
 
 
 def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False, tokenizer: str = "gpt2",
@@ -125,6 +160,7 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
         if ranks is not None:
             ckpt.atomic_write_bytes(tmp / ckpt.TOKENIZER_FILE, [ranks])
         ckpt.write_model_file(step / ckpt.model_file_name(cfg), cfg, params, bf16=bf16, tokenizer=tokenizer)
+        write_manifest(step, run_id(tmp), 0, family_of(cfg).name)
         ckpt.atomic_write_bytes(tmp / "latest", [step.name.encode() + b"\n"])
 
     def rename_in(tmp: Path, out: Path) -> None:

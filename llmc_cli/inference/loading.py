@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc_cli.formats.sources import load_model_any, tokenizer_name_for
+from llmc_cli.formats.sources import load_model_and_tokenizer_name
 from llmc_cli.kernels import Backend
 from llmc_cli.models.base import Model, backend_capabilities, check_backend, check_seq_len
 from llmc_cli.models.families import family_of
@@ -31,10 +31,10 @@ def load_model(checkpoint: str | Path, backend: Backend, B: int = 1, T: int | No
         backend_capabilities(backend)
     except ValueError as e:
         raise ValueError(str(e) if str(e).startswith("load_model") else f"load_model: {e}") from None
-    cfg, params, _ = load_model_any(checkpoint)
+    cfg, params, tokenizer = load_model_and_tokenizer_name(checkpoint)  # (one step of a live run: both its own)
     T = min(cfg.block_size, 1024) if T is None else T
     check_seq_len(T, cfg.block_size)
     model = family_of(cfg).model_class(cfg, backend, B, T, training=False)
     model.load_parameters(params)
-    model.tokenizer = tokenizer_name_for(checkpoint)  # evals refuse data of another vocabulary
+    model.tokenizer = tokenizer  # evals refuse data of another vocabulary
     return model

@@ -79,7 +79,7 @@ def test_train_resume_is_bit_exact(shards, tmp_path):
     a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
     assert len(a) == 6 and a == b
     step = tmp_path / "a" / "step_00000006"
-    assert sorted(p.name for p in step.iterdir()) == ["model.safetensors", "optimizer.npz", "state.json"]
+    assert sorted(p.name for p in step.iterdir()) == ["manifest.json", "model.safetensors", "optimizer.npz", "state.json"]
     state = json.loads((step / "state.json").read_text())
     assert state["family"] == "llama3" and state["tokenizer"] == "gpt2"
     assert state["config"]["n_kv_head"] == 2

@@ -184,7 +184,7 @@ def test_disk_full_during_a_checkpoint(shards, tmp_path, monkeypatch):
     assert "cannot write the checkpoint" in msg and "No space left on device" in msg and "step_00000002" in msg
     # (the error said once: the rescue's second try at the same checkpoint had repeated the whole line)
     assert msg.count("cannot write") == 1 and "the earlier checkpoints are untouched" in msg, msg
-    assert sorted(p.name for p in rd.iterdir()) == ["config.toml", "latest", "log.jsonl", "step_00000001"]  # no temp dir
+    assert sorted(p.name for p in rd.iterdir()) == ["config.toml", "latest", "log.jsonl", "run_id", "step_00000001"]  # no temp dir
     assert tree(rd / "step_00000001") == kept and (rd / "latest").read_text().strip() == "step_00000001"
     # the run's first checkpoint: no "earlier checkpoints" to speak of
     r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--checkpoint-every", 1, "--out", tmp_path / "n",
