@@ -102,7 +102,8 @@ def train_llmc(label: str, backend: Backend, cfg: Config, B: int, T: int, data: 
     ahead; without `prefetch` each is read inside its step: all of them), `data_wait_ms` the time that took,
     `data_batches` the batches the timed steps trained on."""
     from llmc_cli.optim import AdamWConfig
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
     model, over = _preset_for(cfg)
     args = TrainArgs(data=data, model=model, **over, batch_size=B, seq_len=T, steps=warmup + steps, seed=seed,
                      optim=AdamWConfig(weight_decay=0.1), val_every=0, sample_every=0, recompute=recompute,

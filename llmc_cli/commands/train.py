@@ -30,7 +30,7 @@ from llmc_cli.commands.console import (
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
 from llmc_cli.models.base import RECOMPUTE
 from llmc_cli.optim import AdamWConfig
-from llmc_cli.training.trainer import TrainArgs
+from llmc_cli.training.args import TrainArgs
 
 _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the library, stated once
 CONFIG_MAX_BYTES = 1 << 20  # a --config file larger than this is not a file of options
@@ -265,7 +265,8 @@ def train(**o) -> None:
     from llmc_cli.formats.rundir import LOCK_FILE, RunDirError, check_out, check_outside_checkpoints
     from llmc_cli.formats.runlog import LogError, check_log
     from llmc_cli.optim import AdamWConfig
-    from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+    from llmc_cli.training.args import TrainArgs, TrainError
+    from llmc_cli.training.trainer import Trainer
 
     refuse_empty_paths(**{k: o.get(k) for k in ("out", "init", "log", "tensorboard", "hellaswag", "val_data", "data",
                                                   "init_file")})
@@ -372,7 +373,7 @@ def train(**o) -> None:
 def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=None) -> None:
     from llmc_cli.formats.files import DataError
     from llmc_cli.kernels import BackendUnavailable
-    from llmc_cli.training.trainer import TrainError
+    from llmc_cli.training.args import TrainError
     if trainer.tokenizer != "gpt2":  # Llama 3 shards: samples need Meta's ranks, from --init's directory
         try:
             tok = load_tokenizer(trainer.tokenizer, trainer.tokenizer_file)
@@ -424,7 +425,7 @@ def _train_run(trainer, args, backend, comm, rank_info, load_tokenizer, fault=No
             bar.update(task, completed=done, loss=num(r["loss"], ".4f"), rate=f"{r['tok_per_s']:,.0f}",
                        seen=_count(seen), mfu=f" MFU {mfu:.1%}" if mfu is not None else "")
     from llmc_cli.training.signals import StopSignals, TrainAborted
-    from llmc_cli.training.trainer import TrainDiverged
+    from llmc_cli.training.args import TrainDiverged
     how = resume_command(click.get_current_context())
     try:
         with StopSignals() as stop, (bar if bar is not None else _nothing()):
@@ -575,7 +576,7 @@ def _check_init_model(o: dict, ctx: click.Context) -> None:
         return
     from llmc_cli.formats.sources import load_config_any
     from llmc_cli.models.families import family_for, family_of
-    from llmc_cli.training.trainer import SHAPE_OPTIONS, TrainArgs, check_init_shape, model_config
+    from llmc_cli.training.args import SHAPE_OPTIONS, TrainArgs, check_init_shape, model_config
     try:
         have = load_config_any(o["init"])
     except (ValueError, OSError):
@@ -653,12 +654,12 @@ def _check_config_target(path: Path) -> None:
 def dry_run(o: dict) -> None:
     """Plans the model's memory on the host, allocating nothing: works for models this machine cannot hold."""
     from llmc_cli.models.families import memory_plan
-    from llmc_cli.training.trainer import TrainArgs, model_config
+    from llmc_cli.training.args import TrainArgs, model_config
     plugin, unusable = _check_backend_opt_names(o["backend"], o["backend_opt"])
     source = o["out"] if o["resume"] and o["out"] else o["init"]
     if source:  # the model is the checkpoint's, not --model's preset: its config alone, no weights read
         from llmc_cli.formats.sources import load_config_any
-        from llmc_cli.training.trainer import SHAPE_OPTIONS, check_init_shape
+        from llmc_cli.training.args import SHAPE_OPTIONS, check_init_shape
         try:
             cfg = load_config_any(source)
             if not o["resume"]:

@@ -17,7 +17,8 @@ from llmc_test_support import TINY, cpu_with, one_line_error, run
 from llmc_cli.kernels import Backend
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.registry import create_backend
-from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+from llmc_cli.training.args import TrainArgs, TrainError
+from llmc_cli.training.trainer import Trainer
 
 
 def base(shards, **kw) -> dict:

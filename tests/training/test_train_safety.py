@@ -19,7 +19,8 @@ from llmc_cli.formats.shards import write_shard
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.registry import create_backend
 from llmc_cli.formats.rundir import RunLock
-from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+from llmc_cli.training.args import TrainArgs, TrainError
+from llmc_cli.training.trainer import Trainer
 
 
 def tree(root):

@@ -37,7 +37,8 @@ def main():
     from llmc_cli.formats.shards import write_shard
     from llmc_cli.kernels import BFLOAT16, FLOAT32
     from llmc_cli.optim import AdamWConfig
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
 
     be = next(p for p in registry.discover() if p.name == "cuda").plugin.create(dtype="bfloat16")
     be.lt.candidates = o.candidates

@@ -53,7 +53,8 @@ def main():
     from llmc_cli import registry
     from llmc_cli.formats.shards import write_shard
     from llmc_cli.optim import AdamWConfig
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
 
     def used(tag):
         free, total = cp.cuda.runtime.memGetInfo()
