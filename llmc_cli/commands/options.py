@@ -13,8 +13,8 @@ import math
 
 import click
 
-
-INT32_MAX = 2**31 - 1  # the most tokens, rows or elements the kernels index, and what the model files' headers hold
+from llmc_cli.models.base import INT32_MAX
+from llmc_cli.training.args import micro_batch_error as check_tokens  # noqa: F401  (bench's -b/-t, said as train's)
 
 
 class ExistingPath(click.Path):
@@ -121,14 +121,6 @@ class ZeroOrReal(Real):
 POSITIVE = Int(1, cap=INT32_MAX)  # counts and sizes that cannot be zero: batch size, sequence length, dimensions
 COUNT = Int(0, cap=INT32_MAX)     # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
-
-
-def check_tokens(B: int, T: int) -> str | None:
-    """Why a micro-batch of B sequences of T tokens is refused (None when it is not): its B*T rows are indexed in
-    32 bits by every kernel, and planning memory for more would count chunks past any machine."""
-    if B * T > INT32_MAX:
-        return f"-b {B} -t {T}: {B * T:,} tokens a micro-batch, more than the kernels index (2**31 - 1)"
-    return None
 
 
 def usage_error_line(e: click.UsageError) -> str:

@@ -236,7 +236,38 @@ def check_args(a: TrainArgs) -> TrainArgs:
         check_recompute(a.recompute)
     except ValueError as e:
         raise TrainError(str(e)) from None
-    B, T = new["batch_size"], new["seq_len"]
-    if B * T > INT32_MAX:  # (the command line's check_tokens, in the same words)
-        raise TrainError(f"-b {B} -t {T}: {B * T:,} tokens a micro-batch, more than the kernels index (2**31 - 1)")
-    return replace(a, **new)
+    checked = replace(a, **new)
+    check_together(checked)
+    return checked
+
+
+def check_together(a: TrainArgs, ranks: int = 1) -> int:
+    """What a run's options say together, refused the same way by the command line (once, before any rank starts)
+    and by each rank: --zero 2 beside --overlap, a micro-batch of more tokens than the kernels index, a total batch
+    that is not whole micro-steps of every rank. Returns the tokens per optimizer step."""
+    B, T = a.batch_size, a.seq_len
+    if a.zero == 2 and a.overlap:
+        raise TrainError("--overlap: --zero 2 already reduces each layer's gradients during the backward pass (into "
+                         "the ranks' shards, on the compute stream); leave --overlap out")
+    if (why := micro_batch_error(B, T)) is not None:
+        raise TrainError(why)
+    micro = B * T * ranks  # one micro-step reads B*T tokens on every rank
+    total = a.total_batch_size or micro
+    if total % micro:
+        what = f"B*T*ranks = {B}*{T}*{ranks}" if ranks > 1 else f"B*T = {B}*{T}"
+        raise TrainError(f"--total-batch-size {total} is not a multiple of {what} = {micro}")
+    return total
+
+
+def micro_batch_error(B: int, T: int) -> str | None:
+    """Why a micro-batch of B sequences of T tokens is refused (None when it is not): its B*T rows are indexed in
+    32 bits by every kernel, and planning memory for more would count chunks past any machine."""
+    if B * T > INT32_MAX:
+        return f"-b {B} -t {T}: {B * T:,} tokens a micro-batch, more than the kernels index (2**31 - 1)"
+    return None
+
+
+def check_seq_len(T: int, cfg) -> None:
+    """-t is at most the model's block size (its position table, its rotary cache)."""
+    if T > cfg.block_size:
+        raise TrainError(f"-t {T} is longer than the model's block size {cfg.block_size}")
