@@ -40,9 +40,9 @@ def check_inputs(o: dict) -> None:
 def train_args(o: dict, ctx: click.Context, ranks: int) -> TrainArgs:
     """The options as the run's TrainArgs: the shard paths made absolute (in what config.toml records too), the log
     OUT/log.jsonl unless given, and what the options say together checked for `ranks` ranks."""
-    for key in _INPUTS:
-        if isinstance(o[key], str) and o[key]:
-            o[key] = ctx.params[key] = os.path.abspath(o[key])
+    for key in _INPUTS:  # joined to the working directory, not normalised: link/../b need not be ./b
+        if isinstance(o[key], str) and o[key] and not os.path.isabs(o[key]):
+            o[key] = ctx.params[key] = os.path.join(os.getcwd(), o[key])
     if o["out"] and not o["log"]:  # a run directory keeps its own log, so `llmc plot RUN` finds it
         o["log"] = str(Path(o["out"]) / "log.jsonl")
     optim = AdamWConfig(lr=o["lr"], beta1=o["beta1"], beta2=o["beta2"], weight_decay=o["weight_decay"],
