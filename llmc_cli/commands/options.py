@@ -14,7 +14,9 @@ import math
 import click
 
 from llmc_cli.models.base import INT32_MAX
-from llmc_cli.training.args import micro_batch_error as check_tokens  # noqa: F401  (bench's -b/-t, said as train's)
+from llmc_cli.training.args import micro_batch_error
+
+FLAGS = {"batch_size": "-b", "seq_len": "-t"}  # a field whose flag is not --FIELD-NAME
 
 
 class ExistingPath(click.Path):
@@ -121,6 +123,17 @@ class ZeroOrReal(Real):
 POSITIVE = Int(1, cap=INT32_MAX)  # counts and sizes that cannot be zero: batch size, sequence length, dimensions
 COUNT = Int(0, cap=INT32_MAX)     # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
+
+
+def flag_name(field: str, value=None) -> str:
+    """A field as the command line names it: its flag (`-b`, `--total-batch-size`), with its value (`-b 4`)."""
+    flag = FLAGS.get(field, "--" + field.replace("_", "-"))
+    return flag if value is None else f"{flag} {value}"
+
+
+def check_tokens(B: int, T: int) -> str | None:
+    """Why a micro-batch of B sequences of T tokens is refused, in the flags' words (None when it is not)."""
+    return micro_batch_error(B, T, flag_name)
 
 
 def usage_error_line(e: click.UsageError) -> str:

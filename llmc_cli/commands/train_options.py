@@ -11,6 +11,7 @@ import click
 from click.core import ParameterSource
 
 from llmc_cli.commands.console import fail, refuse_empty_paths
+from llmc_cli.commands.options import flag_name
 from llmc_cli.commands.train_config import CONFIG_FILE, check_config_target
 from llmc_cli.formats.evalfile import read_evalfile
 from llmc_cli.formats.files import DataError
@@ -50,7 +51,7 @@ def train_args(o: dict, ctx: click.Context, ranks: int) -> TrainArgs:
     given = {k: v for k, v in o.items() if k in _FIELDS}
     args = TrainArgs(**{**given, "data": o["data"] or "", "zero": int(o["zero"]), "optim": optim})
     try:
-        check_together(args, ranks)
+        check_together(args, ranks, flag_name)
     except TrainError as e:
         fail(str(e))
     return args

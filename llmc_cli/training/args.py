@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
+from numbers import Real
+from typing import Callable
 
 import numpy as np
 
@@ -147,29 +149,22 @@ def _product(*values) -> int | None:
     return math.prod(values)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _int_arg(name: str, v, lo: int, hi: int, want: str, flag: str | None = None) -> int:
+def _int_arg(name: str, v, lo: int, hi: int, want: str) -> int:
     """`v` as a Python int when it is an integer (numpy's too, never a bool) in [lo, hi], else a TrainError naming
-    the option and the field (`want`: what the message says it must be)."""
+    the field (`want`: what the message says it must be)."""
     if not (_is_int(v) and lo <= v <= hi):
-        flag = _flag(name) if flag is None else flag
-        raise TrainError(f"{flag} must be {want} (got {v!r})" if flag == name else
-                         f"{flag} must be {want} (got {name}={v!r})")
+        raise TrainError(f"{name} must be {want} (got {v!r})")
     return int(v)
 
 
 def _real_arg(name: str, v, lo: float, hi: float | None, want: str) -> float:
-    from numbers import Real
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, Real) or not (
             math.isfinite(v) and lo <= v and (hi is None or v <= hi)):
-        raise TrainError(f"{_flag(name)} must be {want} (got {name}={v!r})")
+        raise TrainError(f"{name} must be {want} (got {v!r})")
     return float(v)
 
 
@@ -182,16 +177,16 @@ def _path_arg(name: str, v, optional: bool = True, many: bool = False):
     if many and isinstance(v, (list, tuple)) and v and all(isinstance(x, (str, os.PathLike)) for x in v):
         return [os.fspath(x) for x in v]
     what = "a directory, a glob or a list of shard paths" if many else "a path"
-    raise TrainError(f"{_flag(name)} must be {what}{' or None' if optional else ''} (got {name}={v!r})")
+    raise TrainError(f"{name} must be {what}{' or None' if optional else ''} (got {v!r})")
 
 
 def check_args(a: TrainArgs) -> TrainArgs:
-    """Every check the command line makes of its options when it parses them (their types and ranges, and that one
-    micro-batch of B*T tokens is one the kernels can index), made of a Python caller's TrainArgs: one TrainError
-    naming the option (as the command line spells it, and as the field is named), never a deep error or a value
-    quietly turned into another (1.5 steps, "no" for a flag, True for a number). Returns the arguments with every
-    value its plain Python type (numpy's integers and floats are numbers; paths become str), what the run uses and
-    what its checkpoints record."""
+    """Every check the command line makes of its options when it parses them (their types and ranges, and what they
+    say together: check_together), made of a Python caller's TrainArgs: one TrainError naming the field as Python
+    spells it (the command line names its flags), never a deep error or a value quietly turned into another (1.5
+    steps, "no" for a flag, True for a number). Returns the arguments with every value its plain Python type
+    (numpy's integers and floats are numbers; paths become str), what the run uses and what its checkpoints
+    record."""
     if not isinstance(a, TrainArgs):
         raise TrainError(f"args must be a TrainArgs (got {type(a).__name__})")
     if not isinstance(a.optim, AdamWConfig):
@@ -206,7 +201,7 @@ def check_args(a: TrainArgs) -> TrainArgs:
     for name in _PATHS:
         new[name] = _path_arg(name, getattr(a, name))
     if not isinstance(a.model, str):
-        raise TrainError(f"--model must be a preset name such as 'd12' (got model={a.model!r})")
+        raise TrainError(f"model must be a preset name such as 'd12' (got {a.model!r})")
     for name in SHAPE_OPTIONS:  # (worded as a model config's fields are checked: models.base.check_config_fields)
         v = getattr(a, name)
         if v is not None and not (_is_int(v) and 1 <= v <= INT32_MAX):
@@ -223,14 +218,14 @@ def check_args(a: TrainArgs) -> TrainArgs:
     new["seed"] = _int_arg("seed", a.seed, 0, SEED_MAX, f"an integer in [0, {SEED_MAX}]")
     new["zero"] = _int_arg("zero", a.zero, 0, 2, "0, 1 or 2")
     new["outlier_window"] = _int_arg("outlier_window", a.outlier_window, 2, INT32_MAX,
-                                     f"an integer in [2, {INT32_MAX}]", flag="outlier_window")
+                                     f"an integer in [2, {INT32_MAX}]")
     for name in _REALS:
         new[name] = _real_arg(name, getattr(a, name), 0.0, None, "a finite number >= 0 (0 = off)")
     new["lr_decay_frac"] = _real_arg("lr_decay_frac", a.lr_decay_frac, 0.0, 1.0, "a finite number in [0, 1]")
     for name in _FLAGS:
         v = getattr(a, name)
         if not isinstance(v, (bool, np.bool_)):
-            raise TrainError(f"{_flag(name)} must be True or False (got {name}={v!r})")
+            raise TrainError(f"{name} must be True or False (got {v!r})")
         new[name] = bool(v)
     try:
         check_recompute(a.recompute)
@@ -241,29 +236,38 @@ def check_args(a: TrainArgs) -> TrainArgs:
     return checked
 
 
-def check_together(a: TrainArgs, ranks: int = 1) -> int:
+def python_name(field: str, value=None) -> str:
+    """A field as a Python caller names it (`batch_size`, `batch_size=4`); the command line names its flags."""
+    return field if value is None else f"{field}={value!r}"
+
+
+Namer = Callable[..., str]  # (field, value=None) -> how the caller spells it: python_name, or the command's flags
+
+
+def check_together(a: TrainArgs, ranks: int = 1, name: Namer = python_name) -> int:
     """What a run's options say together, refused the same way by the command line (once, before any rank starts)
-    and by each rank: --zero 2 beside --overlap, a micro-batch of more tokens than the kernels index, a total batch
+    and by each rank: zero 2 beside overlap, a micro-batch of more tokens than the kernels index, a total batch
     that is not whole micro-steps of every rank. Returns the tokens per optimizer step."""
     B, T = a.batch_size, a.seq_len
     if a.zero == 2 and a.overlap:
-        raise TrainError("--overlap: --zero 2 already reduces each layer's gradients during the backward pass (into "
-                         "the ranks' shards, on the compute stream); leave --overlap out")
-    if (why := micro_batch_error(B, T)) is not None:
+        raise TrainError(f"{name('overlap')}: {name('zero', 2)} already reduces each layer's gradients during the "
+                         f"backward pass (into the ranks' shards, on the compute stream); leave {name('overlap')} out")
+    if (why := micro_batch_error(B, T, name)) is not None:
         raise TrainError(why)
     micro = B * T * ranks  # one micro-step reads B*T tokens on every rank
     total = a.total_batch_size or micro
     if total % micro:
         what = f"B*T*ranks = {B}*{T}*{ranks}" if ranks > 1 else f"B*T = {B}*{T}"
-        raise TrainError(f"--total-batch-size {total} is not a multiple of {what} = {micro}")
+        raise TrainError(f"{name('total_batch_size', total)} is not a multiple of {what} = {micro}")
     return total
 
 
-def micro_batch_error(B: int, T: int) -> str | None:
+def micro_batch_error(B: int, T: int, name: Namer = python_name) -> str | None:
     """Why a micro-batch of B sequences of T tokens is refused (None when it is not): its B*T rows are indexed in
     32 bits by every kernel, and planning memory for more would count chunks past any machine."""
     if B * T > INT32_MAX:
-        return f"-b {B} -t {T}: {B * T:,} tokens a micro-batch, more than the kernels index (2**31 - 1)"
+        return (f"{name('batch_size', B)} {name('seq_len', T)}: {B * T:,} tokens a micro-batch, more than the kernels "
+                "index (2**31 - 1)")
     return None
 
 
