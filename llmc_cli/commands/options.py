@@ -1,4 +1,5 @@
-"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed.
+"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed. Also
+the flag that gives each field of a workflow's arguments (flag_name), for the errors the workflows raise by field.
 
 click's own FloatRange lets NaN through (every comparison with NaN is false) and infinity through any open
 side, so a float option here is `Real`: finite, then in its range. Integers are `Int`. Every numeric option of
@@ -10,6 +11,7 @@ command layer prints after the option's name.
 from __future__ import annotations
 
 import math
+import os
 
 import click
 
@@ -24,7 +26,6 @@ class ExistingPath(click.Path):
     is not there: click says "does not exist" for all of them."""
 
     def convert(self, value, param, ctx):
-        import os
         if self.exists and isinstance(value, (str, os.PathLike)):
             try:
                 os.stat(value)
