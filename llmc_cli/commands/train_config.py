@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import stat
 from pathlib import Path
 
@@ -32,21 +33,24 @@ def read_config_bytes(value: str) -> bytes:
         st = os.fstat(fd)
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
             raise ValueError(f"{value}: not a regular file (a TOML file of options)")
-        if stat.S_ISFIFO(st.st_mode):  # a FIFO opened without blocking reads as empty until its writer comes
-            os.close(fd)
-            fd = -1
-            fd = os.open(value, os.O_RDONLY)
+        waits = select.poll() if stat.S_ISFIFO(st.st_mode) else None
+        if waits is not None:  # read from this same descriptor: a writer's bytes are in the pipe from its first write
+            waits.register(fd, select.POLLIN)
         chunks, size = [], 0
         while size <= CONFIG_MAX_BYTES:
-            chunk = os.read(fd, 1 << 16)
+            if waits is not None:
+                waits.poll()  # its writer's bytes, or its end (a FIFO no writer has opened yet is waited for)
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:  # (a writer holds it open and has written nothing yet)
+                continue
             if not chunk:
                 return b"".join(chunks)
             chunks.append(chunk)
             size += len(chunk)
         raise ValueError(f"{value}: more than {CONFIG_MAX_BYTES:,} bytes is not a file of options")
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
 
 
 def parse_toml(value: str) -> dict:
