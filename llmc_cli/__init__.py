@@ -4,7 +4,7 @@ The Python API (docs/api.md) is what the commands use; the names below load on f
 stays light:
 
     create_backend, discover            backends (llmc_cli.registry)
-    TrainArgs, Trainer                  training (llmc_cli.training.trainer)
+    TrainArgs, Trainer                  training (llmc_cli.training.args, llmc_cli.training.trainer)
     AdamWConfig                         the optimizer's settings (llmc_cli.optim)
     load_model, load_model_any          a model from any checkpoint (llmc_cli.inference.loading, formats.sources)
     tokenizer_for, load_tokenizer       the tokenizer a checkpoint was trained with (formats.sources, data.tokenizer)
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 _API = {
     "create_backend": "llmc_cli.registry", "discover": "llmc_cli.registry",
-    "TrainArgs": "llmc_cli.training.trainer", "Trainer": "llmc_cli.training.trainer",
+    "TrainArgs": "llmc_cli.training.args", "Trainer": "llmc_cli.training.trainer",
     "AdamWConfig": "llmc_cli.optim",
     "load_model": "llmc_cli.inference.loading", "load_model_any": "llmc_cli.formats.sources",
     "tokenizer_for": "llmc_cli.formats.sources", "load_tokenizer": "llmc_cli.data.tokenizer",

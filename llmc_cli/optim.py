@@ -52,19 +52,17 @@ class AdamWConfig:
     def validate(self) -> None:
         """Each value a real number (not a bool; numpy scalars are numbers), finite and where AdamW is defined:
         beta = 1 divides by zero in the bias correction, and eps = 0 divides by zero wherever a moment is zero
-        (every update after the first then holds NaN and is skipped). ValueError naming the field (and the
-        command line's option, where there is one)."""
+        (every update after the first then holds NaN and is skipped). ValueError naming the field."""
         self.checked()
 
     def checked(self) -> "AdamWConfig":
         """A copy with every value a Python float, after `validate`'s checks (np.float32(1e-3) is a learning rate;
         True is not)."""
         out = {}
-        for name, flag, lo, hi, lo_open in _CHECKS:
+        for name, lo, hi, lo_open in _CHECKS:
             v = getattr(self, name)
             want = (f"in [{lo:g}, {hi:g})" if hi is not None else f"{'>' if lo_open else '>='} {lo:g}")
-            where = f"{flag} must be a finite number {want} (got {name}={v!r})" if flag else \
-                f"{name} must be a finite number {want} (got {v!r})"
+            where = f"{name} must be a finite number {want} (got {v!r})"
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, Real):
                 raise ValueError(where)
             x = float(v)
@@ -74,10 +72,9 @@ class AdamWConfig:
         return AdamWConfig(**out)
 
 
-# (field, the command line's option or None, low bound, high bound (exclusive) or None, low bound exclusive)
-_CHECKS = (("lr", "--lr", 0.0, None, False), ("beta1", "--beta1", 0.0, 1.0, False),
-           ("beta2", "--beta2", 0.0, 1.0, False), ("eps", None, 0.0, None, True),
-           ("weight_decay", "--weight-decay", 0.0, None, False), ("grad_clip", "--grad-clip", 0.0, None, False))
+# (field, low bound, high bound (exclusive) or None, low bound exclusive)
+_CHECKS = (("lr", 0.0, None, False), ("beta1", 0.0, 1.0, False), ("beta2", 0.0, 1.0, False), ("eps", 0.0, None, True),
+           ("weight_decay", 0.0, None, False), ("grad_clip", 0.0, None, False))
 
 
 def lr_at(step: int, max_lr: float, warmup: int, total_steps: int, final_frac: float) -> float:

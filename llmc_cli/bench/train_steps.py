@@ -28,7 +28,8 @@ from llmc_cli.models.base import INT32_MAX, check_seq_len
 from llmc_cli.models.families import family_of, flops_per_token
 from llmc_cli.models.family import Config
 from llmc_cli.optim import AdamWConfig
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 
 # ---------------------------------------------------------------------------------------------------------------
 # end-to-end training

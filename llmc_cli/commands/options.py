@@ -1,4 +1,5 @@
-"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed.
+"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed. Also
+the flag that gives each field of a workflow's arguments (flag_name), for the errors the workflows raise by field.
 
 click's own FloatRange lets NaN through (every comparison with NaN is false) and infinity through any open
 side, so a float option here is `Real`: finite, then in its range. Integers are `Int`. Every numeric option of
@@ -10,11 +11,15 @@ command layer prints after the option's name.
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import click
 
 from llmc_cli.models.base import INT32_MAX
+from llmc_cli.training.args import micro_batch_error
+
+FLAGS = {"batch_size": "-b", "seq_len": "-t"}  # a field whose flag is not --FIELD-NAME
 
 
 class ExistingPath(click.Path):
@@ -22,7 +27,6 @@ class ExistingPath(click.Path):
     is not there: click says "does not exist" for all of them."""
 
     def convert(self, value, param, ctx):
-        import os
         if self.exists and isinstance(value, (str, os.PathLike)):
             try:
                 os.stat(value)
@@ -141,12 +145,15 @@ COUNT = Int(0, cap=INT32_MAX)     # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
 
 
+def flag_name(field: str, value=None) -> str:
+    """A field as the command line names it: its flag (`-b`, `--total-batch-size`), with its value (`-b 4`)."""
+    flag = FLAGS.get(field, "--" + field.replace("_", "-"))
+    return flag if value is None else f"{flag} {value}"
+
+
 def check_tokens(B: int, T: int) -> str | None:
-    """Why a micro-batch of B sequences of T tokens is refused (None when it is not): its B*T rows are indexed in
-    32 bits by every kernel, and planning memory for more would count chunks past any machine."""
-    if B * T > INT32_MAX:
-        return f"-b {B} -t {T}: {B * T:,} tokens a micro-batch, more than the kernels index (2**31 - 1)"
-    return None
+    """Why a micro-batch of B sequences of T tokens is refused, in the flags' words (None when it is not)."""
+    return micro_batch_error(B, T, flag_name)
 
 
 def usage_error_line(e: click.UsageError) -> str:

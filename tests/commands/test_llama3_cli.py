@@ -343,7 +343,8 @@ def test_dry_run_counts_recompute_and_bad_input_is_one_line():
 
 def test_python_api_refuses_unknown_recompute_in_one_line(shards):
     from llmc_cli.registry import create_backend
-    from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+    from llmc_cli.training.args import TrainArgs, TrainError
+    from llmc_cli.training.trainer import Trainer
     a = TrainArgs(data=str(shards / "tiny_train*.bin"), model="llama3-tiny", batch_size=2, seq_len=16,
                   recompute="rmsnorm")
     with pytest.raises(TrainError, match="--recompute must be one of none, gelu, layernorm, gelu\\+layernorm"):

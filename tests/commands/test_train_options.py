@@ -135,7 +135,8 @@ def test_overlap_on_one_rank_says_it_has_nothing_to_overlap(tmp_path, data):
 
 def test_a_stop_request_cuts_a_long_sample_short(tmp_path):
     from llmc_cli.registry import create_backend
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "x_train_000000.bin", rng.integers(0, 50257, 4096))
     args = TrainArgs(data=str(tmp_path / "x_train_000000.bin"), model="d2", n_embd=32, batch_size=2, seq_len=16,

@@ -35,7 +35,8 @@ def test_the_engine_trains_on_the_skeleton(shards):
     finally:
         sys.path.remove(str(SKELETON))
     from llmc_cli.registry import create_backend
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
 
     def losses(backend) -> list[float]:
         a = TrainArgs(data=str(shards / "*train*.bin"), model="d2", n_embd=64, batch_size=2, seq_len=32, steps=4,

@@ -61,7 +61,7 @@ def test_dry_run_plans_the_gradient_inbox_of_an_overlapped_zero1_run(tmp_path):
     """--dry-run with --gpus 4 --zero 1 --overlap counts the inbox the cuda plugin takes where the GPUs reach each
     other's memory (three chunks of a quarter of the gradients); without --overlap, or under --zero 0, none."""
     from llmc_cli.models.families import family_of, memory_plan
-    from llmc_cli.training.trainer import TrainArgs, model_config
+    from llmc_cli.training.args import TrainArgs, model_config
     cfg = model_config(TrainArgs(data="", model="d12"))
     n = family_of(cfg).num_parameters(cfg)
     plan = memory_plan(cfg, 4, 64, "bfloat16", world_size=4, zero=1, overlap=True)
@@ -330,7 +330,8 @@ def test_overlapped_reduction_covers_every_gradient_once_in_backward_order(tmp_p
     from llmc_cli.optim import FLAGS
     from llmc_cli.parallel.zero import OverlappedReduction
     from llmc_cli.registry import create_backend
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
 
     class Recorder(_HostlessComm):
         name, rank, world_size, local_rank = "recorder", 0, 3, 0
@@ -394,7 +395,8 @@ def test_overlapped_zero1_sends_each_owners_piece_once_where_the_communicator_co
     every rank updates is all-reduced after it, and no piece goes through reduce() (5 ranks: a tail of 2)."""
     from llmc_cli.kernels import AVG
     from llmc_cli.registry import create_backend
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
 
     events = []
 
@@ -450,7 +452,8 @@ def test_step_observations_are_combined_with_max_before_end_step_and_carried_int
     where a damaged one is refused in one line."""
     from llmc_cli.kernels import MAX
     from llmc_cli.registry import create_backend
-    from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+    from llmc_cli.training.args import TrainArgs, TrainError
+    from llmc_cli.training.trainer import Trainer
 
     events = []
 

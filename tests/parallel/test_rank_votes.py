@@ -14,7 +14,8 @@ from llmc_cli.formats.shards import write_shard
 from llmc_cli.kernels import AVG, MAX
 from llmc_cli.registry import create_backend
 from llmc_cli.training import trainer as trainer_mod
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 
 W = 2
 

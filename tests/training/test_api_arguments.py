@@ -17,7 +17,8 @@ from llmc_cli.kernels import Backend
 from llmc_cli.models import gpt2
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.registry import create_backend
-from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+from llmc_cli.training.args import TrainArgs, TrainError
+from llmc_cli.training.trainer import Trainer
 
 
 def base(shards, **kw) -> dict:
@@ -40,42 +41,42 @@ def trained(shards, **kw) -> Trainer:
 
 
 BAD = [
-    (dict(batch_size=2.5), ["--batch-size", "batch_size=2.5"]),
-    (dict(batch_size=True), ["--batch-size", "batch_size=True"]),
-    (dict(seq_len=np.float64(16)), ["--seq-len", "seq_len="]),
-    (dict(steps=1.5), ["--steps", "steps=1.5"]),
-    (dict(total_batch_size=64.0), ["--total-batch-size", "total_batch_size=64.0"]),
-    (dict(seed=-1), ["--seed", "seed=-1", "4294967295"]),
-    (dict(seed=None), ["--seed", "seed=None"]),
-    (dict(seed=2**32), ["--seed", "seed=4294967296"]),
+    (dict(batch_size=2.5), ["batch_size must be", "(got 2.5"]),
+    (dict(batch_size=True), ["batch_size must be", "(got True"]),
+    (dict(seq_len=np.float64(16)), ["seq_len must be", "(got "]),
+    (dict(steps=1.5), ["steps must be", "(got 1.5"]),
+    (dict(total_batch_size=64.0), ["total_batch_size must be", "(got 64.0"]),
+    (dict(seed=-1), ["seed must be", "(got -1", "4294967295"]),
+    (dict(seed=None), ["seed must be", "(got None"]),
+    (dict(seed=2**32), ["seed must be", "(got 4294967296"]),
     (dict(optim=None), ["optim must be an AdamWConfig"]),
-    (dict(data=None), ["--data", "data=None"]),
-    (dict(data=5), ["--data", "data=5"]),
-    (dict(warmup=1.5), ["--warmup", "warmup=1.5"]),
-    (dict(max_bad_steps=1.5), ["--max-bad-steps", "max_bad_steps=1.5"]),
-    (dict(val_batches=float("nan")), ["--val-batches", "val_batches=nan"]),
-    (dict(steps=2**31), ["--steps", "2147483647"]),
-    (dict(overfit_batch="no"), ["--overfit-batch", "overfit_batch='no'", "True or False"]),
-    (dict(resume="yes"), ["--resume", "resume='yes'"]),
-    (dict(shuffle=1), ["--shuffle", "shuffle=1"]),
-    (dict(graphs=None), ["--graphs", "graphs=None"]),
-    (dict(optim=AdamWConfig(lr=True)), ["--lr", "lr=True"]),
-    (dict(optim=AdamWConfig(lr="1e-3")), ["--lr", "lr='1e-3'"]),
-    (dict(optim=AdamWConfig(beta2=np.float32(1.0))), ["--beta2", "beta2="]),
+    (dict(data=None), ["data must be", "(got None"]),
+    (dict(data=5), ["data must be", "(got 5"]),
+    (dict(warmup=1.5), ["warmup must be", "(got 1.5"]),
+    (dict(max_bad_steps=1.5), ["max_bad_steps must be", "(got 1.5"]),
+    (dict(val_batches=float("nan")), ["val_batches must be", "(got nan"]),
+    (dict(steps=2**31), ["steps must be", "2147483647"]),
+    (dict(overfit_batch="no"), ["overfit_batch must be", "(got 'no'", "True or False"]),
+    (dict(resume="yes"), ["resume must be", "(got 'yes'"]),
+    (dict(shuffle=1), ["shuffle must be", "(got 1"]),
+    (dict(graphs=None), ["graphs must be", "(got None"]),
+    (dict(optim=AdamWConfig(lr=True)), ["lr must be", "(got True"]),
+    (dict(optim=AdamWConfig(lr="1e-3")), ["lr must be", "(got '1e-3'"]),
+    (dict(optim=AdamWConfig(beta2=np.float32(1.0))), ["beta2 must be", "(got "]),
     (dict(optim=AdamWConfig(eps=0.0)), ["eps must be a finite number > 0", "0.0"]),
     (dict(optim=AdamWConfig(eps=-1e-8)), ["eps must be a finite number > 0"]),
     (dict(optim=AdamWConfig(eps=float("inf"))), ["eps must be a finite number > 0"]),
-    (dict(checkpoint_minutes=True), ["--checkpoint-minutes", "checkpoint_minutes=True"]),
-    (dict(skip_loss_z=float("inf")), ["--skip-loss-z", "skip_loss_z=inf"]),
-    (dict(lr_decay_frac=1.5), ["--lr-decay-frac", "lr_decay_frac=1.5"]),
+    (dict(checkpoint_minutes=True), ["checkpoint_minutes must be", "(got True"]),
+    (dict(skip_loss_z=float("inf")), ["skip_loss_z must be", "(got inf"]),
+    (dict(lr_decay_frac=1.5), ["lr_decay_frac must be", "(got 1.5"]),
     (dict(n_layer=2.0), ["n_layer must be a positive integer", "2.0"]),
     (dict(n_head=True), ["n_head must be a positive integer", "True"]),
     (dict(block_size=0), ["block_size must be a positive integer"]),
-    (dict(zero=True), ["--zero", "zero=True"]),
-    (dict(zero=3), ["--zero", "zero=3"]),
+    (dict(zero=True), ["zero must be", "(got True"]),
+    (dict(zero=3), ["zero must be", "(got 3"]),
     (dict(outlier_window=1), ["outlier_window", "got 1"]),
-    (dict(model=None), ["--model", "model=None"]),
-    (dict(out=5), ["--out", "out=5"]),
+    (dict(model=None), ["model must be", "(got None"]),
+    (dict(out=5), ["out must be", "(got 5"]),
     (dict(recompute=None), ["--recompute must be one of"]),
 ]
 
@@ -111,7 +112,8 @@ def test_a_micro_batch_past_what_the_kernels_index_is_refused_at_once(shards, B,
     with pytest.raises(TrainError) as e:
         trainer(shards, batch_size=B, seq_len=T)
     msg = str(e.value)
-    assert ("2147483647" in msg or "2**31 - 1" in msg) and ("--batch-size" in msg or f"-b {B} -t {T}" in msg), msg
+    assert ("2147483647" in msg or "2**31 - 1" in msg) and ("batch_size must be" in msg or
+                                                            f"batch_size={B} seq_len={T}" in msg), msg
 
 
 def test_numpy_scalars_are_numbers_and_the_run_records_plain_values(shards, tmp_path):

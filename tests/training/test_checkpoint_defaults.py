@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from llmc_cli.registry import create_backend
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 from llmc_test_support import TINY, run
 
 

@@ -16,7 +16,8 @@ from llmc_cli.formats.evalfile import write_evalfile
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.registry import create_backend, discover
 from llmc_cli.training.guard import OutlierDetector
-from llmc_cli.training.trainer import TrainArgs, TrainDiverged, Trainer
+from llmc_cli.training.args import TrainArgs, TrainDiverged
+from llmc_cli.training.trainer import Trainer
 
 
 def records(log):

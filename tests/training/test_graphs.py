@@ -11,7 +11,8 @@ import pytest
 
 from llmc_cli.kernels import CAP_GRAPHS
 from llmc_cli.training import trainer as trainer_mod
-from llmc_cli.training.trainer import GRAPH_AFTER, TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import GRAPH_AFTER, Trainer
 
 
 def graph_cpu(fail: bool = False):

@@ -16,7 +16,8 @@ from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.kernels import CAP_ASYNC_INPUTS, HostInputQueue
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 
 # B=2, T=32: 64 tokens a batch; each shard serves 5 batches, so 4 steps of 3 micro-steps cross shards and epochs
 BT = 64

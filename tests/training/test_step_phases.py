@@ -13,7 +13,8 @@ import pytest
 
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.training.phases import ENV
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +62,7 @@ def test_phases_add_up_and_change_nothing(data, tmp_path, monkeypatch):
 def test_a_path_that_is_a_file_is_one_line(data, tmp_path, monkeypatch):
     """LLMC_STEP_PHASES naming a file (or a path under one): the run stops before its first step with one line
     naming the variable, and the file is left as it was."""
-    from llmc_cli.training.trainer import TrainError
+    from llmc_cli.training.args import TrainError
     f = tmp_path / "notes.txt"
     f.write_text("mine\n")
     for where in (f, f / "sub"):

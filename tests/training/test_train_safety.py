@@ -19,7 +19,8 @@ from llmc_cli.formats.shards import write_shard
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.registry import create_backend
 from llmc_cli.formats.rundir import RunLock
-from llmc_cli.training.trainer import TrainArgs, Trainer, TrainError
+from llmc_cli.training.args import TrainArgs, TrainError
+from llmc_cli.training.trainer import Trainer
 
 
 def tree(root):
@@ -71,10 +72,10 @@ def test_bad_numbers_are_one_line_and_touch_nothing(extra, expect, shards, tmp_p
 def test_python_api_refuses_what_the_command_line_refuses(shards):
     base = dict(data=str(shards / "*train*.bin"), model="d2", n_embd=64, batch_size=2, seq_len=32, steps=1,
                 val_every=0, sample_every=0)
-    for kw, expect in ((dict(optim=AdamWConfig(lr=float("nan"))), "--lr must be a finite number"),
-                       (dict(optim=AdamWConfig(beta1=1.0)), "--beta1 must be a finite number in [0, 1)"),
-                       (dict(lr_decay_frac=float("inf")), "--lr-decay-frac"),
-                       (dict(total_batch_size=-256), "--total-batch-size must be positive"),
+    for kw, expect in ((dict(optim=AdamWConfig(lr=float("nan"))), "lr must be a finite number"),
+                       (dict(optim=AdamWConfig(beta1=1.0)), "beta1 must be a finite number in [0, 1)"),
+                       (dict(lr_decay_frac=float("inf")), "lr_decay_frac must be"),
+                       (dict(total_batch_size=-256), "total_batch_size must be positive"),
                        (dict(n_layer=0), "n_layer must be a positive integer")):
         with pytest.raises((TrainError, ValueError), match=None) as e:
             Trainer(TrainArgs(**(base | kw)), create_backend("cpu"), say=lambda s: None)

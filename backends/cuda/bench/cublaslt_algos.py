@@ -25,7 +25,8 @@ from llmc_cli import registry
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.kernels import BFLOAT16, FLOAT32
 from llmc_cli.optim import AdamWConfig
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 
 
 def _args():

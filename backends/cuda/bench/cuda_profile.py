@@ -30,7 +30,8 @@ from llmc_cli.models import gpt2, llama3
 from llmc_cli.models.base import STAGED
 from llmc_cli.models.families import family_for
 from llmc_cli.optim import AdamWConfig
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 
 SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {

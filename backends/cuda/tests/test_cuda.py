@@ -662,7 +662,8 @@ def test_fp8_delayed_scaling_resumes_bit_exactly(tmp_path):
     """8 steps straight against 4 + 4 resumed from the checkpoint (amax histories in state.json); and
     a bf16 run continuing the FP8 checkpoint."""
     from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
     if _INFO is None or not _INFO.usable:
         cuda("fp8")
     rng = np.random.default_rng(0)
@@ -746,7 +747,8 @@ def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
     """The trainer captures each micro-step once GRAPH_AFTER steps ran and replays it: the losses are the
     uncaptured run's, bit for bit (two micro-steps a step, so both graphs replay)."""
     from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import GRAPH_AFTER, TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import GRAPH_AFTER, Trainer
     llama = model.startswith("llama")  # (llama3-tiny reads GPT-2 shards: its vocabulary is GPT-2's)
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "g_train_000001.bin", rng.integers(0, 1000, 40_000))
@@ -778,7 +780,8 @@ def test_zero2_gradients_train_as_the_whole_buffer(tmp_path, model, dtype):
     micro-step a step the losses are --zero 0's bit for bit (0 + g is g); with two they stay within bf16's
     rounding of the different order (each micro-step's gradient rounded before the sum)."""
     from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
     llama = model.startswith("llama")
     write_shard(tmp_path / "z_train_000001.bin", np.random.default_rng(0).integers(0, 1000, 40_000))
     for accum in (1, 2):
@@ -870,7 +873,8 @@ def test_prefetched_training_matches_reading_in_the_step(tmp_path, model, dtype)
     """Batches read by the data thread and copied on the side stream (two micro-steps a step, replayed as graphs
     once GRAPH_AFTER steps ran): the losses and the final weights of reading each batch in its step, bit for bit."""
     from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import GRAPH_AFTER, TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import GRAPH_AFTER, Trainer
     llama = model.startswith("llama")
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "p_train_000001.bin", rng.integers(0, 1000, 40_000))

@@ -57,7 +57,8 @@ def test_zero2_gradients_train_as_the_whole_buffer(tmp_path):
     """--zero 2 on one rank (each layer's gradients in one slot of views, added into the shard after its backward)
     trains as --zero 0 on the OpenCL backend, two micro-steps a step: the same losses and norms."""
     from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import TrainArgs, Trainer
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.trainer import Trainer
     write_shard(tmp_path / "z_train_000001.bin", np.random.default_rng(0).integers(0, 1000, 20_000))
     runs = {}
     for zero in (0, 2):
