@@ -286,6 +286,7 @@ def check_args(a: TrainArgs) -> TrainArgs:
 # ---- the Trainer's parts ------------------------------------------------------------------------------------------------
 from llmc_cli.training.evaluation import evaluate_before, sample_text  # noqa: E402
 from llmc_cli.training.guard import skip_reason  # noqa: E402
+from llmc_cli.training.memory import plan_refusal  # noqa: E402
 from llmc_cli.training.report import data_line, memory_line  # noqa: E402
 from llmc_cli.training.saving import run_state  # noqa: E402
 from llmc_cli.training.steps import forward_backward  # noqa: E402
@@ -361,7 +362,7 @@ class Trainer:
             cfg, params = self._read_init()
         else:
             cfg, params = model_config(a), None
-        self._plan(cfg)
+        self._plan(cfg)  # (before the weights are initialised: a plan that cannot fit allocates nothing)
         if params is None:
             params = family_for(a.model).init_parameters(cfg, a.seed)
         self._build_model(params)
@@ -428,7 +429,7 @@ class Trainer:
         return cfg, params
 
     def _plan(self, cfg) -> None:
-        """The sizes of a step, and every refusal that needs only them."""
+        """The sizes of a step, and every refusal that needs only them (the memory the plan needs included)."""
         a, ranks = self.a, self.comm.world_size
         B, T = a.batch_size, a.seq_len
         if T > cfg.block_size:
@@ -447,6 +448,9 @@ class Trainer:
                              "(into the ranks' shards, on the compute stream); leave --overlap out")
         if a.overlap and ranks == 1:
             self.say("--overlap: data parallel only, and this run has one rank: nothing to overlap (the same updates)")
+        refusal = plan_refusal(self.backend, cfg, B, T, a.recompute, ranks, a.zero, a.overlap)
+        if refusal:
+            raise TrainError(refusal)
 
     def _build_model(self, params) -> None:
         """The model holding `params`, its optimizer (sharded under ZeRO), the step phases' marks, and the
