@@ -299,7 +299,7 @@ class Trainer:
     def __init__(self, a: TrainArgs, backend: Backend, say: Callable[[str], None] = print,
                  decode: Callable[[list[int]], str] | None = None, eot: int | None = None, comm=None):
         self.lock = self.log_lock = None
-        self.closed = False
+        self.closed = self.ran = False
         a = check_args(a)
         try:  # capabilities a set of names: None, or a string ("kv_cache,graphs" holds "graphs" to `in`), is refused
             check_backend(backend)
@@ -717,9 +717,10 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------------------
     def run(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
-        """Trains from `start_step` to `a.steps`. When an error stops it between two updates (a bad shard, a
+        """Trains from `start_step` to `a.steps`, once. When an error stops it between two updates (a bad shard, a
         full disk), the step before is checkpointed first (`rescued`), so nothing trained is lost."""
         self._check_runnable(on_step)
+        self.ran = True
         a, records, log, tb = self.a, [], None, None
         done, before = self.start_step, None  # steps completed; the data position when a step began
         self.votes.restart_clock()
@@ -766,6 +767,9 @@ class Trainer:
         if self.closed:  # its run directory's lock is released: another run may own the directory now
             raise TrainError("this Trainer was closed (close() released its run directory); make a new Trainer to "
                              "train again (with resume=True to continue the run)")
+        if self.ran:  # its step counts, data position and checkpoints are those of the run it made
+            raise TrainError("this Trainer has run already; make a new Trainer to train again (with resume=True to "
+                             "continue the run)")
         if on_step is not None and not callable(on_step):
             raise TrainError(f"on_step must be a function taking each step's record, or None (got {on_step!r:.80})")
 

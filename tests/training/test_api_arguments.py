@@ -170,6 +170,39 @@ def test_run_after_close_is_refused_and_writes_nothing(shards, tmp_path):
     assert (out / "step_00000002").is_dir() and not (out / "step_00000005").exists()
 
 
+def test_a_second_run_is_refused_and_changes_nothing(shards, tmp_path):
+    """run() trains from start_step to --steps once: a second call on the same Trainer went on counting steps and
+    data past the run's end, and wrote a checkpoint labelled step 2 holding 4 updates. Refused after a run that
+    ended, stopped early or failed alike; a new Trainer (resume=True) continues the run."""
+    out = tmp_path / "run"
+
+    def stop_now(rec):
+        raise RuntimeError("stopped by on_step")
+
+    for n, first_run in enumerate((lambda t: t.run(), lambda t: t.run(on_step=stop_now))):
+        t = trainer(shards, out=str(out / str(n)), steps=2)
+        try:
+            try:
+                first_run(t)
+            except RuntimeError:
+                pass
+            listing = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+            weights, steps = t.model.parameters_host().copy(), t.steps_run
+            with pytest.raises(TrainError, match="this Trainer has run already; make a new Trainer") as e:
+                t.run()
+            assert "\n" not in str(e.value)
+            assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == listing
+            np.testing.assert_array_equal(t.model.parameters_host(), weights)
+            assert t.steps_run == steps
+        finally:
+            t.close()
+    again = trainer(shards, out=str(out / "0"), steps=3, resume=True)
+    try:
+        assert [r["step"] for r in again.run()] == [3]
+    finally:
+        again.close()
+
+
 def test_resume_accepts_options_equal_to_the_runs_own_values(shards, tmp_path):
     """A run trained with the preset's shape recorded n_layer None: resuming it with --n-layer 2 (its value) was
     refused, "--n-layer is 2 but the run ... was trained with None"."""
