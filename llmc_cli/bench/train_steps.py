@@ -220,7 +220,7 @@ def random_shard(directory: str | Path, cfg: Config, ntokens: int, seed: int) ->
     format is the one the trainer takes for the model's vocabulary: GPT-2's (16-bit ids) up to 50257 ids,
     Llama 3's (32-bit) for 128256 and more; a vocabulary between the two has no shard format."""
     from llmc_cli.formats.shards import write_shard
-    from llmc_cli.training.trainer import SHARD_VOCAB
+    from llmc_cli.training.run_data import SHARD_VOCAB
     fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1]) if cfg.vocab_size >= n]
     if not fits or (fits[0] == "gpt2" and cfg.vocab_size > 2**16):
         raise BenchError(f"--vocab-size {cfg.vocab_size}: random tokens need a vocabulary of GPT-2's 50257 to "

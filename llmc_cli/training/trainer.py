@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from llmc_cli.data.loader import DataLoader, DataSetupChanged, ValLoader
+from llmc_cli.data.loader import DataSetupChanged
 from llmc_cli.data.prefetch import Feed
-from llmc_cli.evals.evaluate import check_shards_tokenizer, evaluate_loss
+from llmc_cli.evals.evaluate import evaluate_loss
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, is_runs_own_log, log_lock, open_log, record_line
-from llmc_cli.formats.shards import has_split
 from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.kernels import BFLOAT16, CAP_GRAPHS, MAX, Backend
 from llmc_cli.models.base import backend_capabilities, check_backend, check_recompute, unimplemented_kernel
@@ -28,8 +26,7 @@ from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
 from llmc_cli.parallel.zero import LayerShardedReduction, OverlappedReduction, make_optimizer, reshard_loader_state
 from llmc_cli.training.guard import OutlierDetector
 from llmc_cli.training.memory import out_of_memory_message
-from llmc_cli.training.phases import ENV as PHASES_ENV
-from llmc_cli.training.phases import StepPhases
+from llmc_cli.training.phases import open_step_phases
 
 
 def _append_record(log, path: str, rec: dict) -> None:
@@ -42,17 +39,6 @@ def _append_record(log, path: str, rec: dict) -> None:
         raise OSError(e.errno, f"{e.strerror} (writing the --log records)", str(path)) from None
 
 
-@contextmanager
-def _option_named(flag: str):
-    """A DataError raised inside, with `flag` in front of its message (unless it names an option already)."""
-    try:
-        yield
-    except DataError as e:
-        if str(e).startswith("--"):
-            raise
-        raise DataError(f"{flag}: {e}") from None
-
-
 class TrainError(ValueError):
     """A problem with the run's options or files; the message names the option or file."""
 
@@ -61,7 +47,6 @@ class TrainDiverged(TrainError):
     """--max-bad-steps consecutive steps were non-finite or skipped as outliers: the run stops."""
 
 
-SHARD_VOCAB = {"gpt2": 50257, "llama3": 128256}  # the vocabulary a shard format records (dataloader.SHARD_FORMATS)
 
 # options that fix the model's shape or the meaning of a step: a resumed run must not change them
 RESUME_FIXED = ("model", "n_layer", "n_head", "n_embd", "n_kv_head", "block_size", "vocab_size", "init",
@@ -284,10 +269,13 @@ def check_args(a: TrainArgs) -> TrainArgs:
 
 
 # ---- the Trainer's parts ------------------------------------------------------------------------------------------------
+from llmc_cli.formats.sources import load_model_any  # noqa: E402
 from llmc_cli.training.evaluation import evaluate_before, sample_text  # noqa: E402
 from llmc_cli.training.guard import skip_reason  # noqa: E402
 from llmc_cli.training.memory import plan_refusal  # noqa: E402
 from llmc_cli.training.report import data_line, memory_line  # noqa: E402
+from llmc_cli.training.run_data import (SHARD_VOCAB, check_eval_files, check_shard_vocab, open_loaders,  # noqa: E402
+                                        run_tokenizer)
 from llmc_cli.training.saving import run_state  # noqa: E402
 from llmc_cli.training.steps import forward_backward  # noqa: E402
 from llmc_cli.training.votes import RankVotes  # noqa: E402
@@ -366,9 +354,7 @@ class Trainer:
         if params is None:
             params = family_for(a.model).init_parameters(cfg, a.seed)
         self._build_model(params)
-        self._build_data()
-        self._pick_tokenizer(resume_state)
-        self._check_evals()
+        self._build_data(resume_state)
         self._start_loop_state()
         if resume_state is not None:
             self._restore(opt_state, resume_state)
@@ -418,7 +404,6 @@ class Trainer:
 
     def _read_init(self):
         """--init: weights from a llm.c .bin, a run directory, an llmc Llama file or a Hugging Face directory."""
-        from llmc_cli.formats.sources import load_model_any
         try:
             cfg, params, _ = load_model_any(self.a.init)
             check_init_shape(self.a.init, cfg, {k: getattr(self.a, k) for k in SHAPE_OPTIONS})
@@ -466,7 +451,10 @@ class Trainer:
                                                        a.zero)) from None
             raise
         self.opt.sync_master_from_params()
-        self.phases = self._step_phases()
+        try:
+            self.phases = open_step_phases(backend, self.comm.rank)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         if self.phases is not None:
             self.opt.mark = self.phases.mark
         # data parallel: each layer's gradients reduced as soon as the backward pass has made them final, on the
@@ -481,83 +469,17 @@ class Trainer:
         # None: not captured yet (False: never); the list of replays once captured (see _replays)
         self.graphs = None if a.graphs and CAP_GRAPHS in backend_capabilities(backend) and self.reducer is None else False
 
-    def _step_phases(self) -> StepPhases | None:
-        """The step phases' recorder where PHASES_ENV names a directory (training/phases.py)."""
-        where = os.environ.get(PHASES_ENV)
-        if not where:
-            return None
-        if not callable(getattr(self.backend.timer(), "marks", None)):
-            raise TrainError(f"{PHASES_ENV}: the {self.backend.name} backend's timer sets no marks (Timer.mark/marks)")
-        try:
-            return StepPhases(where, self.comm.rank)
-        except OSError as e:
-            raise TrainError(f"{PHASES_ENV}={where}: cannot write the step phases there "
-                             f"({f'{e.filename}: ' if e.filename and str(e.filename) != where else ''}"
-                             f"{e.strerror or type(e).__name__}); give a directory llmc may create or append to") \
-                from None
-
-    def _build_data(self) -> None:
-        """The loaders of --data and --val-data; token ids are checked against the model's vocabulary as each shard
-        is first opened, and a missing or damaged shard is named with the option that led to it."""
-        a, cfg, B, T = self.a, self.cfg, self.a.batch_size, self.a.seq_len
-        with _option_named("--data"):
-            self.train_loader = DataLoader(a.data, B, T, rank=self.comm.rank, world_size=self.comm.world_size,
-                                           shuffle=a.shuffle, seed=a.seed, vocab_size=cfg.vocab_size)
-        # a directory given as --data serves its train shards; its val shards validate unless --val-data says else
-        val_data = a.val_data or (a.data if isinstance(a.data, str) and has_split(a.data, "val") else None)
-        with _option_named("--val-data" if a.val_data else "--data"):
-            self.val_loader = ValLoader(val_data, B, T, vocab_size=cfg.vocab_size) if val_data else None
-        for opt, loader in (("--data", self.train_loader), ("--val-data", self.val_loader)):
-            need = SHARD_VOCAB.get(loader.tokenizer) if loader is not None else None
-            if need and cfg.vocab_size < need:
-                raise TrainError(f"{opt}: the shards were tokenized with the {loader.tokenizer} vocabulary "
-                                 f"({need:,} ids) but the model's vocab size is {cfg.vocab_size:,}; use a "
-                                 f"{loader.tokenizer} model or re-tokenize the data")
-
-    def _pick_tokenizer(self, resume_state: dict | None) -> None:
-        """The tokenizer is the data's (a resumed run's: the one it recorded): sample and eval read it from the run
-        directory to decode and encode prompts. A Llama 3 --init brings its tokenizer file, checked now."""
-        self.tokenizer, self.tokenizer_file = self.train_loader.tokenizer, None
-        if resume_state is not None:
-            self.tokenizer = resume_state.get("tokenizer", "gpt2")  # runs from before the field: GPT-2 shards
-            kept = Path(self.a.out) / ckpt.TOKENIZER_FILE
-            self.tokenizer_file = kept if kept.is_file() else None
-        elif self.a.init and self.tokenizer == "llama3":
-            from llmc_cli.formats.sources import tokenizer_for
-            try:
-                name, self.tokenizer_file = tokenizer_for(self.a.init)
-            except ckpt.CheckpointError:  # without the file the run still trains; sample says what is missing
-                name = "llama3"
-            if name != "llama3":
-                self.tokenizer_file = None
-            if self.tokenizer_file is not None:  # copied into the run at its first checkpoint: refused now if bad
-                from llmc_cli.data.tokenizer import llama3_ranks
-                try:
-                    llama3_ranks(self.tokenizer_file)
-                except DataError as e:
-                    raise TrainError(f"--init: {e}") from None
-
-    def _check_evals(self) -> None:
-        """Evaluations during the run score the model on ids of its data's tokenizer: val shards or a HellaSwag file
-        of another would be scored without complaint (GPT-2 ids all fit a Llama's vocabulary), so they are refused
-        now, before the first step, rather than at the first validation."""
+    def _build_data(self, resume_state: dict | None) -> None:
+        """The loaders, the run's tokenizer, and the checks that the model and the evaluations take its ids."""
         a = self.a
-        self.model.tokenizer = self.tokenizer if self.tokenizer in SHARD_VOCAB else None
+        self.train_loader, self.val_loader = open_loaders(a, self.cfg.vocab_size, self.comm)
         try:
-            if self.val_loader is not None:
-                check_shards_tokenizer(self.val_loader, self.model.tokenizer, "the run")
-                if a.val_every > 0:  # (a bad id in a later val shard: one line now, not at a validation mid-run)
-                    self.val_loader.check_vocab_of_batches(a.val_batches)
+            check_shard_vocab(self.cfg.vocab_size, self.train_loader, self.val_loader)
+            self.tokenizer, self.tokenizer_file = run_tokenizer(a, self.train_loader, resume_state)
+            self.model.tokenizer = self.tokenizer if self.tokenizer in SHARD_VOCAB else None
+            check_eval_files(a, self.val_loader, self.model.tokenizer)
         except DataError as e:
-            raise TrainError(f"{'--val-data' if a.val_data else '--data'}: {e}") from None
-        if a.hellaswag:
-            from llmc_cli.evals.evaluate import HELLASWAG_REMEDY, check_tokenizer
-            from llmc_cli.formats.evalfile import read_evalfile_header
-            try:
-                check_tokenizer(a.hellaswag, read_evalfile_header(a.hellaswag).tokenizer, self.model.tokenizer,
-                                "the run", HELLASWAG_REMEDY.format(self.model.tokenizer))
-            except DataError as e:
-                raise TrainError(f"--hellaswag: {e}") from None
+            raise TrainError(str(e)) from None
 
     def _start_loop_state(self) -> None:
         """What the loop carries from step to step, as a fresh run starts it (a resume then restores it)."""
