@@ -268,7 +268,7 @@ def check_args(a: TrainArgs) -> TrainArgs:
     return replace(a, **new)
 
 
-# ---- the Trainer's parts ------------------------------------------------------------------------------------------------
+# ---- the Trainer's parts ---------------------------------------------------------------------------------------------
 from llmc_cli.formats.sources import load_model_any  # noqa: E402
 from llmc_cli.training.evaluation import evaluate_before, sample_text  # noqa: E402
 from llmc_cli.training.guard import skip_reason  # noqa: E402
