@@ -1,10 +1,13 @@
 """Outlier detection for the step guard: llm.c's ``llmc/outlier_detector.h``, a sliding window of the last 128
-values and the z-score of a new value against it, NaN until the window is (nearly) full."""
+values and the z-score of a new value against it, NaN until the window is (nearly) full; and why a step's update
+was skipped, in words."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
+
+from llmc_cli.kernels import update_applies
 
 
 class OutlierDetector:
@@ -57,3 +60,14 @@ class OutlierDetector:
         self.values = deque((float(v) for v in values), maxlen=self.window)
 
 
+
+
+def skip_reason(a, lr: float, loss: float, norm: float, zloss: float, znorm: float, max_loss: float) -> str:
+    """Why the step guard skipped an update, given the run's arguments `a` and the step's values."""
+    if not math.isfinite(lr):
+        return f"non-finite learning rate {lr}"
+    if not math.isfinite(loss) or not math.isfinite(norm):
+        return "non-finite loss" if not math.isfinite(loss) else "non-finite grad norm"
+    if not update_applies(loss, 0.0, max_loss, float("inf")):
+        return f"loss z-score {zloss:.1f} > --skip-loss-z {a.skip_loss_z:g}"
+    return f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"

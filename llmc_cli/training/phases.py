@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import time
 from pathlib import Path
 
@@ -70,3 +71,19 @@ class StepPhases:
 
     def close(self) -> None:
         self.file.close()
+
+
+def open_step_phases(backend, rank: int) -> StepPhases | None:
+    """The recorder of this rank's step phases where ENV names a directory (None: it names none). ValueError where
+    the backend's timer sets no marks or the directory takes no file."""
+    where = os.environ.get(ENV)
+    if not where:
+        return None
+    if not callable(getattr(backend.timer(), "marks", None)):
+        raise ValueError(f"{ENV}: the {backend.name} backend's timer sets no marks (Timer.mark/marks)")
+    try:
+        return StepPhases(where, rank)
+    except OSError as e:
+        raise ValueError(f"{ENV}={where}: cannot write the step phases there "
+                         f"({f'{e.filename}: ' if e.filename and str(e.filename) != where else ''}"
+                         f"{e.strerror or type(e).__name__}); give a directory llmc may create or append to") from None

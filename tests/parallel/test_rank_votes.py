@@ -1,10 +1,13 @@
 """The ranks' per-step votes (a stop request, rank 0's checkpoint clock) travel with the step's own collectives:
 every rank stops after the same step, checkpoints at the same steps by rank 0's clock alone, and no host collective
 runs between two steps (one there, a host round trip, left every GPU idle outside any step's time). Two Trainers
-on the cpu backend in two threads, joined by a communicator over shared memory."""
+on the cpu backend in two threads, joined by a communicator over shared memory. No vote here reads the wall clock:
+each test sets the votes' clock and what counts as a slow step (`steady`), so a loaded machine decides nothing."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 
 import numpy as np
@@ -13,7 +16,6 @@ from llmc_test_support import phrase_tokens
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.kernels import AVG, MAX
 from llmc_cli.registry import create_backend
-from llmc_cli.training import trainer as trainer_mod
 from llmc_cli.training.args import TrainArgs
 from llmc_cli.training.trainer import Trainer
 
@@ -88,6 +90,13 @@ class ThreadComm:
         pass
 
 
+def steady(tr, slow: bool = False, clock=None):
+    """Trainer `tr`'s votes on a clock that stands still (or `clock`), its steps slow or never slow, whatever the
+    wall clock says."""
+    tr.votes.clock = clock or (lambda: 0.0)
+    tr.votes.slow_step_s = 0.0 if slow else math.inf
+
+
 def run_ranks(make, steps: int, tweak=None, on_step=None):
     """Trainers made by make(rank, comm), tweaked by tweak(rank, trainer), run in W threads (on_step(rank, trainer,
     record) after each step); their trainers."""
@@ -130,6 +139,7 @@ def test_a_stop_request_on_one_rank_stops_every_rank_after_the_same_step(tmp_pat
         return Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm)
 
     def tweak(rank, tr):
+        steady(tr)
         if rank == 1:  # only rank 1 is told to stop, from its third step on
             tr.stop_requested = lambda: "SIGTERM" if tr.steps_run >= 3 else None
 
@@ -142,19 +152,18 @@ def test_a_stop_request_on_one_rank_stops_every_rank_after_the_same_step(tmp_pat
     assert before_save == 0, f"{before_save} host collectives in a run of 3 steps and one checkpoint"
 
 
-def test_a_request_made_after_the_steps_vote_stops_after_the_next_step_or_this_one_when_steps_are_slow(
-        tmp_path, monkeypatch):
+def test_a_request_made_after_the_steps_vote_stops_after_the_next_step_or_this_one_when_steps_are_slow(tmp_path):
     """The host queues a step before the device runs it, so a request made during a step (here: after it, before
     run() looks) is voted on with the next step. Where the steps are slow (SLOW_STEP_S), a second vote after each
     step stops after this one, as one process would: a scheduler's grace before SIGKILL must not wait two long
     steps."""
     for slow, stop_after, host_votes in ((False, 4, 0), (True, 3, 3)):
-        monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 0.0 if slow else 1e9)
         run = tmp_path / f"run{slow}"
         a = _args(tmp_path, steps=50, out=str(run))
         told = {}
 
         def tweak(rank, tr):
+            steady(tr, slow)
             tr.stop_requested = lambda: told.get(rank)
 
         def on_step(rank, tr, rec):  # rank 1 is told to stop once its third step has ended
@@ -170,11 +179,10 @@ def test_a_request_made_after_the_steps_vote_stops_after_the_next_step_or_this_o
         assert shared.host_collectives == host_votes, (slow, shared.host_collectives)
 
 
-def test_a_request_made_after_the_steps_vote_stops_before_a_checkpoint_or_validation_runs(tmp_path, monkeypatch):
+def test_a_request_made_after_the_steps_vote_stops_before_a_checkpoint_or_validation_runs(tmp_path):
     """Steps under SLOW_STEP_S, but the next iteration checkpoints (or validates, samples, evaluates) before it
     trains: waiting for the next step's vote put that work, which may outlast many steps, between the request and
     the stop, and wrote two checkpoints. The ranks vote once more after such a step and stop after it."""
-    monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 1e9)
     run = tmp_path / "run"
     a = _args(tmp_path, steps=50, out=str(run), checkpoint_every=4, keep=10)
     told = {}
@@ -185,7 +193,7 @@ def test_a_request_made_after_the_steps_vote_stops_before_a_checkpoint_or_valida
 
     (t0, t1), shared = run_ranks(
         lambda rank, comm: Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm), 50,
-        lambda rank, tr: setattr(tr, "stop_requested", lambda: told.get(rank)), on_step)
+        lambda rank, tr: (steady(tr), setattr(tr, "stop_requested", lambda: told.get(rank))), on_step)
     assert t0.stopped["step"] == t1.stopped["step"] == 4, (t0.stopped, t1.stopped)
     assert sorted(p.name for p in run.glob("step_*")) == ["step_00000004"]
     assert shared.host_collectives == 1  # (only before the iteration that checkpoints)
@@ -199,21 +207,21 @@ def test_rank_0s_checkpoint_clock_decides_for_every_rank(tmp_path):
         def make(rank, comm):
             return Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=comm)
 
-        def tweak(rank, tr):  # one rank's clock says a checkpoint is due after every step, the other's never
-            tr._clock_due = lambda ahead=0.0: rank == clock_of
+        def tweak(rank, tr):  # one rank's clock moves an hour at every reading (a checkpoint always due), the
+            # other's stands still
+            steady(tr, clock=itertools.count(0.0, 3600.0).__next__ if rank == clock_of else None)
 
         run_ranks(make, 3, tweak)
         got = sorted(p.name for p in run.glob("step_*"))
         assert got == expect, (clock_of, got)
 
 
-def test_no_host_collective_between_steps(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_mod, "SLOW_STEP_S", 1e9)  # (a loaded machine's step may take a second: not the case here)
+def test_no_host_collective_between_steps(tmp_path):
     a = _args(tmp_path, steps=6)
     for zero in (0, 1):
         (t0, t1), shared = run_ranks(
             lambda rank, comm: Trainer(TrainArgs(**a | {"zero": zero}), create_backend("cpu"), say=lambda m: None,
-                                       comm=comm), 6)
+                                       comm=comm), 6, lambda rank, tr: steady(tr))
         assert t0.steps_run == t1.steps_run == 6 and shared.host_collectives == 0, (zero, shared.host_collectives)
         np.testing.assert_array_equal(t0.model.parameters_host(), t1.model.parameters_host())
 
@@ -222,19 +230,19 @@ def test_no_host_collective_between_steps(tmp_path, monkeypatch):
 def test_rank_0_votes_the_checkpoint_clock_a_step_ahead(tmp_path):
     """Rank 0 reads its clock for the vote as the host queues the step, before the device runs it (CUDA): asked
     for the time one step later, the checkpoint is not one step late. Rank 1's clock never votes."""
-    import time
     a = _args(tmp_path, steps=5, out=str(tmp_path / "run"), checkpoint_minutes=1.0)
     shared = Shared()
     tr = [Trainer(TrainArgs(**a), create_backend("cpu"), say=lambda m: None, comm=ThreadComm(shared, r))
           for r in range(W)]
     try:
         for t in tr:
-            t._last_checkpoint = time.monotonic() - 59.5  # half a second to go
-            t.last_step_s = 2.0
-        assert [t._votes()[1][1] for t in tr] == [1.0, 0.0]
+            steady(t, clock=lambda: 1000.0)
+            t.votes.last_checkpoint = 1000.0 - 59.5  # half a second to go
+            t.votes.last_step_s = 2.0
+        assert [t.votes.cast(t.stop_requested)[1][1] for t in tr] == [1.0, 0.0]
         for t in tr:
-            t.last_step_s = 0.1
-        assert [t._votes()[1][1] for t in tr] == [0.0, 0.0]
+            t.votes.last_step_s = 0.1
+        assert [t.votes.cast(t.stop_requested)[1][1] for t in tr] == [0.0, 0.0]
     finally:
         for t in tr:
             t.close()

@@ -14,7 +14,6 @@ import pytest
 from llmc_test_support import TINY, cpu_with, one_line_error, run
 
 from llmc_cli.kernels import Backend
-from llmc_cli.models import gpt2
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.registry import create_backend
 from llmc_cli.training.args import TrainArgs, TrainError
@@ -105,10 +104,10 @@ def test_the_backend_say_and_args_themselves_are_checked(shards):
 @pytest.mark.parametrize("B, T", [(2**40, 16), (2**20, 2**12), (2**31 - 1, 2)])
 def test_a_micro_batch_past_what_the_kernels_index_is_refused_at_once(shards, B, T, monkeypatch):
     """check_args lacked the command line's B*T <= 2**31 - 1: 2**40 sequences spun over 30 s planning the
-    classifier's chunks. The refusal comes before any planning."""
-    def planned(*a, **k):
-        raise AssertionError("the classifier's chunks were planned for a micro-batch the kernels cannot index")
-    monkeypatch.setattr(gpt2, "pick_classifier_chunks", planned)
+    classifier's chunks. The refusal comes with the arguments' checks, before the run is set up."""
+    def past_the_checks(self):
+        raise AssertionError("the Trainer got past the argument checks")
+    monkeypatch.setattr(Trainer, "_setup", past_the_checks)
     with pytest.raises(TrainError) as e:
         trainer(shards, batch_size=B, seq_len=T)
     msg = str(e.value)
@@ -171,6 +170,39 @@ def test_run_after_close_is_refused_and_writes_nothing(shards, tmp_path):
     finally:
         second.close()
     assert (out / "step_00000002").is_dir() and not (out / "step_00000005").exists()
+
+
+def test_a_second_run_is_refused_and_changes_nothing(shards, tmp_path):
+    """run() trains from start_step to --steps once: a second call on the same Trainer went on counting steps and
+    data past the run's end, and wrote a checkpoint labelled step 2 holding 4 updates. Refused after a run that
+    ended, stopped early or failed alike; a new Trainer (resume=True) continues the run."""
+    out = tmp_path / "run"
+
+    def stop_now(rec):
+        raise RuntimeError("stopped by on_step")
+
+    for n, first_run in enumerate((lambda t: t.run(), lambda t: t.run(on_step=stop_now))):
+        t = trainer(shards, out=str(out / str(n)), steps=2)
+        try:
+            try:
+                first_run(t)
+            except RuntimeError:
+                pass
+            listing = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+            weights, steps = t.model.parameters_host().copy(), t.steps_run
+            with pytest.raises(TrainError, match="this Trainer has run already; make a new Trainer") as e:
+                t.run()
+            assert "\n" not in str(e.value)
+            assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == listing
+            np.testing.assert_array_equal(t.model.parameters_host(), weights)
+            assert t.steps_run == steps
+        finally:
+            t.close()
+    again = trainer(shards, out=str(out / "0"), steps=3, resume=True)
+    try:
+        assert [r["step"] for r in again.run()] == [3]
+    finally:
+        again.close()
 
 
 def test_resume_accepts_options_equal_to_the_runs_own_values(shards, tmp_path):
@@ -248,13 +280,13 @@ def test_a_sample_whose_logits_overflow_does_not_end_the_run(shards, monkeypatch
     """The sample during training is a look at the run: logits that overflow end the sample with a note, where
     generate()'s NonFiniteLogits would otherwise stop training that the step guard judges on its own."""
     from llmc_cli.inference import sampling
-    from llmc_cli.training import trainer as trainer_module
+    from llmc_cli.training import evaluation
 
     def overflowing(*args, **kw):
         yield 5
         raise sampling.NonFiniteLogits("the model's logits are not finite (3 of 50,257 are NaN or infinite)")
 
-    monkeypatch.setattr(trainer_module, "generate", overflowing)
+    monkeypatch.setattr(evaluation, "generate", overflowing)
     t = Trainer(TrainArgs(**base(shards)), create_backend("cpu"), say=lambda s: None,
                 decode=lambda ids: "".join(f"<{i}>" for i in ids), eot=50256)
     try:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from llmc_cli.kernels import CAP_GRAPHS
-from llmc_cli.training import trainer as trainer_mod
+from llmc_cli.training import steps as steps_mod
 from llmc_cli.training.args import TrainArgs
-from llmc_cli.training.trainer import GRAPH_AFTER, Trainer
+from llmc_cli.training.steps import GRAPH_AFTER
+from llmc_cli.training.trainer import Trainer
 
 
 def graph_cpu(fail: bool = False):
@@ -87,7 +88,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_run_goes_on(shards):
 
 def test_no_capture_without_the_capability_or_with_no_graphs(shards, monkeypatch):
     from llmc_cpu import CpuBackend
-    monkeypatch.setattr(trainer_mod, "GRAPH_AFTER", 1)
+    monkeypatch.setattr(steps_mod, "GRAPH_AFTER", 1)
     be = CpuBackend()
     _, said = run_steps(shards, be, steps=3)
     assert not any("graphs" in s for s in said)

@@ -748,7 +748,8 @@ def test_graph_replayed_training_matches_uncaptured(tmp_path, model, dtype):
     uncaptured run's, bit for bit (two micro-steps a step, so both graphs replay)."""
     from llmc_cli.formats.shards import write_shard
     from llmc_cli.training.args import TrainArgs
-    from llmc_cli.training.trainer import GRAPH_AFTER, Trainer
+    from llmc_cli.training.steps import GRAPH_AFTER
+    from llmc_cli.training.trainer import Trainer
     llama = model.startswith("llama")  # (llama3-tiny reads GPT-2 shards: its vocabulary is GPT-2's)
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "g_train_000001.bin", rng.integers(0, 1000, 40_000))
@@ -874,7 +875,8 @@ def test_prefetched_training_matches_reading_in_the_step(tmp_path, model, dtype)
     once GRAPH_AFTER steps ran): the losses and the final weights of reading each batch in its step, bit for bit."""
     from llmc_cli.formats.shards import write_shard
     from llmc_cli.training.args import TrainArgs
-    from llmc_cli.training.trainer import GRAPH_AFTER, Trainer
+    from llmc_cli.training.steps import GRAPH_AFTER
+    from llmc_cli.training.trainer import Trainer
     llama = model.startswith("llama")
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "p_train_000001.bin", rng.integers(0, 1000, 40_000))

@@ -17,7 +17,8 @@ import numpy as np
 
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.inference.sampling import generate
-from llmc_cli.training.trainer import TrainArgs, Trainer
+from llmc_cli.training.args import TrainArgs
+from llmc_cli.training.trainer import Trainer
 
 SHAPES = {"d2": (2, 64), "llama3-tiny": (2, 64)}  # model preset -> (B, T) of its one training step
 DECODED = 4  # tokens decoded after a prompt, per model
