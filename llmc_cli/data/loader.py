@@ -134,6 +134,11 @@ class DataLoader:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch, 0x5EED]).permutation(n)
 
+    def files_read(self, state: dict) -> list[int]:
+        """Indices into `files` of the shards a run at position `state` (this loader's setup) has begun to read."""
+        epoch, shard = int(state.get("epoch", 0)), int(state.get("shard", 0))
+        return list(range(self.num_shards)) if epoch > 0 else [int(i) for i in self._shard_order(0)[:shard + 1]]
+
     def _sample_order(self, epoch: int, shard_pos: int, file_index: int) -> np.ndarray | None:
         if not self.shuffle:
             return None

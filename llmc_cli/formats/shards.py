@@ -15,6 +15,7 @@ llm.c's readers refuse it (they know version 1 alone), which is right: its ids a
 from __future__ import annotations
 
 import glob as _glob
+import json
 import os
 import re
 import stat
@@ -244,3 +245,17 @@ def has_split(directory: str | os.PathLike, split: str) -> bool:
     return os.path.isdir(directory) and any(split_of(h) == split
                                             for h in _glob.glob(os.path.join(_glob.escape(os.fspath(directory)),
                                                                              "*.bin")))
+
+
+def check_tokenize_complete(shards: Sequence[str | os.PathLike]) -> None:
+    """Shards beside a tokenize manifest (`*_manifest.json`) that says its run did not finish are refused: the
+    corpus is cut short (the tokenize run was stopped or failed), and `llmc tokenize` run again completes it."""
+    for folder in dict.fromkeys(Path(s).parent for s in shards):
+        for m in sorted(folder.glob("*_manifest.json")):
+            try:
+                complete = json.loads(m.read_bytes()).get("complete", True)
+            except (OSError, ValueError, AttributeError):
+                continue  # (not a tokenize manifest this reads: its shards speak for themselves)
+            if complete is False:
+                raise DataError(f"{m}: its tokenize run did not finish, so the shards beside it are incomplete; "
+                                "run the same `llmc tokenize` again to complete them")

@@ -13,7 +13,7 @@ from llmc_cli.evals.evaluate import HELLASWAG_REMEDY, check_shards_tokenizer, ch
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.evalfile import read_evalfile_header
 from llmc_cli.formats.files import DataError
-from llmc_cli.formats.shards import SHARD_VOCAB, has_split
+from llmc_cli.formats.shards import SHARD_VOCAB, check_tokenize_complete, has_split
 from llmc_cli.formats.sources import tokenizer_for
 
 
@@ -36,9 +36,12 @@ def open_loaders(a, vocab_size: int, comm) -> tuple[DataLoader, ValLoader | None
     with _option_named("--data"):
         train = DataLoader(a.data, a.batch_size, a.seq_len, rank=comm.rank, world_size=comm.world_size,
                            shuffle=a.shuffle, seed=a.seed, vocab_size=vocab_size)
+        check_tokenize_complete(train.files)
     val_data = a.val_data or (a.data if isinstance(a.data, str) and has_split(a.data, "val") else None)
     with _option_named("--val-data" if a.val_data else "--data"):
         val = ValLoader(val_data, a.batch_size, a.seq_len, vocab_size=vocab_size) if val_data else None
+        if val is not None:
+            check_tokenize_complete(val.files)
     return train, val
 
 

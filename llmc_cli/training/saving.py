@@ -19,7 +19,7 @@ def run_state(tr, step: int, loader_state: dict | None) -> dict:
               "outliers": {"loss": tr.loss_outliers.state(), "norm": tr.norm_outliers.state(),
                            "bad_streak": tr.bad_streak}}
     state |= {"world_size": tr.comm.world_size, "tokens_per_step": tr.tokens_per_step}
-    state |= {"family": tr.family.name, "tokenizer": tr.tokenizer}
+    state |= {"family": tr.family.name, "tokenizer": tr.tokenizer, "data_fingerprint": tr.data_fingerprint}
     carried = tr.backend.carried_state()
     if carried:
         state["backend_state"] = carried

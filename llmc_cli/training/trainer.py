@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from llmc_cli.data.loader import DataSetupChanged
 from llmc_cli.data.prefetch import Feed
 from llmc_cli.evals.evaluate import evaluate_loss
 from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
+from llmc_cli.formats.manifest import data_fingerprint
 from llmc_cli.formats.rundir import RunDirError, RunLock, check_out
 from llmc_cli.formats.runlog import LogError, check_log, is_runs_own_log, log_lock, open_log, record_line
 from llmc_cli.formats.shards import SHARD_VOCAB
@@ -24,14 +23,15 @@ from llmc_cli.models.base import backend_capabilities, check_backend, unimplemen
 from llmc_cli.models.families import family_for, family_of
 from llmc_cli.optim import lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
-from llmc_cli.parallel.zero import LayerShardedReduction, OverlappedReduction, make_optimizer, reshard_loader_state
-from llmc_cli.training.args import (RESUME_FIXED, SHAPE_OPTIONS, TrainArgs, TrainDiverged, TrainError, _is_int, _product,
-                                    check_args, check_init_shape, data_setup_changes, model_config)
+from llmc_cli.parallel.zero import LayerShardedReduction, OverlappedReduction, make_optimizer
+from llmc_cli.training.args import (SHAPE_OPTIONS, TrainArgs, TrainDiverged, TrainError, _is_int, check_args,
+                                    check_init_shape, model_config)
 from llmc_cli.training.evaluation import evaluate_before, sample_text
 from llmc_cli.training.guard import OutlierDetector, skip_reason
 from llmc_cli.training.memory import out_of_memory_message, plan_refusal
 from llmc_cli.training.phases import open_step_phases
 from llmc_cli.training.report import data_line, memory_line
+from llmc_cli.training.resume import read_resume, restore
 from llmc_cli.training.run_data import check_eval_files, check_shard_vocab, open_loaders, run_tokenizer
 from llmc_cli.training.saving import run_state
 from llmc_cli.training.steps import forward_backward
@@ -113,7 +113,8 @@ class Trainer:
         self.start_step, self._trim_log = 0, False
         resume_state = opt_state = None
         if a.resume:
-            cfg, params, opt_state, resume_state = self._read_resume()
+            cfg, params, opt_state, resume_state = read_resume(a)
+            self._trim_log = bool(a.log) and is_runs_own_log(a.log, a.out, resume_state["args"])
         elif a.init:
             cfg, params = self._read_init()
         else:
@@ -125,50 +126,11 @@ class Trainer:
         self._build_data(resume_state)
         self._start_loop_state()
         if resume_state is not None:
-            self._restore(opt_state, resume_state)
+            restore(self, opt_state, resume_state)
         # the position is final now: the thread starts reading the first batches while the run gets ready
         self.feed = Feed(self.backend, [self.model.acts["inputs"], self.model.acts["targets"]], self.train_loader,
                          overfit=a.overfit_batch, prefetch=a.prefetch)
         self.feed.start()
-
-    def _read_resume(self):
-        """--resume: the newest checkpoint in --out (config, weights, optimizer state, state.json)."""
-        a = self.a
-        if not a.out:
-            raise TrainError("--resume needs --out DIR (the run directory to continue)")
-        try:
-            cfg, params, opt_state, state = ckpt.read_run_checkpoint(a.out)
-        except ckpt.CheckpointError as e:
-            raise TrainError(str(e)) from None
-        expected = state.get("config")
-        if expected and expected != asdict(cfg):
-            raise TrainError(f"{a.out}: model file and state.json disagree about the model shape")
-        self._trim_log = bool(a.log) and is_runs_own_log(a.log, a.out, state["args"])
-        self._check_resume_options(cfg, state)
-        return cfg, params, opt_state, state
-
-    def _check_resume_options(self, cfg, state: dict) -> None:
-        """An option given again that fixes the model's shape or the meaning of a step must say what the run had."""
-        a, old_args = self.a, state["args"]
-        for key in RESUME_FIXED:
-            val = getattr(a, key, None)
-            if key not in old_args or val is None:  # (not given: the run's own value)
-                continue
-            # what the run trained with: the option as it recorded it, or where it gave none (the preset's
-            # shape, B*T per step) the value that was in effect, which an option given now may repeat
-            had = old_args[key]
-            if had is None and key in SHAPE_OPTIONS:
-                had = getattr(cfg, key, None)
-            elif had is None and key == "total_batch_size":  # (runs from before the field: B*T*ranks)
-                had = state.get("tokens_per_step") or _product(
-                    old_args.get("batch_size"), old_args.get("seq_len"), state.get("world_size", 1))
-            opt = "--" + key.replace("_", "-")
-            if had is None and key in SHAPE_OPTIONS:
-                raise TrainError(f"--resume: {opt} does not apply to the run in {a.out}, a "
-                                 f"{family_of(cfg).label} model (leave it out)")
-            if had != val:
-                raise TrainError(f"--resume: {opt} is {val!r} but the run in {a.out} was trained with "
-                                 f"{had!r} (give the same options, or start a new --out)")
 
     def _read_init(self):
         """--init: weights from a llm.c .bin, a run directory, an llmc Llama file or a Hugging Face directory."""
@@ -246,6 +208,7 @@ class Trainer:
             self.tokenizer, self.tokenizer_file = run_tokenizer(a, self.train_loader, resume_state)
             self.model.tokenizer = self.tokenizer if self.tokenizer in SHARD_VOCAB else None
             check_eval_files(a, self.val_loader, self.model.tokenizer)
+            self.data_fingerprint = data_fingerprint(self.train_loader.files)
         except DataError as e:
             raise TrainError(str(e)) from None
 
@@ -266,40 +229,6 @@ class Trainer:
         self.saved = 0                        # the newest step whose checkpoint is on disk (start_step: none yet)
         self.rescued: Path | None = None      # the checkpoint written after an error stopped the run
         self.rescue_error: str | None = None  # why that checkpoint could not be written
-
-    def _restore(self, opt_state: dict, state: dict) -> None:
-        """A resume's optimizer state, step, data position, backend state, RNG and outlier windows."""
-        a = self.a
-        self.opt.load_state(opt_state, state["step"])
-        self.opt.step_count = int(state.get("optimizer_steps", state["step"]))
-        self.start_step = self.saved = state["step"]
-        if a.steps < self.start_step:  # (equal: the run is complete, and resuming it does nothing)
-            raise TrainError(f"--steps {a.steps}: the run in {a.out} is already at step {self.start_step}; give "
-                             f"--steps {self.start_step} or more to continue it")
-        old_total = state.get("tokens_per_step")
-        if old_total and old_total != self.tokens_per_step:
-            raise TrainError(f"--resume: the run in {a.out} took {old_total} tokens per step, now "
-                             f"{self.tokens_per_step} ({self.comm.world_size} rank(s) x B*T); give "
-                             f"--total-batch-size {old_total}")
-        try:
-            self.train_loader.load_state(reshard_loader_state(state["dataloader"], self.comm.world_size))
-        except DataSetupChanged as e:
-            raise TrainError(f"--resume {a.out}: {data_setup_changes(e)}; give the run's options, or start a new "
-                             "--out") from None
-        except (DataError, ValueError) as e:  # (a position of other ranks, a damaged or foreign state)
-            raise TrainError(f"--resume {a.out}: {e}") from None
-        try:
-            self.backend.load_carried_state(state.get("backend_state", {}))
-        except ValueError as e:
-            raise TrainError(f"{a.out}: state.json's backend_state is damaged: {e}") from None
-        try:
-            self.rng.bit_generator.state = state["rng"]
-            outl = state.get("outliers", {})
-            self.loss_outliers.load_state(outl.get("loss", []))
-            self.norm_outliers.load_state(outl.get("norm", []))
-            self.bad_streak = int(outl.get("bad_streak", 0))
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise TrainError(f"{a.out}: state.json has a damaged RNG / outlier state ({e})") from None
 
     # ---- what the command line prints ------------------------------------------------------------------------------
     def data_line(self) -> str:
@@ -383,7 +312,8 @@ class Trainer:
             raise TrainError(f"step {step}: the {' and '.join(bad)} hold NaN or inf, so no checkpoint was written")
         path = ckpt.write_run_checkpoint(self.a.out, step, self.cfg, params, bf16=self.backend.dtype == BFLOAT16,
                                          optimizer=opt_state, state=run_state(self, step, loader_state),
-                                         keep=self.a.keep, tokenizer_file=self.tokenizer_file)
+                                         keep=self.a.keep, tokenizer_file=self.tokenizer_file,
+                                         data_fingerprint=self.data_fingerprint)
         self.saved = step
         return path
 
