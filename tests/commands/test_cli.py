@@ -63,7 +63,7 @@ def test_overfit_batch_drives_loss_down(shards, tmp_path):
 
 
 def test_gradient_accumulation_option(shards, tmp_path):
-    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--total-batch-size", 256)
+    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 1, "--total-batch-size", 256)
     assert "grad accumulation 4" in r.output
     r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--total-batch-size", 100, ok=False)
     assert r.exit_code != 0 and "--total-batch-size" in r.output
