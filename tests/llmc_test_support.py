@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -265,3 +266,13 @@ def cpu_with(capabilities=None, lacks: tuple[str, ...] = (), name: str = "liar")
         return method
     attrs = {"name": name, "capabilities": capabilities} | {k: missing(k) for k in lacks}
     return type("Liar", (be_cls,), attrs)()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the conformance kit in a pytest of its own, as a backend's author runs it
+
+# (the pytest plugins of this environment that the kit does not use are left out: importing hypothesis, xdist and
+# the others is a third of a short kit run)
+KIT_PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+              "-p", "no:xdist", "-p", "no:xdist.looponfail", "-p", "no:benchmark", "-p", "no:anyio",
+              "--pyargs", "llmc_cli.testing"]

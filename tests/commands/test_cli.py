@@ -16,16 +16,16 @@ from llmc_cli.models.gpt2 import GPT2Config, init_parameters, num_parameters, pr
 
 
 def test_train_resume_is_bit_exact(shards, tmp_path):
-    """20 steps == 10 steps, resume, 10 steps: identical losses (schedule, weight decay and clipping on)."""
-    common = [*TINY, "--data", shards / "*train*.bin", "--steps", 20, "--lr", "1e-3", "--warmup", 3,
+    """10 steps == 5 steps, resume, 5 steps: identical losses (schedule, weight decay and clipping on)."""
+    common = [*TINY, "--data", shards / "*train*.bin", "--steps", 10, "--lr", "1e-3", "--warmup", 3,
               "--lr-decay-frac", "0.1", "--weight-decay", "0.1", "--shuffle"]
     run(*common, "--out", tmp_path / "a", "--log", tmp_path / "a.jsonl")
-    run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 10)
-    rewind_run(tmp_path / "b", 10, 20, log=tmp_path / "b.jsonl")  # as if the run died after step 10
+    run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--checkpoint-every", 5)
+    rewind_run(tmp_path / "b", 5, 10, log=tmp_path / "b.jsonl")  # as if the run died after step 5
     r = run(*common, "--out", tmp_path / "b", "--log", tmp_path / "b.jsonl", "--resume")
     assert "resumed" in r.output
     a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
-    assert len(a) == 20 and a == b
+    assert len(a) == 10 and a == b
     assert a[-1] < a[0]
 
 
@@ -46,7 +46,7 @@ def test_run_directory_keeps_its_own_log(shards, tmp_path):
 def test_two_runs_are_identical_and_log_has_fields(shards, tmp_path):
     for name in ("x", "y"):
         r = run(*TINY, "--data", shards / "*train*.bin", "--val-data", shards / "*val*.bin", "--steps", 4,
-                "--val-every", 2, "--log", tmp_path / f"{name}.jsonl")
+                "--val-every", 2, "--val-batches", 2, "--log", tmp_path / f"{name}.jsonl")
     assert "tok/s" in r.output and "val loss" in r.output
     recs = [json.loads(line) for line in open(tmp_path / "x.jsonl")]
     steps = [r for r in recs if "loss" in r]
@@ -63,7 +63,7 @@ def test_overfit_batch_drives_loss_down(shards, tmp_path):
 
 
 def test_gradient_accumulation_option(shards, tmp_path):
-    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--total-batch-size", 256)
+    r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 1, "--total-batch-size", 256)
     assert "grad accumulation 4" in r.output
     r = run(*TINY, "--data", shards / "*train*.bin", "--steps", 2, "--total-batch-size", 100, ok=False)
     assert r.exit_code != 0 and "--total-batch-size" in r.output

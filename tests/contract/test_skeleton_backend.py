@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llmc_test_support import KIT_PYTEST
 
 SKELETON = Path(__file__).resolve().parents[2] / "docs" / "skeleton"
 
@@ -20,8 +21,7 @@ def test_the_skeleton_passes_the_conformance_kit(tmp_path):
     pytest.importorskip("torch", reason="the kit's oracle: pip install torch==2.13.0")
     env = dict(os.environ, LLMC_TEST_PLUGIN="llmc_skeleton:SkeletonPlugin",
                PYTHONPATH=os.pathsep.join([str(SKELETON), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-                        "llmc_cli.testing"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(KIT_PYTEST, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", summary)) else 0
     assert r.returncode == 0 and passed > 100 and "failed" not in summary and "error" not in summary, \

@@ -3,6 +3,7 @@ llmc's Llama model metadata, a run's state.json, and the weights themselves (nev
 one line naming the file and the field, exit 2, and nothing on disk changes. Ctrl-C is one line and exit 130."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,7 +110,8 @@ STATE_BAD = [("optimizer_steps", "x"), ("optimizer_steps", -1), ("tokens_per_ste
 
 @pytest.fixture(scope="module")
 def one_step_run(shards, tmp_path_factory):
-    """A run directory after one step: the state.json a resume reads, as the trainer writes it."""
+    """A run directory after one step: the state.json a resume reads, as the trainer writes it (tests that
+    write copy it)."""
     rd = tmp_path_factory.mktemp("run") / "r"
     run(*TINY, "--data", shards / "*train*.bin", "--out", rd, "--steps", 1)
     return rd
@@ -137,10 +139,10 @@ def test_state_json_field_types(one_step_run, tmp_path, field, value):
 
 
 @pytest.mark.parametrize("field, value", [("tokens_per_step", 0), ("dataloader.B", "4")])
-def test_a_resume_from_a_damaged_state_json_is_one_line_and_changes_nothing(shards, tmp_path, field, value):
-    rd = tmp_path / "r"
+def test_a_resume_from_a_damaged_state_json_is_one_line_and_changes_nothing(one_step_run, shards, tmp_path, field,
+                                                                          value):
+    rd = shutil.copytree(one_step_run, tmp_path / "r")
     args = [*TINY, "--data", shards / "*train*.bin", "--out", rd]
-    run(*args, "--steps", 1)
     path = rd / "step_00000001" / "state.json"
     path.write_text(json.dumps(damage(json.loads(path.read_text()), field, value)))
     before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
@@ -165,10 +167,9 @@ def test_ctrl_c_is_one_line_and_exit_130(shards, tmp_path):
         assert p.returncode == 130 and err == "error: interrupted", err
 
 
-def test_nonfinite_optimizer_state_is_refused_on_resume(shards, tmp_path):
-    rd = tmp_path / "r"
+def test_nonfinite_optimizer_state_is_refused_on_resume(one_step_run, shards, tmp_path):
+    rd = shutil.copytree(one_step_run, tmp_path / "r")
     args = [*TINY, "--data", shards / "*train*.bin", "--out", rd]
-    run(*args, "--steps", 1)
     opt = rd / "step_00000001" / "optimizer.npz"
     z = dict(np.load(opt))
     z["v"][5] = np.inf

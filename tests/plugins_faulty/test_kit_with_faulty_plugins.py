@@ -6,10 +6,10 @@ only a correct plugin whose probe says it cannot run here is skipped."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 from faulty_plugins import HERE, dist_info, ep, subprocess_env
+from llmc_test_support import KIT_PYTEST
 
 from llmc_cli import registry
 from llmc_cli.testing import backends as kit
@@ -19,8 +19,7 @@ def kit_run(tmp_path, **env: str) -> subprocess.CompletedProcess:
     """`pytest --pyargs llmc_cli.testing` with `env`, outside llmc's tests (its own conftest only)."""
     pytest.importorskip("torch", reason="the kit's oracle")
     site = dist_info(tmp_path / "site", {"skeleton_broken": "faulty_plugins:ProbeRaises"}, dist="adv-kit")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-                           "llmc_cli.testing", "-k", "alloc_shapes or gelu_forward"], cwd=tmp_path,
+    return subprocess.run([*KIT_PYTEST, "-k", "alloc_shapes or gelu_forward"], cwd=tmp_path,
                           env=subprocess_env(site, **env), capture_output=True, text=True, timeout=600, check=False)
 
 
