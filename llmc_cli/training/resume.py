@@ -79,7 +79,6 @@ def restore(tr, opt_state: dict, state: dict) -> None:
     """A resume's optimizer state, step, data position, backend state, RNG and outlier windows, into Trainer
     `tr`."""
     a = tr.a
-    check_resume_data(a, state, tr.data_fingerprint, tr.train_loader)
     tr.opt.load_state(opt_state, state["step"])
     tr.opt.step_count = int(state.get("optimizer_steps", state["step"]))
     tr.start_step = tr.saved = state["step"]
@@ -91,7 +90,8 @@ def restore(tr, opt_state: dict, state: dict) -> None:
         raise TrainError(f"--resume: the run in {a.out} took {old_total} tokens per step, now "
                          f"{tr.tokens_per_step} ({tr.comm.world_size} rank(s) x B*T); give "
                          f"--total-batch-size {old_total}")
-    _restore_data_position(tr, state)
+    _restore_data_position(tr, state)  # (the data's setup first: its message names the option that differs)
+    check_resume_data(a, state, tr.data_fingerprint, tr.train_loader)
     try:
         tr.backend.load_carried_state(state.get("backend_state", {}))
     except ValueError as e:
