@@ -128,7 +128,7 @@ _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the libr
               help="Data parallel: reduce each layer's gradients as soon as the backward pass has made them final, "
               "beside the layers still to come (on the communicator's own stream where it has one, as the cuda "
               "backend's does, or as copies to the owners where the backend moves them so); such runs replay no "
-              "captured graphs. Off by default: on two NVLink-connected H200s and H100s it measured 0.2-1.5 %% slower "
+              "captured graphs. Off by default: on two NVLink-connected H200s and H100s it measured 0.2-1.5 % slower "
               "than one reduction after the backward pass (the collectives' kernels take SMs from the matmuls, and "
               "even copy engines' traffic slowed them); try it where the link is slow.")
 @click.option("--init-file", default=None, type=click.Path(),

@@ -159,6 +159,21 @@ def test_backends_and_help():
         assert "Example:" in run(cmd, "--help").output
 
 
+def test_help_shows_no_doubled_percent_sign():
+    """click does not %-format help text: a "%%" written there reaches the reader as it is."""
+    import click
+
+    from llmc_cli.commands import main
+
+    def commands(group, path):
+        for name, cmd in group.commands.items():
+            yield [*path, name]
+            if isinstance(cmd, click.Group):
+                yield from commands(cmd, [*path, name])
+    for path in [[], *commands(main, [])]:
+        assert "%%" not in run(*path, "--help").output, path
+
+
 def test_console_script_installed():
     out = subprocess.run([sys.executable, "-m", "llmc_cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and "llmc" in out.stdout
