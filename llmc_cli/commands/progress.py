@@ -20,7 +20,8 @@ def say(text: str) -> None:
 
 
 def start_lines(trainer, args, backend, comm, rank_info) -> None:
-    """The run as it starts: backend, model, batch, data, memory, and the ranks of a data-parallel run."""
+    """The run as it starts: backend, model, batch, data, memory, where its weights came from (a resume, --init) or
+    that it saves none (no --out), and the ranks of a data-parallel run."""
     cfg = trainer.cfg
     say(f"backend: {backend.describe()} ({backend.matmul_dtype or backend.dtype})")
     console.print(f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} "
@@ -31,6 +32,10 @@ def start_lines(trainer, args, backend, comm, rank_info) -> None:
     console.print(trainer.memory_line())
     if trainer.start_step:
         say(f"resumed from {args.out} at step {trainer.start_step}")
+    elif args.init:
+        say(f"init: {args.init} ({trainer.family.label}, {trainer.model.num_params:,} params)")
+    if not args.out:
+        console.print("no --out: this run saves no checkpoint")
     if comm.world_size > 1:
         console.print(_parallel_line(trainer, args, comm, rank_info))
 

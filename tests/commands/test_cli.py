@@ -111,6 +111,16 @@ def test_train_from_llmc_bin_init(shards, tmp_path):
     r = run("train", "--backend", "cpu", "--init", tmp_path / "init.bin", "-b", 2, "-t", 32, "--steps", 2,
             "--data", shards / "*train*.bin", "--val-every", 0, "--sample-every", 0)
     assert "L=1 NH=2 C=32" in r.output
+    n = f"{num_parameters(cfg):,}"
+    assert f"init: {tmp_path / 'init.bin'} (GPT-2, {n} params)\n" in r.output, r.output
+
+
+def test_a_run_says_whether_it_saves_a_checkpoint(shards, tmp_path):
+    """Without --out nothing is saved, said once at the start; with --out that line is absent."""
+    common = [*TINY, "--data", shards / "*train*.bin", "--steps", 1]
+    said = "no --out: this run saves no checkpoint"
+    assert run(*common).output.count(said) == 1
+    assert said not in run(*common, "--out", tmp_path / "run").output
 
 
 @pytest.mark.parametrize("case", ["magic", "truncated", "vocab", "missing", "backend", "block", "model_bin",
