@@ -257,12 +257,20 @@ def test_cuda_without_a_driver_says_so_in_one_hint(monkeypatch):
     assert r.exit_code == 2 and "no NVIDIA GPU/driver found" in line and "pip install" not in line, r.output
 
 
-def test_step_lines_say_elapsed_eta_and_tokens_seen(tmp_path):
-    """Not a terminal: plain step lines, each with tokens seen, elapsed time and the ETA (MFU where the device's
-    peak is known: not for the cpu backend)."""
+def test_step_lines_say_elapsed_eta_and_tokens_seen(tmp_path, monkeypatch):
+    """Not a terminal, but wide (an 80-column one keeps the step, loss, ms, tok/s and ETA: test_progress.py): plain
+    step lines, each with tokens seen, elapsed time and the ETA (MFU where the device's peak is known: not for the
+    cpu backend)."""
+    import io
+
     from llmc_test_support import phrase_tokens
+    from rich.console import Console
+
+    import llmc_cli.commands.progress as progress
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "console", Console(file=out, width=200))
     write_shard(tmp_path / "t_train_000001.bin", phrase_tokens(60))
-    r = run(*TINY, "--data", tmp_path, "--steps", 2)
-    steps = [l for l in r.output.splitlines() if l.startswith("step ")]
-    assert len(steps) == 2 and all(" tokens | " in l and " elapsed, ETA " in l for l in steps), r.output
-    assert "| 64 tokens |" in steps[0] and "| 128 tokens |" in steps[1] and "MFU" not in r.output, r.output
+    run(*TINY, "--data", tmp_path, "--steps", 2)
+    steps = [l for l in out.getvalue().splitlines() if l.startswith("step ")]
+    assert len(steps) == 2 and all(" tokens | " in l and " elapsed | ETA " in l for l in steps), out.getvalue()
+    assert "| 64 tokens |" in steps[0] and "| 128 tokens |" in steps[1] and "MFU" not in out.getvalue(), steps
