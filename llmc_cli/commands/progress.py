@@ -52,11 +52,12 @@ def start_lines(trainer, args, backend, comm, rank_info) -> None:
     """The run as it starts: backend, model, batch, data, memory, where its weights came from (a resume, --init) or
     that it saves none (no --out), and the ranks of a data-parallel run."""
     cfg = trainer.cfg
-    say(f"backend: {backend.describe()} ({backend.matmul_dtype or backend.dtype})")
-    console.print(f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} "
-                  f"(padded {cfg.padded_vocab_size}) maxT={cfg.block_size}, {trainer.model.num_params:,} params")
-    console.print(f"batch: B={args.batch_size} T={args.seq_len}, {trainer.tokens_per_step} tokens/step, "
-                  f"grad accumulation {trainer.grad_accum}")
+    for line in (f"backend: {backend.describe()} ({backend.matmul_dtype or backend.dtype})",
+                 f"model: L={cfg.n_layer} NH={cfg.n_head} C={cfg.n_embd} V={cfg.vocab_size} (padded "
+                 f"{cfg.padded_vocab_size}) maxT={cfg.block_size}, {trainer.model.num_params:,} params",
+                 f"batch: B={args.batch_size} T={args.seq_len}, {trainer.tokens_per_step} tokens/step, grad "
+                 f"accumulation {trainer.grad_accum}"):
+        console.print(wrapped(line), markup=False)
     console.print(wrapped(trainer.data_line()), markup=False)
     console.print(wrapped(trainer.memory_line()), markup=False)
     if trainer.start_step:
