@@ -16,14 +16,18 @@ from llmc_cli.models.families import flops_per_token
 def say(text: str) -> None:
     """A line of the run as it is: paths, device names and sampled text may hold '[...]', which is not markup, and
     an escape sequence or a carriage return, which is shown escaped (nothing sent to the terminal). Newlines and
-    tabs stay: a sample is text of several lines."""
-    console.print(terminal_text(text), markup=False)
+    tabs stay: a sample is text of several lines. A line of one row wider than the console breaks after its "; "
+    (a skipped step's note), never between words: a checkpoint's path stays on the row that names it."""
+    if "\n" in text or "\t" in text:
+        console.print(terminal_text(text), markup=False)
+    else:
+        console.print(wrapped(text, between_words=False), markup=False)
 
 
-def wrapped(line: str) -> str:
+def wrapped(line: str, between_words: bool = True) -> str:
     """A line of facts (shards, buffers, options) as lines that fit the console's width, the later ones indented:
-    broken after a "; " where it can, else between words; a word longer than the width (a path) is kept whole. What
-    would break a line or drive the terminal in it is shown escaped (`printable`) first."""
+    broken after a "; " where it can, else between words (unless not `between_words`); a word longer than the width
+    (a path) is kept whole. What would break a line or drive the terminal in it is shown escaped (`printable`)."""
     width, rows = console.width, []
     for part in printable(line).split("; "):
         if rows and len(rows[-1]) + 2 + len(part) <= width:
@@ -31,8 +35,9 @@ def wrapped(line: str) -> str:
             continue
         if rows:
             rows[-1] += ";"
-        rows += textwrap.wrap(part, width=width, initial_indent="  " if rows else "", subsequent_indent="  ",
-                              break_long_words=False, break_on_hyphens=False) or [""]
+        indent = "  " if rows else ""
+        rows += (textwrap.wrap(part, width=width, initial_indent=indent, subsequent_indent="  ",
+                               break_long_words=False, break_on_hyphens=False) if between_words else []) or [indent + part]
     return "\n".join(rows)
 
 

@@ -112,5 +112,8 @@ def test_wrapped_breaks_lines_of_facts_between_items(monkeypatch):
     assert progress.wrapped("data: a\nb; c") == "data: a\\nb; c"  # (a name's newline shown, not obeyed)
     long = "/" + "x" * 50
     assert progress.wrapped(f"options {long}") == f"options\n  {long}"  # a path kept whole
+    note = "step 12: update skipped (loss z-score 9.1 > --skip-loss-z 6); 1 bad step(s) in a row"
+    assert progress.wrapped(note, between_words=False) == note.replace("; ", ";\n  ")  # (what `say` prints)
+    assert progress.wrapped(f"checkpoint: {long}", between_words=False) == f"checkpoint: {long}"
     text = progress.wrapped_items("options from run:", ["--batch-size 12", "--model bytes-d4", "--lr 0.001"])
     assert text == "options from run: --batch-size 12\n  --model bytes-d4 --lr 0.001"
