@@ -1,5 +1,6 @@
 """What `llmc train` prints as a run goes: the lines at its start, one line a step (with a live bar on a terminal),
-and how often a step waited for its data at the end."""
+and how often a step waited for its data and the memory at the end; every line fits the console's width (an
+80-column terminal's, or a pipe's: COLUMNS, else 80)."""
 
 from __future__ import annotations
 
