@@ -61,6 +61,17 @@ def run(*args, ok: bool = True):
     return r
 
 
+def line_of(output: str, head: str) -> str:
+    """The line of `output` that starts with `head`, as it reads on a console wide enough for it: train breaks a
+    long line of facts (shards, memory, options) into lines that fit the console, the later ones indented."""
+    rows = output.splitlines()
+    i = next(i for i, row in enumerate(rows) if row.startswith(head))
+    j = i + 1
+    while j < len(rows) and rows[j].startswith("  "):
+        j += 1
+    return " ".join([rows[i], *(row.strip() for row in rows[i + 1:j])])
+
+
 def losses(log) -> list[float]:
     """The training losses of a --log JSONL file, in order."""
     import json

@@ -27,6 +27,9 @@ from llmc_cli.evals import evaluate  # (as a module: tests put a spy in for eval
 from llmc_cli.formats.files import CheckpointError, DataError
 from llmc_cli.formats.sources import load_config_any, tokenizer_name_for
 from llmc_cli.models.base import check_seq_len
+from llmc_cli.training.args import TrainArgs
+
+_VAL_BATCHES = TrainArgs(data="").val_batches  # what training validates on: the same first batches, the same loss
 
 
 class _Quiet:
@@ -85,7 +88,7 @@ def _report(result: dict, used: int, unscored: int, hs, checkpoint: str, B: int,
         click.echo(f"warning: --checkpoint: {checkpoint}: {' and '.join(what)}: the model's weights or activations "
                    "overflow", err=True)
     if as_json:
-        click.echo(json_text(result))
+        click.echo(json_text(result | ({"batches": used} if "loss" in result else {})))
         return
     if "loss" in result:
         console.print(f"loss {result['loss']:.6f} over {used} batches of B={B} T={T} ({used * B * T:,} tokens)")
@@ -99,8 +102,9 @@ def _report(result: dict, used: int, unscored: int, hs, checkpoint: str, B: int,
               help="Run directory, step directory, llm.c .bin, or Hugging Face directory.")
 @click.option("--data", default=None, help="Shards to evaluate on: a directory (its NAME_val_* shards) or a quoted "
               "glob, e.g. 'datasets/shakespeare/*val*.bin'.")
-@click.option("--batches", type=COUNT, default=0, show_default=True,
-              help="Batches to average, from the start (0 = all, once; training validates on --val-batches, 20).")
+@click.option("--batches", type=COUNT, default=_VAL_BATCHES, show_default=True,
+              help="Batches to average, from the start; 0 = all of them, once. The default is training's "
+                   "--val-batches default, so that eval and training's val loss agree at the same -b and -t.")
 @click.option("--hellaswag", default=None, type=click.Path(),
               help="HellaSwag eval file (`llmc tokenize hellaswag`, with the checkpoint's tokenizer): report acc "
                    "and acc_norm.")
@@ -113,7 +117,8 @@ def _report(result: dict, used: int, unscored: int, hs, checkpoint: str, B: int,
 @click.option("--backend-opt", "backend_opt", multiple=True, metavar="KEY=VALUE", help=BACKEND_OPT_HELP)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True,
-              help='Print {"loss": ..., "hellaswag_acc": ..., "hellaswag_acc_norm": ...} as JSON.')
+              help='Print {"loss": ..., "batches": ..., "hellaswag_acc": ..., "hellaswag_acc_norm": ...} as JSON '
+                   '("batches": how many the loss averaged).')
 def eval_cmd(checkpoint, data, batches, hellaswag, hellaswag_limit, batch_size, seq_len, backend, device, backend_opt,
              dtype, as_json) -> None:
     """Mean loss of a model over the first batches of some shards, in order, and/or its HellaSwag accuracy

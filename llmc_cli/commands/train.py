@@ -14,7 +14,7 @@ from llmc_cli.commands.console import BACKEND_OPT_HELP, DTYPES, console, fail, o
 from llmc_cli.commands.data_parallel import check_launch, join_ranks, launch_ranks
 from llmc_cli.commands.dry_run import dry_run
 from llmc_cli.commands.options import COUNT, POSITIVE, SEED, Real
-from llmc_cli.commands.progress import StepLines, data_waits_line, say, start_lines
+from llmc_cli.commands.progress import StepLines, end_lines, say, start_lines, wrapped, wrapped_items
 from llmc_cli.commands.resume import has_checkpoint, options_from_run, resume_command
 from llmc_cli.commands.train_config import CONFIG_FILE, load_config, write_config
 from llmc_cli.commands.train_options import check_init_model, check_inputs, check_outputs, train_args
@@ -128,7 +128,7 @@ _ARGS, _OPT = TrainArgs(data=""), AdamWConfig()  # the defaults live in the libr
               help="Data parallel: reduce each layer's gradients as soon as the backward pass has made them final, "
               "beside the layers still to come (on the communicator's own stream where it has one, as the cuda "
               "backend's does, or as copies to the owners where the backend moves them so); such runs replay no "
-              "captured graphs. Off by default: on two NVLink-connected H200s and H100s it measured 0.2-1.5 %% slower "
+              "captured graphs. Off by default: on two NVLink-connected H200s and H100s it measured 0.2-1.5 % slower "
               "than one reduction after the backward pass (the collectives' kernels take SMs from the matmuls, and "
               "even copy engines' traffic slowed them); try it where the link is slow.")
 @click.option("--init-file", default=None, type=click.Path(),
@@ -175,7 +175,7 @@ def train(**o) -> None:
     backend, comm, rank_info = join_ranks(o)
     trainer = _trainer(args, backend, comm)
     if taken:
-        say(f"options from {args.out}: {' '.join(taken)}")
+        console.print(wrapped_items(f"options from {args.out}:", taken), markup=False)
     if args.out and rank_info.rank == 0:
         write_config(Path(args.out) / CONFIG_FILE, ctx)
     try:
@@ -250,8 +250,7 @@ def _train_run(trainer, args, backend, comm, rank_info, fault=None) -> None:
         fail(str(e), code=3)
     except (TrainError, DataError, ValueError, OSError, BackendUnavailable) as e:  # (a kernel that fails to build)
         fail(_failure_line(e, trainer, how))
-    console.print(data_waits_line(trainer.feed, args.prefetch))
-    console.print(trainer.memory_line("memory at the end"))  # (the kernels' scratch is sized by the first steps)
+    end_lines(trainer, args)
     if trainer.stopped:
         _stopped(trainer.stopped, args.out, how, bool(closed))
 
@@ -287,5 +286,5 @@ def _stopped(st: dict, out: str | None, how: str, closed: bool) -> None:
     if closed:
         sys.stderr.write(printable(said) + "\n")
     else:
-        console.print(said, markup=False)
+        console.print(wrapped(said), markup=False)
     sys.exit(130)

@@ -29,8 +29,7 @@ def replays(tr, dloss: float) -> list | None:
         try:
             cap = tr.backend.capture
             tr.graphs = [cap(lambda i=i: micro_step(tr, i, dloss)) for i in range(min(tr.grad_accum, 2))]
-            tr.say(f"graphs: each micro-step replays one captured graph from step {tr.steps_run + 1} "
-                   "(--no-graphs to compare)")
+            tr.say(f"graphs: micro-steps replay captured graphs from step {tr.steps_run + 1} (--no-graphs to compare)")
         except Exception as e:  # the step runs uncaptured: nothing a failed capture recorded has run
             tr.graphs = False
             tr.say(f"graphs: off ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")

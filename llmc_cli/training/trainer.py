@@ -162,7 +162,7 @@ class Trainer:
             raise TrainError("--overlap: --zero 2 already reduces each layer's gradients during the backward pass "
                              "(into the ranks' shards, on the compute stream); leave --overlap out")
         if a.overlap and ranks == 1:
-            self.say("--overlap: data parallel only, and this run has one rank: nothing to overlap (the same updates)")
+            self.say("--overlap: data parallel only, and this run has one rank: nothing to overlap")
         refusal = plan_refusal(self.backend, cfg, B, T, a.recompute, ranks, a.zero, a.overlap)
         if refusal:
             raise TrainError(refusal)

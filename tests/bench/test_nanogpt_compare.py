@@ -39,9 +39,10 @@ def test_it_runs_the_readme_quick_start():
 
 def test_it_reads_both_programs_lines():
     b = _script()
-    llmc_step = ("step    12/2000 | loss 3.041230 | norm 1.9382 | lr 4.80e-04 | 45.2 ms | 16990 tok/s | 9.22k tokens | "
-                 "0:00:01 elapsed, ETA 0:01:30")
-    assert b._LLMC_STEP.match(llmc_step).groups() == ("12", "3.041230")
+    for llmc_step in ("step    12/2000 | loss 3.041230 | 45.2 ms | 16990 tok/s | ETA 0:01:30",  # (80 columns)
+                      "step    12/2000 | loss 3.041230 | norm 1.9382 | lr 4.80e-04 | 45.2 ms | 16990 tok/s | 9.22k "
+                      "tokens | 0:00:01 elapsed | ETA 0:01:30"):
+        assert b._LLMC_STEP.match(llmc_step).groups() == ("12", "3.041230")
     assert b._LLMC_VAL.match("step 250: val loss 2.538189 (20 batches of B=12 T=64)").groups() == ("250", "2.538189")
     assert b._NANO_STEP.match("iter 10: loss 3.9410, time 1758.60ms, mfu 0.00%").groups() == ("10", "3.9410")
     assert b._NANO_VAL.match("step 250: train loss 2.4391, val loss 2.4520").groups() == ("250", "2.4520")

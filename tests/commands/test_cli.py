@@ -111,6 +111,16 @@ def test_train_from_llmc_bin_init(shards, tmp_path):
     r = run("train", "--backend", "cpu", "--init", tmp_path / "init.bin", "-b", 2, "-t", 32, "--steps", 2,
             "--data", shards / "*train*.bin", "--val-every", 0, "--sample-every", 0)
     assert "L=1 NH=2 C=32" in r.output
+    n = f"{num_parameters(cfg):,}"
+    assert f"init: {tmp_path / 'init.bin'} (GPT-2, {n} params)\n" in r.output, r.output
+
+
+def test_a_run_says_whether_it_saves_a_checkpoint(shards, tmp_path):
+    """Without --out nothing is saved, said once at the start; with --out that line is absent."""
+    common = [*TINY, "--data", shards / "*train*.bin", "--steps", 1]
+    said = "no --out: this run saves no checkpoint"
+    assert run(*common).output.count(said) == 1
+    assert said not in run(*common, "--out", tmp_path / "run").output
 
 
 @pytest.mark.parametrize("case", ["magic", "truncated", "vocab", "missing", "backend", "block", "model_bin",
@@ -157,6 +167,21 @@ def test_backends_and_help():
     assert found["cpu"]["usable"] is True
     for cmd in ("train", "sample", "eval", "backends"):
         assert "Example:" in run(cmd, "--help").output
+
+
+def test_help_shows_no_doubled_percent_sign():
+    """click does not %-format help text: a "%%" written there reaches the reader as it is."""
+    import click
+
+    from llmc_cli.commands import main
+
+    def commands(group, path):
+        for name, cmd in group.commands.items():
+            yield [*path, name]
+            if isinstance(cmd, click.Group):
+                yield from commands(cmd, [*path, name])
+    for path in [[], *commands(main, [])]:
+        assert "%%" not in run(*path, "--help").output, path
 
 
 def test_console_script_installed():
@@ -232,12 +257,20 @@ def test_cuda_without_a_driver_says_so_in_one_hint(monkeypatch):
     assert r.exit_code == 2 and "no NVIDIA GPU/driver found" in line and "pip install" not in line, r.output
 
 
-def test_step_lines_say_elapsed_eta_and_tokens_seen(tmp_path):
-    """Not a terminal: plain step lines, each with tokens seen, elapsed time and the ETA (MFU where the device's
-    peak is known: not for the cpu backend)."""
+def test_step_lines_say_elapsed_eta_and_tokens_seen(tmp_path, monkeypatch):
+    """Not a terminal, but wide (an 80-column one keeps the step, loss, ms, tok/s and ETA: test_progress.py): plain
+    step lines, each with tokens seen, elapsed time and the ETA (MFU where the device's peak is known: not for the
+    cpu backend)."""
+    import io
+
     from llmc_test_support import phrase_tokens
+    from rich.console import Console
+
+    import llmc_cli.commands.progress as progress
+    out = io.StringIO()
+    monkeypatch.setattr(progress, "console", Console(file=out, width=200))
     write_shard(tmp_path / "t_train_000001.bin", phrase_tokens(60))
-    r = run(*TINY, "--data", tmp_path, "--steps", 2)
-    steps = [l for l in r.output.splitlines() if l.startswith("step ")]
-    assert len(steps) == 2 and all(" tokens | " in l and " elapsed, ETA " in l for l in steps), r.output
-    assert "| 64 tokens |" in steps[0] and "| 128 tokens |" in steps[1] and "MFU" not in r.output, r.output
+    run(*TINY, "--data", tmp_path, "--steps", 2)
+    steps = [l for l in out.getvalue().splitlines() if l.startswith("step ")]
+    assert len(steps) == 2 and all(" tokens | " in l and " elapsed | ETA " in l for l in steps), out.getvalue()
+    assert "| 64 tokens |" in steps[0] and "| 128 tokens |" in steps[1] and "MFU" not in out.getvalue(), steps

@@ -204,7 +204,7 @@ def test_eval_json_with_a_non_finite_loss_is_strict_json(checkpoint, data, monke
     monkeypatch.setattr(evaluate, "evaluate_loss", lambda *a, **k: float("nan"))
     r = run("eval", "--checkpoint", checkpoint, "--backend", "cpu", "--data", data / "tiny_val_000000.bin",
             "-b", "2", "-t", "32", "--json")
-    assert _strict_json(r.stdout) == {"loss": None}
+    assert _strict_json(r.stdout) == {"loss": None, "batches": 20}
 
 
 def test_backends_json_is_strict():

@@ -11,7 +11,7 @@ import pytest
 
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import has_split, resolve_shards, split_of, write_shard
-from llmc_test_support import TINY, phrase_tokens, run
+from llmc_test_support import TINY, line_of, phrase_tokens, run
 
 
 def test_a_directory_gives_one_split(tmp_path):
@@ -35,7 +35,7 @@ def test_a_directory_gives_one_split(tmp_path):
 def test_train_on_a_directory_picks_train_and_validates_on_val(shards, tmp_path):
     log = tmp_path / "log.jsonl"
     r = run(*TINY, "--data", shards, "--steps", 2, "--val-every", 2, "--val-batches", 1, "--log", log)
-    line = next(l for l in r.output.splitlines() if l.startswith("data:"))
+    line = line_of(r.output, "data:")
     assert "train 1 shard(s), 4,800 tokens" in line and "tiny_train_000001.bin" in line, line
     assert "val 1 shard(s), 2,000 tokens" in line and "tiny_val_000000.bin" in line, line
     recs = [json.loads(l) for l in log.read_text().splitlines()]

@@ -18,6 +18,7 @@ from llmc_cli.evals.evaluate import HellaSwag, render_example
 from llmc_cli.inference.decode import KVDecoder
 from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters
 from llmc_cli.inference.sampling import choose_token, generate
+from llmc_cli.training.args import TrainArgs
 
 SMALL = GPT2Config(block_size=40, vocab_size=97, n_layer=2, n_head=4, n_embd=32)
 
@@ -104,7 +105,7 @@ def test_hellaswag_acc_norm_by_hand(cpu, tmp_path):
     write_shard(tmp_path / "v_val_000000.bin", np.arange(400) % cfg.vocab_size)
     out = json.loads(run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--hellaswag", path,
                          "--hellaswag-limit", 2, "--data", tmp_path / "v_val_*.bin", "-t", 16, "--json").stdout)
-    assert set(out) == {"loss", "hellaswag_acc", "hellaswag_acc_norm", "hellaswag_examples"}
+    assert set(out) == {"loss", "batches", "hellaswag_acc", "hellaswag_acc_norm", "hellaswag_examples"}
     assert out["hellaswag_examples"] == 2 and out["loss"] > 0
     text = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--hellaswag", path).output
     assert "acc_norm" in text
@@ -281,9 +282,10 @@ def test_new_commands_show_an_example():
 
 
 # ---- acceptance gaps (issue 9): eval over every batch, stop at end-of-text, streaming ------------------------
-def test_eval_averages_every_batch_of_every_shard_by_default(tmp_path):
-    """No --batches: the mean over all batches of all shards, checked against the PyTorch reference on the
-    windows by hand; --batches 1 is the first batch alone."""
+def test_eval_averages_training_s_validation_batches_by_default_and_all_with_0(tmp_path):
+    """No --batches: the mean over the first --val-batches (20) batches, as training validates; --batches 0: over
+    all batches of all shards, checked against the PyTorch reference on the windows by hand; --batches 1 is the
+    first batch alone. --json says how many batches the loss averaged."""
     cfg = SMALL
     flat = params_for(cfg, 5, sharpen=2.0)
     write_model(tmp_path / "m.bin", cfg, flat)
@@ -302,10 +304,13 @@ def test_eval_averages_every_batch_of_every_shard_by_default(tmp_path):
     assert len(per_batch) == 15 + 9  # more than any small default would take
     common = ["eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--data", tmp_path / "v_val_*.bin",
               "-b", B, "-t", T, "--json"]
-    out = json.loads(run(*common).stdout)
-    assert out["loss"] == pytest.approx(np.mean(per_batch), rel=1e-5)
+    every = json.loads(run(*common, "--batches", 0).stdout)
+    assert every["loss"] == pytest.approx(np.mean(per_batch), rel=1e-5) and every["batches"] == 24
+    default = json.loads(run(*common).stdout)
+    assert TrainArgs(data="").val_batches == 20
+    assert default["loss"] == pytest.approx(np.mean(per_batch[:20]), rel=1e-5) and default["batches"] == 20
     first = json.loads(run(*common, "--batches", 1).stdout)
-    assert first["loss"] == pytest.approx(per_batch[0], rel=1e-5)
+    assert first["loss"] == pytest.approx(per_batch[0], rel=1e-5) and first["batches"] == 1
 
 
 def eot_model(cfg: GPT2Config, eot: int) -> np.ndarray:
@@ -382,6 +387,41 @@ def test_eval_and_validation_say_how_many_batches_they_averaged(tmp_path, shards
     assert "over 3 batches of B=2 T=16 (96 tokens)" in r.output, r.output
     r = run(*TINY, "--data", shards, "--steps", 1, "--val-every", 1, "--val-batches", 2)
     assert "val loss" in r.output and "(2 batches of B=2 T=32)" in r.output, r.output
+
+
+def test_eval_by_default_agrees_with_training_s_validation(tmp_path, shards):
+    """Training's last val loss and `eval` of its checkpoint at the same -b and -t, both at their defaults: the
+    same first batches of the same shards, so the same number."""
+    import re
+
+    from llmc_test_support import TINY
+    r = run(*TINY, "--data", shards, "--steps", 2, "--val-every", 2, "--out", tmp_path / "run")
+    val = re.search(r"step 2: val loss ([\d.]+) \((\d+) batches", r.output)
+    assert val and int(val[2]) == TrainArgs(data="").val_batches, r.output
+    r = run("eval", "--backend", "cpu", "--checkpoint", tmp_path / "run", "--data", shards, "-b", 2, "-t", 32)
+    assert r.stdout.startswith(f"loss {val[1]} over {val[2]} batches"), (r.stdout, val[0])
+
+
+def test_eval_shows_progress_on_a_terminal_within_80_columns(tmp_path, shards, monkeypatch):
+    """A terminal's standard error gets a live bar no wider than 80 columns, a pipe's nothing."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    import llmc_cli.commands.eval as eval_cmd
+    from llmc_cli.models.gpt2 import preset
+    write_model(tmp_path / "m.bin", preset("d2", n_embd=64), init_parameters(preset("d2", n_embd=64), 0))
+    args = ["eval", "--backend", "cpu", "--checkpoint", tmp_path / "m.bin", "--data", shards, "-b", 2, "-t", 16]
+    assert run(*args).stderr == ""  # (CliRunner's stderr is no terminal)
+    screen = io.StringIO()
+    monkeypatch.setattr(eval_cmd, "err_console", Console(file=screen, width=80, force_terminal=True))
+    r = run(*args)
+    assert r.stdout.startswith("loss ") and "over 20 batches" in r.stdout
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    rows = [row for row in re.split(r"[\r\n]", shown) if row.strip()]
+    assert any("loss" in row and "20/20" in row for row in rows), rows
+    assert all(len(row) <= 80 and "…" not in row for row in rows), rows
 
 
 def _choose_by_numpy(logits, rng, temperature, top_k, top_p):

@@ -4,7 +4,7 @@ uninterrupted run, and options given explicitly must still agree with the run.""
 
 from __future__ import annotations
 
-from llmc_test_support import TINY, losses, run
+from llmc_test_support import TINY, line_of, losses, run
 
 
 def test_resume_needs_only_the_run_directory(shards, tmp_path):
@@ -13,7 +13,7 @@ def test_resume_needs_only_the_run_directory(shards, tmp_path):
     rd = tmp_path / "run"
     run(*args, "--steps", 2, "--out", rd, "--checkpoint-every", 1)
     r = run("train", "--out", rd, "--resume", "--steps", 4)
-    taken = next(l for l in r.output.splitlines() if l.startswith("options from"))
+    taken = line_of(r.output, "options from")
     for flag in ("--model d2", "--n-embd 64", "--lr 0.001", "--warmup 2", "--seed 7", "--data"):
         assert flag in taken, taken
     assert "resumed from" in r.output

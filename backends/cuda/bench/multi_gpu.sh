@@ -46,7 +46,8 @@ run() {  # run NAME ARGS...: one llmc train, its median line appended to medians
     nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 200 \
       > "$LOGS/$name.smi.csv" 2>/dev/null & smi=$!
   fi
-  (cd /tmp/runs && env $ENVS $ph timeout 240 ${CMD:-$LLMC} train "$@" --steps "$STEPS" --val-every 0 --sample-every 0 \
+  # (COLUMNS=200: the step lines keep their grad norm, which losses() compares, in the log file)
+  (cd /tmp/runs && env COLUMNS=200 $ENVS $ph timeout 240 ${CMD:-$LLMC} train "$@" --steps "$STEPS" --val-every 0 --sample-every 0 \
     --data '/tmp/llmc_data/synth_train_*.bin' > "$LOGS/$name.log" 2>&1) || { rc=1; tail -n 3 "$LOGS/$name.log"; }
   if [ -n "$smi" ]; then  # the busy samples (over 300 W) of each GPU: median SM clock, power, temperature
     kill "$smi"; wait "$smi" 2>/dev/null
