@@ -388,16 +388,25 @@ def hellaswag(split, local, out_dir, tokenizer_name, tokenizer_path, checkpoint)
     click.echo(printable(f"hellaswag: {len(examples):,} examples ({ntok:,} {tok.name} tokens) -> {path}"))
 
 
-@tokenize.command("tokenizer-bin", epilog="\b\nExample:\n  llmc tokenize tokenizer-bin gpt2_tokenizer.bin")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path), default="gpt2_tokenizer.bin")
+@tokenize.command("tokenizer-bin", epilog="\b\nExample:\n  llmc tokenize tokenizer-bin --out-dir datasets"
+                  "\n  llmc tokenize tokenizer-bin gpt2_tokenizer.bin")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write <tokenizer>_tokenizer.bin into this directory (as the other tokenize commands' --out-dir).")
 @click.option("--tokenizer", "tokenizer_name", type=click.Choice(sorted(TOKENIZERS)), default="gpt2",
               show_default=True)
 @click.option("--tokenizer-path", type=ExistingPath(dir_okay=False, exists=True), default=None)
 @_friendly
-def tokenizer_bin(out, tokenizer_name, tokenizer_path):
-    """Write llm.c's tokenizer .bin (magic 20240328, version 2) that llm.c's C code decodes with."""
+def tokenizer_bin(out, out_dir, tokenizer_name, tokenizer_path):
+    """Write llm.c's tokenizer .bin (magic 20240328, version 2) that llm.c's C code decodes with: to OUT, or to
+    --out-dir's <tokenizer>_tokenizer.bin (default: ./gpt2_tokenizer.bin, llm.c's name)."""
+    if out is not None and out_dir is not None:
+        raise DataError(f"OUT {out} and --out-dir {out_dir}: give one of them")
+    out = out if out is not None else (out_dir or Path(".")) / f"{tokenizer_name}_tokenizer.bin"
     if os.path.isdir(out):  # ('' arrives as Path('.'), a directory too)
         raise DataError(f"OUT {out}: expected a file name for the tokenizer .bin, not a directory or an empty path")
     tok = load_tokenizer(tokenizer_name, tokenizer_path)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer_bin(tok, out)
     click.echo(printable(f"{tok.name}: {tok.vocab_size:,} tokens, eot {tok.eot} -> {out}"))

@@ -498,6 +498,13 @@ def test_tokenizer_bin_command(tmp_path):
     assert list(np.frombuffer(out.read_bytes()[:16], "<i4")) == [20240328, 2, 50257, 50256]
 
 
+def test_tokenizer_bin_takes_out_dir_as_its_siblings_do(tmp_path):
+    r = run(["tokenizer-bin", "--out-dir", tmp_path / "d"])
+    assert r.exit_code == 0 and (tmp_path / "d" / "gpt2_tokenizer.bin").is_file(), r.output
+    r = run(["tokenizer-bin", tmp_path / "x.bin", "--out-dir", tmp_path / "d"], ok=False)
+    assert r.exit_code == 2 and "give one of them" in r.output and not (tmp_path / "x.bin").exists(), r.output
+
+
 def test_console_script_has_the_group():
     r = subprocess.run([sys.executable, "-m", "llmc_cli", "tokenize", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "shakespeare" in r.stdout
