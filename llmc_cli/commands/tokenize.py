@@ -26,7 +26,7 @@ from rich.progress import (
 )
 
 from llmc_cli.commands import interrupts
-from llmc_cli.commands.console import STDERR, fail, printable
+from llmc_cli.commands.console import STDERR, console_size, fail, printable
 from llmc_cli.commands.options import ExistingPath, Int, Real
 from llmc_cli.data.tokenizer import TOKENIZERS, load_tokenizer, write_tokenizer_bin
 from llmc_cli.formats.evalfile import eval_format, write_evalfile
@@ -52,7 +52,7 @@ from llmc_cli.tokenizing.workers import WorkerDied
 
 
 def _console() -> Console:
-    return Console(file=STDERR)
+    return Console(file=STDERR, **console_size())
 
 
 class _Display(Progress):
@@ -74,13 +74,13 @@ class _Display(Progress):
 
 
 def _progress(console: Console | None, bytes_only: bool = False) -> _Display:
-    cols = [TextColumn("[bold]{task.description}"), BarColumn(bar_width=20), DownloadColumn(),
-            TransferSpeedColumn()]
-    if not bytes_only:
-        cols.append(TextColumn("{task.fields[tokens]:,} tok {task.fields[tok_s]:,.0f} tok/s "
-                               "shard {task.fields[shard]}"))
+    """Within 80 columns (the closing line gives the rates); off a terminal, no bar: that line says it all."""
+    console = console or _console()
+    cols = [TextColumn("[bold]{task.description}"), BarColumn(bar_width=10), DownloadColumn()]
+    cols.append(TransferSpeedColumn() if bytes_only else
+                TextColumn("{task.fields[tokens]:,} tok, shard {task.fields[shard]}"))
     cols.append(TimeElapsedColumn())
-    return _Display(*cols, console=console or _console(), transient=False)
+    return _Display(*cols, console=console, transient=False, disable=not console.is_terminal)
 
 
 def _progress_factory(console: Console | None = None):

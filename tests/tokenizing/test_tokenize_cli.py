@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -577,3 +579,19 @@ def test_val_tokens_help_states_one_default():
         ends = [i for i in (part.find(" --val-fraction FLOAT"), part.find("--help"), len(part)) if i > 0]
         part = part[:min(ends)]
         assert want in part and unwanted not in part and part.count("[default") <= 1, part
+
+
+def test_the_progress_fits_80_columns_and_is_off_a_terminal(tmp_path):
+    """On an 80-column terminal each frame of the bar fits; into a pipe there is no bar (the closing line says it)."""
+    from rich.console import Console
+
+    from llmc_cli.commands.tokenize import _progress
+    for terminal in (True, False):
+        console = Console(file=io.StringIO(), width=80, force_terminal=terminal)
+        with _progress(console) as p:
+            task = p.add_task("tokenize shakespeare", total=5_057_240, tokens=0, tok_s=0.0, shard=0)
+            p.update(task, completed=5_057_240, tokens=5_057_240, shard=2)
+        text = console.file.getvalue()
+        lines = [ln for ln in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "\n").split("\n") if ln]
+        assert (lines != []) == terminal, text
+        assert all(len(ln) <= 80 and "…" not in ln for ln in lines), lines  # (no column cut short)
