@@ -17,9 +17,8 @@ import re
 import click
 
 from llmc_cli.models.base import INT32_MAX
+from llmc_cli.naming import FLAGS, flag_name  # noqa: F401 (the flags' table, named here for the commands)
 from llmc_cli.training.args import micro_batch_error
-
-FLAGS = {"batch_size": "-b", "seq_len": "-t"}  # a field whose flag is not --FIELD-NAME
 
 
 class ExistingPath(click.Path):
@@ -143,12 +142,6 @@ class EscapedText(click.ParamType):
 POSITIVE = Int(1, cap=INT32_MAX)  # counts and sizes that cannot be zero: batch size, sequence length, dimensions
 COUNT = Int(0, cap=INT32_MAX)     # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
-
-
-def flag_name(field: str, value=None) -> str:
-    """A field as the command line names it: its flag (`-b`, `--total-batch-size`), with its value (`-b 4`)."""
-    flag = FLAGS.get(field, "--" + field.replace("_", "-"))
-    return flag if value is None else f"{flag} {value}"
 
 
 def check_tokens(B: int, T: int) -> str | None:

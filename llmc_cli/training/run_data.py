@@ -15,6 +15,7 @@ from llmc_cli.formats.evalfile import read_evalfile_header
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import SHARD_VOCAB, check_tokenize_complete, has_split
 from llmc_cli.formats.sources import tokenizer_for
+from llmc_cli.naming import arg
 
 
 
@@ -73,7 +74,7 @@ def run_tokenizer(a, train: DataLoader, resume_state: dict | None) -> tuple[str,
     try:
         llama3_ranks(file)
     except DataError as e:
-        raise DataError(f"--init: {e}") from None
+        raise DataError(f"{arg('init')}: {e}") from None
     return train.tokenizer, file
 
 
@@ -87,10 +88,10 @@ def check_eval_files(a, val: ValLoader | None, tokenizer: str | None) -> None:
             if a.val_every > 0:  # (a bad id in a later val shard: one line now, not at a validation mid-run)
                 val.check_vocab_of_batches(a.val_batches)
     except DataError as e:
-        raise DataError(f"{'--val-data' if a.val_data else '--data'}: {e}") from None
+        raise DataError(f"{arg('val_data' if a.val_data else 'data')}: {e}") from None
     if a.hellaswag:
         try:
             check_tokenizer(a.hellaswag, read_evalfile_header(a.hellaswag).tokenizer, tokenizer, "the run",
                             HELLASWAG_REMEDY.format(tokenizer))
         except DataError as e:
-            raise DataError(f"--hellaswag: {e}") from None
+            raise DataError(f"{arg('hellaswag')}: {e}") from None
