@@ -1,11 +1,10 @@
 """How an error names a setting: the command line's flag (`--out`, `-t`, `--zero 2`) while an `llmc` command runs,
 the Python argument (`out`, `seq_len`, `zero=2`) otherwise. The layers below the commands raise with `arg(field)`,
 so `llmc.Trainer(TrainArgs(...))` is told "resume=True" where `llmc train` is told "--resume"; the command line
-switches to its spelling once, at its entry (`flags_named`). Nothing here imports the rest of llmc."""
+switches to its spelling once, at its entry (`flags`). Nothing here imports the rest of llmc."""
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 
 FLAGS = {"batch_size": "-b", "seq_len": "-t"}  # a field whose flag is not --FIELD-NAME
@@ -15,9 +14,12 @@ _cli = False  # process-wide, not a contextvar: a thread the command starts (a p
 
 def flag_name(field: str, value=None, *, short: bool = True) -> str:
     """A field as the command line names it: its flag (`-b`, or `--batch-size` when not `short`;
-    `--total-batch-size`), with its value (`-b 4`); an on/off flag given True is the flag alone (`--resume`)."""
+    `--total-batch-size`), with its value (`-b 4`); an on/off flag is the flag alone, given True (`--resume`) or
+    False (`--no-graphs`)."""
     long = "--" + field.replace("_", "-")
     flag = FLAGS.get(field, long) if short else long
+    if value is False:
+        return "--no-" + long[2:]
     return flag if value is None or value is True else f"{flag} {value}"
 
 
@@ -31,6 +33,12 @@ def arg(field: str, value=None, *, short: bool = True) -> str:
     return flag_name(field, value, short=short) if _cli else python_name(field, value)
 
 
+def arg_both(field: str) -> str:
+    """A field with a short flag as the command line names it both ways (`-b/--batch-size`); Python: its name."""
+    short, long = arg(field), arg(field, short=False)
+    return short if short == long else f"{short}/{long}"
+
+
 @contextmanager
 def flags():
     """Errors raised inside name command-line flags (restored on the way out, for commands run in process)."""
@@ -41,11 +49,3 @@ def flags():
     finally:
         _cli = was
 
-
-def flags_named(command):
-    """A command's function whose errors name flags (the `llmc` group does the same for every command)."""
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        with flags():
-            return command(*args, **kwargs)
-    return run

@@ -25,7 +25,7 @@ def _option_named(flag: str):
     try:
         yield
     except DataError as e:
-        if str(e).startswith("--"):
+        if str(e).startswith(("--", flag)):
             raise
         raise DataError(f"{flag}: {e}") from None
 
@@ -34,12 +34,12 @@ def open_loaders(a, vocab_size: int, comm) -> tuple[DataLoader, ValLoader | None
     """The loaders of --data and --val-data (a directory given as --data: its val shards unless --val-data says
     else). Token ids are checked against the model's vocabulary as each shard is first opened; a missing or
     damaged shard is named with the option that led to it."""
-    with _option_named("--data"):
+    with _option_named(arg("data")):
         train = DataLoader(a.data, a.batch_size, a.seq_len, rank=comm.rank, world_size=comm.world_size,
                            shuffle=a.shuffle, seed=a.seed, vocab_size=vocab_size)
         check_tokenize_complete(train.files)
     val_data = a.val_data or (a.data if isinstance(a.data, str) and has_split(a.data, "val") else None)
-    with _option_named("--val-data" if a.val_data else "--data"):
+    with _option_named(arg("val_data" if a.val_data else "data")):
         val = ValLoader(val_data, a.batch_size, a.seq_len, vocab_size=vocab_size) if val_data else None
         if val is not None:
             check_tokenize_complete(val.files)
@@ -48,7 +48,7 @@ def open_loaders(a, vocab_size: int, comm) -> tuple[DataLoader, ValLoader | None
 
 def check_shard_vocab(vocab_size: int, train: DataLoader, val: ValLoader | None) -> None:
     """Shards of a tokenizer whose ids the model's vocabulary cannot hold."""
-    for opt, loader in (("--data", train), ("--val-data", val)):
+    for opt, loader in ((arg("data"), train), (arg("val_data"), val)):
         need = SHARD_VOCAB.get(loader.tokenizer) if loader is not None else None
         if need and vocab_size < need:
             raise DataError(f"{opt}: the shards were tokenized with the {loader.tokenizer} vocabulary "
