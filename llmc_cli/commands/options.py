@@ -1,5 +1,5 @@
-"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed. Also
-the flag that gives each field of a workflow's arguments (flag_name), for the errors the workflows raise by field.
+"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed. The
+flag of each field of a workflow's arguments (flag_name) lives in llmc_cli/naming.py, below every layer.
 
 click's own FloatRange lets NaN through (every comparison with NaN is false) and infinity through any open
 side, so a float option here is `Real`: finite, then in its range. Integers are `Int`. Every numeric option of
@@ -17,7 +17,7 @@ import re
 import click
 
 from llmc_cli.models.base import INT32_MAX
-from llmc_cli.naming import FLAGS, flag_name  # noqa: F401 (the flags' table, named here for the commands)
+from llmc_cli.naming import flag_name
 from llmc_cli.training.args import micro_batch_error
 
 
