@@ -523,8 +523,7 @@ def check_host_memory(cases: Sequence[KernelCase], cfg, B: int, T: int, availabl
         return
     need, case = max((host_bytes_needed(c, cfg, B, T), c.name) for c in cases)
     if need > available:
-        raise BenchError(f"-b {B} -t {T}: the kernel case {case} needs at least {need / 2**30:.1f} GiB of host memory "
-                         f"(inputs, copies and outputs{', scores' if case.startswith('attention') else ''}), "
+        raise BenchError(f"-b {B} -t {T}: the kernel case {case} needs at least {need / 2**30:.1f} GiB of host memory, "
                          f"{available / 2**30:.1f} GiB is available; lower -b/--batch-size or -t/--seq-len, or leave "
                          "it out with --only")
 

@@ -112,5 +112,5 @@ def _check_init_file(init_file: str | None, rank: int) -> None:
     path = init_file or os.environ.get("LLMC_INIT_FILE")
     if rank == 0 and path and (os.path.lexists(path)):
         where = "--init-file" if init_file else "LLMC_INIT_FILE"
-        fail(f"{where} {path}: exists; rank 0 writes a fresh id there and deletes it once the ranks are in, so give a "
-             "path that does not exist yet (a stale one from an earlier run can be deleted); nothing was changed")
+        fail(f"{where} {path}: exists; rank 0 writes a fresh id there, so give a path that does not exist yet (or "
+             "delete a stale one); nothing was changed")

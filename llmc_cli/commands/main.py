@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import click
 
-from llmc_cli import __version__
+from llmc_cli import __version__, naming
 from llmc_cli.commands.console import fail, one_line
 from llmc_cli.commands.options import usage_error_line
 
@@ -238,7 +238,8 @@ class _Main(click.Group):
         interrupts.install()
         was = notes.listen(_note)
         try:
-            return self._invoke(ctx)
+            with naming.flags():  # the layers below name flags, not Python arguments, in what they raise
+                return self._invoke(ctx)
         finally:
             interrupts.uninstall()  # (in-process use only: the `llmc` command keeps them until it exits)
             notes.listen(was)

@@ -1,5 +1,5 @@
-"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed. Also
-the flag that gives each field of a workflow's arguments (flag_name), for the errors the workflows raise by field.
+"""Click parameter types shared by every `llmc` command: numbers are checked when the command line is parsed. The
+flag of each field of a workflow's arguments (flag_name) lives in llmc_cli/naming.py, below every layer.
 
 click's own FloatRange lets NaN through (every comparison with NaN is false) and infinity through any open
 side, so a float option here is `Real`: finite, then in its range. Integers are `Int`. Every numeric option of
@@ -17,9 +17,8 @@ import re
 import click
 
 from llmc_cli.models.base import INT32_MAX
+from llmc_cli.naming import flag_name
 from llmc_cli.training.args import micro_batch_error
-
-FLAGS = {"batch_size": "-b", "seq_len": "-t"}  # a field whose flag is not --FIELD-NAME
 
 
 class ExistingPath(click.Path):
@@ -143,12 +142,6 @@ class EscapedText(click.ParamType):
 POSITIVE = Int(1, cap=INT32_MAX)  # counts and sizes that cannot be zero: batch size, sequence length, dimensions
 COUNT = Int(0, cap=INT32_MAX)     # counts where 0 means "off" or "all"
 SEED = Int(0, 2**32 - 1)  # non-negative, and 32 bits: what the device kernels take for stochastic rounding
-
-
-def flag_name(field: str, value=None) -> str:
-    """A field as the command line names it: its flag (`-b`, `--total-batch-size`), with its value (`-b 4`)."""
-    flag = FLAGS.get(field, "--" + field.replace("_", "-"))
-    return flag if value is None else f"{flag} {value}"
 
 
 def check_tokens(B: int, T: int) -> str | None:

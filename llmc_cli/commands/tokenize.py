@@ -34,6 +34,7 @@ from llmc_cli.formats.files import CheckpointError, DataError
 from llmc_cli.formats.rundir import check_outside_checkpoints
 from llmc_cli.formats.shards import MAX_TOKENS
 from llmc_cli.formats.sources import tokenizer_for
+from llmc_cli.naming import flags
 from llmc_cli.tokenizing.downloads import URLS, download, hf_check, hf_stream
 from llmc_cli.tokenizing.pipeline import Summary, run_pipeline
 from llmc_cli.tokenizing.readers import _field, expand_inputs, files_in, iter_hellaswag, regular_file
@@ -130,7 +131,8 @@ def _friendly(fn):
             for key, option in (("out_dir", "--out-dir"), ("out", "OUT")):  # (before a download lands there)
                 if kw.get(key) is not None:
                     check_outside_checkpoints(kw[key], option, DataError)
-            return fn(*a, **kw)
+            with flags():  # (the llmc group's setting too, for this command called on its own)
+                return fn(*a, **kw)
         except DataError as e:
             fail(str(e))
         except OSError as e:  # disk full, read-only, no permission (finished shards stay; the command resumes)

@@ -35,6 +35,7 @@ from llmc_cli.data.home import install_hint, packages_dir
 from llmc_cli.formats.files import (DataError, atomic_write_bytes, check_replaceable, read_at_most,
                                     special_file)
 from llmc_cli.formats.hf_tokenizer import bytes_to_unicode
+from llmc_cli.naming import arg
 
 __all__ = [
     "Tokenizer", "ByteTokenizer", "TokenTable", "TokenizerError", "TOKENIZERS", "load_tokenizer", "gpt2_ranks_path",
@@ -324,7 +325,7 @@ def _load_ranks(path: str | os.PathLike, what: str, sha256: str | None = None) -
         return _ranks_from_tokenizer_json(p, raw, what)
     if sha256 is not None and (found := hashlib.sha256(raw).hexdigest()) != sha256:
         raise TokenizerError(f"{p}: not the {what} ranks file (sha256 {found}, expected {sha256}); reinstall it "
-                             "(pip install --no-deps --force-reinstall openai-whisper)")
+                             "(`pip install --no-deps --force-reinstall openai-whisper`)")
     ranks: dict[bytes, int] = {}
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
@@ -484,7 +485,7 @@ def _build_llama3(path: str | None) -> Tokenizer:
     if not path:
         raise TokenizerError(
             "the llama3 tokenizer needs its tiktoken-format ranks file (Meta's tokenizer.model): "
-            "pass --tokenizer-path PATH")
+            f"pass {arg('tokenizer_path')} PATH")
     ranks = _load_ranks(path, "Llama 3")
     n = len(ranks)
     specials = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIALS)}
@@ -496,7 +497,7 @@ def _build_llama3(path: str | None) -> Tokenizer:
 
 def _build_bytes(path: str | None) -> ByteTokenizer:
     if path:
-        raise TokenizerError(f"the bytes tokenizer has no ranks file; leave out --tokenizer-path ({path})")
+        raise TokenizerError(f"the bytes tokenizer has no ranks file; leave out {arg('tokenizer_path')} ({path})")
     return ByteTokenizer()
 
 

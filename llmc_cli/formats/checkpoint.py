@@ -58,6 +58,7 @@ from llmc_cli.models.families import FAMILIES, GPT2, LLAMA3, family_of
 from llmc_cli.models.family import Family
 from llmc_cli.models.gpt2 import GPT2Config
 from llmc_cli.models.llama3 import Llama3Config
+from llmc_cli.naming import arg
 
 # ---- any model file: GPT-2 as llm.c's .bin, Llama as model.safetensors ---------------------------------------
 ModelConfig = GPT2Config | Llama3Config
@@ -298,9 +299,9 @@ def resolve_checkpoint(path: str | Path, note_as: str | None = "using") -> Path:
         return newest
     steps = [p.name for p in step_dirs(path)] if path.is_dir() else []
     if steps:  # (a run killed while writing its first checkpoint, or step folders made by hand)
-        raise CheckpointError(f"{path}: a run directory with no complete checkpoint: no step folder here "
-                              f"({', '.join(steps[:3])}{', ...' if len(steps) > 3 else ''}) holds model.bin or "
-                              f"model.safetensors with optimizer.npz and state.json, and there is no 'latest'")
+        raise CheckpointError(f"{path}: a run directory with no complete checkpoint: no step folder "
+                              f"({', '.join(steps[:3])}{', ...' if len(steps) > 3 else ''}) holds a model with "
+                              f"optimizer.npz and state.json, and there is no 'latest'")
     raise CheckpointError(f"{path}: not a model file, a run directory with 'latest', or a step directory "
                           f"(model.bin or model.safetensors)")
 
@@ -319,7 +320,8 @@ def read_resolved(path: str | Path, read: Callable[[Path], T], note_as: str | No
                 raise
             if retried:
                 raise CheckpointError(f"{path}: {model.parent.name} was removed while it was read, as was the step "
-                                      "read before it (a live run pruning its steps with --keep); try again") from None
+                                      f"read before it (a live run pruning its steps with {arg('keep')}); try again") \
+                    from None
             retried = True
 
 

@@ -11,6 +11,7 @@ from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DirectoryLock, non_folder_above, sibling_stem, write_dir_beside
 from llmc_cli.formats.sources import export_run, load_model_any, tokenizer_for
 from llmc_cli.models.families import FAMILIES, family_of
+from llmc_cli.naming import arg
 
 _HF_FILES = re.compile(r"config\.json|generation_config\.json|model\.safetensors|model\.safetensors\.index\.json|"
                        r"model-\d{5}-of-\d{5}\.safetensors|tokenizer\.model|vocab\.json|merges\.txt|"
@@ -52,17 +53,17 @@ def check_destination(src: str | Path, dst: str | Path, force: bool) -> None:
         raise ckpt.CheckpointError(f"{dst}: {above} is not a directory; nothing was changed")
     check_outside_checkpoints(dst, "DST", ckpt.CheckpointError)
     if is_run_dir(dst) or (dst.parent.is_dir() and is_run_dir(dst.parent) and dst.name in ("latest", ".lock")):
-        raise ckpt.CheckpointError(f"{dst} belongs to a run directory, not an empty directory: llmc writes there "
-                                   "only when training (not even with --force: a run holds its checkpoints); remove "
-                                   "it or give another destination; nothing was changed")
+        raise ckpt.CheckpointError(f"{dst} belongs to a run directory, not an empty directory: only training writes "
+                                   f"there (even with {arg('force', True)}); give another destination; nothing was "
+                                   "changed")
     if not dst.exists() and not dst.is_symlink():
         return
     if not force:
-        raise ckpt.CheckpointError(f"{dst} exists; llmc convert writes only new destinations (add --force to replace "
-                                   f"an earlier conversion); nothing was changed")
+        raise ckpt.CheckpointError(f"{dst} exists; llmc convert writes only new destinations (add "
+                                   f"{arg('force', True)} to replace an earlier conversion); nothing was changed")
     if not _is_llmc_output(dst):
         raise ckpt.CheckpointError(f"{dst} exists and is not an llmc model file or Hugging Face model directory, so "
-                                   f"llmc will not replace it, even with --force; nothing was changed")
+                                   f"llmc will not replace it, even with {arg('force', True)}; nothing was changed")
 
 
 def convert(src: str | Path, dst: str | Path, bf16: bool = False, to: str = "auto", force: bool = False):
@@ -102,8 +103,9 @@ def check_destination_name(dst: str | Path, to: str) -> None:
     .bin), a directory (a run, a Hugging Face model) never under a model file's or another format's suffix."""
     suffix = Path(dst).suffix.lower()
     if to == "run" and suffix in MODEL_SUFFIXES:
-        raise ckpt.CheckpointError(f"{dst}: --to run writes a run directory, not a {suffix} model file; give a "
-                                   f"directory name, or leave out --to run for a model file; nothing was changed")
+        raise ckpt.CheckpointError(f"{dst}: {arg('to', 'run')} writes a run directory, not a {suffix} model file; "
+                                   f"give a directory name, or leave out {arg('to', 'run')} for a model file; nothing "
+                                   "was changed")
     if to != "run" and suffix in _FILE_SUFFIXES:
         raise ckpt.CheckpointError(f"{dst}: llmc writes a model to {' or '.join(MODEL_SUFFIXES)} or a Hugging Face "
                                    f"directory, not a {suffix} file; give one of those names; nothing was changed")
@@ -136,7 +138,8 @@ def _convert(src: str | Path, dst: str | Path, bf16: bool, to: str, force: bool)
     suffix = Path(fam.model_file.name).suffix
     if tok_name not in HF_TOKENIZERS and to != "run" and d.suffix.lower() not in MODEL_SUFFIXES:
         raise ckpt.CheckpointError(f"DST: a Hugging Face directory has no {tok_name} tokenizer that transformers "
-                                   f"reads; convert SRC to a {suffix} file or --to run instead; nothing was changed")
+                                   f"reads; convert SRC to a {suffix} file or {arg('to', 'run')} instead; nothing "
+                                   "was changed")
     try:
         if to == "run":
             export_run(d, cfg, params, bf16=bf16, tokenizer=tok_name, tokenizer_file=tok_file)

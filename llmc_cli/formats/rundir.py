@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from llmc_cli.formats.files import DirectoryLock, non_folder_above
+from llmc_cli.naming import arg
 
 _STEP_NAME = re.compile(r"step_([0-9]{8,20})")  # (int() of a name of 5,000 digits would raise)
 STEP_DIGITS = 8  # the least a step folder's number is written with: step_00000042 ... step_100000000
@@ -63,48 +64,48 @@ def check_outside_checkpoints(path: str | Path, option: str, error: type[Excepti
     """What a command writes (a plot, shards, a log) never goes into a checkpoint folder: `--keep` deletes the
     folder with whatever else is in it, and a resume would read a folder changed after it was written."""
     if (step := step_folder_of(path)) is not None:
-        raise error(f"{option} {path} is inside the checkpoint {step}, which llmc deletes whole under --keep; give a "
-                    "path outside the step folders")
+        raise error(f"{option} {path} is inside the checkpoint {step}, which llmc deletes whole under "
+                    f"{arg('keep')}; give a path outside the step folders")
 
 
 def check_out(out: str | Path, resume: bool) -> None:
     """A fresh run must not write into another run's directory; --resume needs one to continue."""
-    out = Path(out)
+    out, opt, again = Path(out), arg("out"), arg("resume", True)
     if out.is_symlink() and not out.exists():  # (mkdir would say only "File exists")
-        raise RunDirError(f"--out {out} is a symbolic link to nothing (or a loop of links); expected a run directory "
-                          "(new, or holding a run to --resume)")
+        raise RunDirError(f"{opt} {out} is a symbolic link to nothing (or a loop of links); expected a run directory "
+                          f"(new, or holding a run to {again})")
     if out.exists() and not out.is_dir():
-        raise RunDirError(f"--out {out} is a file; expected a run directory (new, or holding a run to --resume)")
+        raise RunDirError(f"{opt} {out} is a file; expected a run directory (new, or holding a run to {again})")
     if not os.path.lexists(out) and (above := non_folder_above(out.absolute())) is not None:  # (made at the start)
-        raise RunDirError(f"--out {out}: {above} is not a directory; give a run directory in a directory")
-    check_outside_checkpoints(out, "--out")
+        raise RunDirError(f"{opt} {out}: {above} is not a directory; give a run directory in a directory")
+    check_outside_checkpoints(out, opt)
     if out.is_dir():  # a file or a link to nothing under a step's name: its checkpoint could not be written there
         for p in sorted(out.iterdir()):
             if step_of(p.name) is not None and not p.is_dir():
-                raise RunDirError(f"--out {out}: {p.name} is not a checkpoint folder; llmc will not replace it, so "
-                                  "move it or give another --out")
+                raise RunDirError(f"{opt} {out}: {p.name} is not a checkpoint folder; llmc will not replace it, so "
+                                  f"move it or give another {opt}")
     latest = out / "latest"
     if os.path.lexists(latest) and not latest.is_file():  # a run writes it after every checkpoint: refused now,
         # not after the steps it took (and a directory, a FIFO or a link to nothing there is not llmc's pointer)
         from llmc_cli.formats.files import not_a_file
-        raise RunDirError(f"--out {out}: {latest} is {not_a_file(latest)}, not llmc's pointer to the newest checkpoint (a file "
-                          "naming a step_NNNNNNNN folder); move it, or give another --out; nothing was changed")
+        raise RunDirError(f"{opt} {out}: {latest} is {not_a_file(latest)}, not llmc's pointer to the newest checkpoint "
+                          f"(a file naming a step_NNNNNNNN folder); move it, or give another {opt}; nothing was "
+                          "changed")
     if resume and not is_run_dir(out):
-        raise RunDirError(f"--resume: --out {out} holds no run to continue (no 'latest' and no step_NNNNNNNN "
-                          "checkpoint folder); leave out --resume to start a new run there")
+        raise RunDirError(f"{again}: {opt} {out} holds no run to continue (no 'latest' and no step_NNNNNNNN "
+                          f"checkpoint folder); leave out {again} to start a new run there")
     if not resume and is_run_dir(out):
         held = step_dirs(out)
         if not held:  # ('latest' alone: a pointer to no checkpoint, perhaps not llmc's at all)
-            raise RunDirError(f"--out {out} holds a file named 'latest' (where llmc points at a run's newest "
-                              "checkpoint) but no step_NNNNNNNN checkpoint folder; move it, or give another --out; "
-                              "nothing was changed")
-        raise RunDirError(f"--out {out} already holds a run (checkpoints up to {held[-1].name}); "
-                          "add --resume to continue it, or give another --out; nothing was changed")
+            raise RunDirError(f"{opt} {out} holds a file named 'latest' but no step_NNNNNNNN checkpoint folder; "
+                              f"move it, or give another {opt}; nothing was changed")
+        raise RunDirError(f"{opt} {out} already holds a run (checkpoints up to {held[-1].name}); "
+                          f"add {again} to continue it, or give another {opt}; nothing was changed")
 
 
 class RunLock(DirectoryLock):
     """Exclusive ownership of a run directory for this process's life (flock on RUN/.lock; see DirectoryLock)."""
 
     def __init__(self, run_dir: str | Path):
-        super().__init__(run_dir, LOCK_FILE, "--out", "the run directory", RunDirError, "give another --out")
+        super().__init__(run_dir, LOCK_FILE, arg("out"), "the run directory", RunDirError, f"give another {arg('out')}")
         self.run_dir = self.directory

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO
 
 from llmc_cli.formats.rundir import check_outside_checkpoints
+from llmc_cli.naming import arg
 
 
 class LogError(ValueError):
@@ -58,19 +59,19 @@ def is_llmc_log(path: str | Path) -> bool:
 
 def check_log(path: str | Path) -> None:
     """Refuses a --log path that is not new, not empty and not an llmc log, or that lies in a checkpoint."""
-    path = Path(path)
-    check_outside_checkpoints(path, "--log", LogError)
+    path, opt = Path(path), arg("log")
+    check_outside_checkpoints(path, opt, LogError)
     if not path.exists():
         return
     if not path.is_file():
-        raise LogError(f"--log {path}: not a regular file")
+        raise LogError(f"{opt} {path}: not a regular file")
     try:
         ok = is_llmc_log(path)
     except OSError as e:
-        raise LogError(f"--log {path}: cannot read it ({e.strerror or e})") from None
+        raise LogError(f"{opt} {path}: cannot read it ({e.strerror or e})") from None
     if not ok:
-        raise LogError(f"--log {path}: exists and is not an llmc log (one JSON object with a 'step' per line); "
-                       "llmc appends only to its own logs, so give a new path; nothing was changed")
+        raise LogError(f"{opt} {path}: exists and is not an llmc log (one JSON object with a 'step' per line); "
+                       "give a new path; nothing was changed")
 
 
 def log_lock(path: str | Path):
@@ -81,8 +82,8 @@ def log_lock(path: str | Path):
 
     from llmc_cli.formats.files import DirectoryLock, sibling_stem
     real = Path(os.path.realpath(path))
-    return DirectoryLock(real.parent, f".{sibling_stem(real.name)}.lock", "--log", "the log's directory", LogError,
-                         "give another --log", label=f"--log {path}")
+    return DirectoryLock(real.parent, f".{sibling_stem(real.name)}.lock", arg("log"), "the log's directory", LogError,
+                         f"give another {arg('log')}", label=arg("log", path))
 
 
 def is_runs_own_log(path: str | Path, out: str | Path | None, recorded: dict) -> bool:

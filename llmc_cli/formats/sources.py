@@ -19,6 +19,7 @@ from llmc_cli.formats.hf import (
     read_config_json,
 )
 from llmc_cli.models.families import family_of, family_of_hf
+from llmc_cli.naming import arg
 
 
 # ---- any model source -----------------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def export_run(out_dir: str | Path, cfg, params: np.ndarray, bf16: bool = False,
     from llmc_cli.formats.files import fsync_dir, write_dir_beside
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory (--to run writes a new run)")
+        raise ckpt.CheckpointError(f"{out}: exists and is not an empty directory ({arg('to', 'run')} writes a new run)")
     ranks = None if tokenizer_file is None else tokenizer_model_bytes(tokenizer_file)  # (before any write)
 
     def fill(tmp: Path) -> None:

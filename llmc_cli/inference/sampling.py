@@ -234,9 +234,8 @@ class _Cached:
     def feed(self, token: int) -> None:
         with _one_caller(self.model):
             if getattr(self.dec, "owner", None) is not self.me:
-                raise ValueError("generate: another generate() on this model began since this one did, and the "
-                                 "model's key/value cache holds its tokens now; run them one after the other, pass "
-                                 "kv_cache=False, or load the model twice")
+                raise ValueError("generate: another generate() on this model began since this one did (its cache "
+                                 "is shared); run them in turn, or pass kv_cache=False")
             self._compute(np.asarray([token], dtype=np.int32))
 
     def _compute(self, fed: np.ndarray) -> None:

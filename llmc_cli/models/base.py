@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from llmc_cli.kernels import CAP_FP8, CAP_GRAPHS, CAP_KV_CACHE, Backend
+from llmc_cli.naming import arg
 
 
 def check_config_fields(cfg) -> None:
@@ -75,8 +76,7 @@ def backend_capabilities(backend) -> frozenset[str]:
         method = getattr(backend, kernel, None)
         if cap in caps and (method is None or getattr(method, "__func__", None) is getattr(Backend, kernel)):
             raise ValueError(f"the {backend_name(backend)} backend announces the {cap!r} capability but has no "
-                             f"{kernel} (the Backend default, which raises NotImplementedError); implement it or "
-                             f"leave {cap!r} out of its capabilities")
+                             f"{kernel} of its own (the Backend default raises); implement it or leave {cap!r} out")
     return frozenset(caps)
 
 
@@ -158,7 +158,7 @@ RECOMPUTE = ("none", "gelu", "layernorm", "gelu+layernorm")
 
 def check_recompute(recompute: str) -> None:
     if recompute not in RECOMPUTE:
-        raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)} (got '{recompute}')")
+        raise ValueError(f"{arg('recompute')} must be one of {', '.join(RECOMPUTE)} (got '{recompute}')")
 
 
 # A training forward runs the lm-head product, the fused classifier and the lm-head backward chunk by chunk, so

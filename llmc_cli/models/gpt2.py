@@ -12,6 +12,7 @@ import numpy as np
 from llmc_cli.kernels import FLOAT32, INT32, Backend
 from llmc_cli.models.base import (STAGED, Model, check_backend, check_config_fields, check_plan, check_recompute,
                                    check_seq_len, init_normal, pick_classifier_chunks, split_flat)
+from llmc_cli.naming import arg
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class GPT2Config:
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.n_embd) <= 0:
             raise ValueError(f"model shape must be positive: {self}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"--n-embd {self.n_embd} is not a multiple of --n-head {self.n_head}")
+            raise ValueError(f"{arg('n_embd')} {self.n_embd} is not a multiple of {arg('n_head')} {self.n_head}")
 
 
 # llm.c's depth presets (d12 is GPT-2 124M, d48 is GPT-2 1.5B); d2 is a tiny one for tests and demos

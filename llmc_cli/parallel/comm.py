@@ -245,8 +245,7 @@ def create(backend, info: RankInfo | None = None, init_file: str | None = None, 
     if size != info.world_size:
         raise CommError(f"{info.source} says {info.world_size} ranks but MPI sees {size}: the {backend.name} "
                         "backend reduces through MPI, so start the ranks with `llmc train --procs N`, "
-                        "mpirun/mpiexec or srun (--init-file/--init-addr serve backends with their own "
-                        "communicator, such as cuda's)")
+                        "mpirun/mpiexec or srun")
     comm = MPICommunicator(backend, local_rank=info.local_rank)
     comm.how = "mpi"
     return comm

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from llmc_cli.formats.files import atomic_write_bytes, read_at_most, special_file
 from llmc_cli.kernels import CommError, RankInfo
+from llmc_cli.naming import arg
 
 ID_BYTES = 128  # the usual size of a communicator's unique id
 
@@ -46,8 +47,8 @@ class EngineRendezvous:
         self.mpi_comm = MPI.COMM_WORLD
         if self.mpi_comm.Get_size() != self.info.world_size:
             raise CommError(f"{self.info.source} says {self.info.world_size} ranks but MPI sees "
-                            f"{self.mpi_comm.Get_size()}: without mpirun, give --init-file PATH (a shared file) or "
-                            "--init-addr HOST:PORT")
+                            f"{self.mpi_comm.Get_size()}: without mpirun, give {arg('init_file')} PATH (a shared "
+                            f"file) or {arg('init_addr')} HOST:PORT")
         return share_mpi(data, r, self.mpi_comm)
 
     def abort(self, code: int) -> None:
@@ -76,8 +77,8 @@ def share_file(uid: bytes | None, rank: int, path: str, timeout: float, nbytes: 
     t0 = time.monotonic()
     while True:
         if kind := special_file(p):  # (opening a FIFO would wait for a writer forever, past the timeout)
-            raise CommError(f"--init-file {path}: {kind}, not a file rank 0 writes the communicator's id to; give a "
-                            "path that does not exist yet")
+            raise CommError(f"{arg('init_file', path)}: {kind}, not a file rank 0 writes the communicator's id to; "
+                            "give a path that does not exist yet")
         try:
             data = read_at_most(p, nbytes)  # the id's few bytes: never the whole of a big file left there
             if data is not None and len(data) == nbytes:
@@ -85,15 +86,15 @@ def share_file(uid: bytes | None, rank: int, path: str, timeout: float, nbytes: 
         except FileNotFoundError:
             pass
         if time.monotonic() - t0 > timeout:
-            raise CommError(f"--init-file {path}: rank 0 did not write the communicator's id within {timeout:.0f} s "
-                            "(is the path on a file system every node shares?)")
+            raise CommError(f"{arg('init_file', path)}: rank 0 did not write the communicator's id within "
+                            f"{timeout:.0f} s (is the path on a file system every node shares?)")
         time.sleep(0.05)
 
 
 def share_tcp(uid: bytes | None, rank: int, world: int, addr: str, timeout: float, nbytes: int = ID_BYTES) -> bytes:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
-        raise CommError(f"--init-addr {addr!r}: expected HOST:PORT (rank 0's address, reachable by every rank)")
+        raise CommError(f"{arg('init_addr')} {addr!r}: expected HOST:PORT (rank 0's address, reachable by every rank)")
     port_i = int(port)
     if rank == 0:
         srv = socket.create_server(("", port_i), reuse_port=False, backlog=world)
@@ -103,7 +104,8 @@ def share_tcp(uid: bytes | None, rank: int, world: int, addr: str, timeout: floa
                 try:
                     conn, _peer = srv.accept()
                 except socket.timeout:
-                    raise CommError(f"--init-addr {addr}: not every rank connected within {timeout:.0f} s") from None
+                    raise CommError(f"{arg('init_addr', addr)}: not every rank connected within {timeout:.0f} s") \
+                        from None
                 with conn:
                     conn.sendall(uid)
         finally:
@@ -124,5 +126,5 @@ def share_tcp(uid: bytes | None, rank: int, world: int, addr: str, timeout: floa
         except OSError:
             pass
         if time.monotonic() - t0 > timeout:
-            raise CommError(f"--init-addr {addr}: could not reach rank 0 within {timeout:.0f} s")
+            raise CommError(f"{arg('init_addr', addr)}: could not reach rank 0 within {timeout:.0f} s")
         time.sleep(0.1)

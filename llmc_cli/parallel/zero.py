@@ -24,6 +24,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from llmc_cli.kernels import AVG, BFLOAT16, FLOAT32, SUM, Backend, Communicator, clip_scale
+from llmc_cli.naming import arg
 from llmc_cli.optim import AdamW, AdamWConfig, StepResult
 from llmc_cli.parallel.comm import SingleProcess
 
@@ -70,7 +71,7 @@ class ShardedAdamW:
         self.main = self.chunk * W            # reduce-scattered / all-gathered part
         self.tail = n - self.main             # < W elements every rank updates (its grads are all-reduced)
         if self.chunk == 0:
-            raise ValueError(f"--zero 1: {n} parameters cannot be split over {W} ranks")
+            raise ValueError(f"{arg('zero', 1)}: {n} parameters cannot be split over {W} ranks")
         # this rank's element ranges of the flat parameter vector, and where they sit in the local state
         self.ranges = [(r * self.chunk, (r + 1) * self.chunk)] + ([(self.main, n)] if self.tail else [])
         local = self.local_size = self.chunk + self.tail
@@ -374,13 +375,13 @@ class Zero2AdamW(ShardedAdamW):
 
     def _gradient_shard(self, local: int):
         if not hasattr(self.grads, "layer_pieces"):
-            raise ValueError("--zero 2 needs the model built with layer_grads=True (LayerSlotGrads)")
+            raise ValueError(f"{arg('zero', 2)} needs the model built with layer_grads=True (LayerSlotGrads)")
         self.grads.shard = self.backend.alloc(local, self.backend.dtype, tag="grads")
         self.backend.fill(self.grads.shard, 0.0)
         return self.grads.shard
 
     def reduce_grads(self) -> None:
-        raise RuntimeError("--zero 2 reduces as the backward pass goes (LayerShardedReduction), not after it")
+        raise RuntimeError(f"{arg('zero', 2)} reduces as the backward pass goes (LayerShardedReduction), not after it")
 
 
 class LayerShardedReduction:
@@ -427,7 +428,7 @@ def make_optimizer(backend: Backend, model, cfg: AdamWConfig, comm: Communicator
     model built with layer_grads=True)."""
     comm = comm or SingleProcess()
     if zero not in ZERO_STAGES:
-        raise ValueError(f"--zero {zero}: llmc has ZeRO stages {', '.join(map(str, ZERO_STAGES))}")
+        raise ValueError(f"{arg('zero', zero)}: llmc has ZeRO stages {', '.join(map(str, ZERO_STAGES))}")
     cls = {0: DataParallelAdamW, 1: ShardedAdamW, 2: Zero2AdamW}[zero]
     return cls(backend, model.params, model.grads, model.tensor_names(), cfg, comm)
 
@@ -441,7 +442,7 @@ def reshard_loader_state(state: dict, world_size: int) -> dict:
         return state
     if state.get("shuffle"):
         raise ValueError(f"the run was shuffled over {old} ranks; shuffled positions cannot move to "
-                         f"{world_size} ranks (resume on {old} ranks, or train without --shuffle)")
+                         f"{world_size} ranks (resume on {old} ranks, or train without {arg('shuffle', True)})")
     tokens = int(state["sample"]) * old
     if tokens % world_size:
         raise ValueError(f"the data position (sample {state['sample']} of {old}-rank windows) does not "

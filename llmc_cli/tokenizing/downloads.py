@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from llmc_cli.formats.files import DataError, atomic_file
+from llmc_cli.naming import arg
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 
 URLS = {
@@ -42,7 +43,7 @@ def _probe(url: str, timeout: float = 5.0) -> None:
     if t.is_alive() or err:
         why = f"{type(err[0]).__name__}: {err[0]}" if err else "timed out"
         raise DataError(f"cannot reach {host} ({why}); offline? download the data elsewhere and "
-                        "pass it with --local PATH")
+                        f"pass it with {arg('local')} PATH")
 
 
 def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
@@ -68,16 +69,16 @@ def download(url: str, dest: Path, progress: ProgressFactory = silent) -> Path:
                         prog.advance(task, len(chunk))
                     if total is not None and got != total:  # (http.client ends a cut-off body quietly, as if whole)
                         raise DataError(f"download of {url} ended after {got:,} of {total:,} bytes; run the command "
-                                        "again, or download it elsewhere and pass it with --local PATH")
+                                        f"again, or download it elsewhere and pass it with {arg('local')} PATH")
                 except BaseException:  # the error line alone then says what happened, not a bar left above it
                     prog.discard()
                     raise
     except http.client.HTTPException as e:  # a chunked body cut off (IncompleteRead), an answer that is not HTTP
         raise DataError(f"download of {url} failed (not a whole HTTP answer: {type(e).__name__}); run the command "
-                        "again, or download it elsewhere and pass it with --local PATH") from None
+                        f"again, or download it elsewhere and pass it with {arg('local')} PATH") from None
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         raise DataError(f"download of {url} failed ({getattr(e, 'reason', e)}); download it elsewhere "
-                        "and pass it with --local PATH") from None
+                        f"and pass it with {arg('local')} PATH") from None
     return dest
 
 
@@ -97,7 +98,7 @@ def hf_check(repo: str):
         from datasets import load_dataset
     except ImportError:
         raise DataError(f"streaming {repo} needs Hugging Face datasets: pip install 'llmc[hf]' "
-                        "(or download its parquet files and pass --local PATH)") from None
+                        f"(or download its parquet files and pass {arg('local')} PATH)") from None
     _probe(endpoint)
     return load_dataset
 
@@ -112,4 +113,4 @@ def hf_stream(repo: str, config: str | None, split: str = "train", load_dataset=
         raise
     except Exception as e:  # network / hub errors surface here
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"cannot stream {repo} ({config}): {msg}; pass local files with --local PATH") from None
+        raise DataError(f"cannot stream {repo} ({config}): {msg}; pass local files with {arg('local')} PATH") from None

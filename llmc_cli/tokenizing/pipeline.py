@@ -18,6 +18,7 @@ import numpy as np
 
 from llmc_cli.formats.files import DataError, DirectoryLock, atomic_write_bytes, read_at_most, sibling_stem
 from llmc_cli.formats.shards import read_shard_header, shard_format, write_shard
+from llmc_cli.naming import arg
 from llmc_cli.tokenizing.progress import ProgressFactory, silent
 from llmc_cli.tokenizing.sources import Source
 from llmc_cli.tokenizing.workers import encoded
@@ -91,7 +92,7 @@ def _check_manifest(path: Path, m: dict, name: str | None = None, explicit_split
     train (only shard 0 val where the corpus has no split of its own), positions never going back; a shard listed
     twice, a file of another name, or a second val shard were otherwise kept as finished shards."""
     def bad(what: str):
-        raise DataError(f"{path}: {what}; pass --force to redo the shards")
+        raise DataError(f"{path}: {what}; pass {arg('force', True)} to redo the shards")
 
     shards = m.get("shards", [])
     if not isinstance(shards, list):
@@ -151,13 +152,13 @@ def run_pipeline(src: Source, tok, out_dir: Path, shard_size: int, workers: int 
     ``ceil(val_fraction * total)`` tokens are val.
     """
     if shard_size < 1:
-        raise DataError(f"--shard-size must be at least 1 token, got {shard_size}")
+        raise DataError(f"{arg('shard_size')} must be at least 1 token, got {shard_size}")
     shard_format(tok.name)  # an unknown tokenizer fails here, before anything is written
     out_dir = Path(out_dir)
     # one writer of a corpus' shards and manifest at a time (two runs into one directory would interleave them);
     # other corpora in the same directory are free to run beside it
-    with DirectoryLock(out_dir, f".{sibling_stem(src.name)}.lock", "--out-dir", "the output directory", DataError,
-                       "give another --out-dir"):
+    with DirectoryLock(out_dir, f".{sibling_stem(src.name)}.lock", arg("out_dir"), "the output directory", DataError,
+                       f"give another {arg('out_dir')}"):
         return _run_locked(src, tok, out_dir, shard_size, workers, val_tokens, val_fraction, force, progress)
 
 
@@ -208,7 +209,8 @@ def _resume_point(manifest_path: Path, fp: dict, src: Source, out_dir: Path,
         old = manifest.get("fingerprint") or {}
         diff = sorted(k for k in set(fp) | set(old) if fp.get(k) != old.get(k))
         raise DataError(f"{out_dir} holds {src.name} shards made from other inputs or settings "
-                        f"({', '.join(diff)} differ); pass --force to redo them or choose another --out-dir")
+                        f"({', '.join(diff)} differ); pass {arg('force', True)} to redo them or choose another "
+                        f"{arg('out_dir')}")
     if manifest:
         _check_manifest(manifest_path, manifest, src.name, src.explicit_split)
     done: list[dict] = []
@@ -230,13 +232,14 @@ def _remove_stale(out_dir: Path, name: str, manifest_path: Path, manifest: dict 
     stale = [p for p in _existing_shards(out_dir, name) if p.name not in {d["file"] for d in done}]
     if stale and not force and manifest is None:
         raise DataError(f"{out_dir} already has {len(stale)} {name} shard(s) (e.g. {stale[0].name}) without a "
-                        "manifest to resume from; pass --force to overwrite them or choose another --out-dir")
+                        f"manifest to resume from; pass {arg('force', True)} to overwrite them or choose another "
+                        f"{arg('out_dir')}")
     for p in stale:  # --force replaces llm.c shards only: a file of the user's under a shard's name stays
         try:
             read_shard_header(p)
         except DataError:
-            raise DataError(f"{p}: not an llm.c token shard, so llmc will not replace it (even with --force); move "
-                            "it or choose another --out-dir") from None
+            raise DataError(f"{p}: not an llm.c token shard, so llmc will not replace it (even with "
+                            f"{arg('force', True)}); move it or choose another {arg('out_dir')}") from None
     if manifest_path.exists() and manifest is None:
         try:  # (a FIFO under its name is not read: that would wait for a writer forever)
             ours = manifest_path.is_file() and isinstance(
@@ -245,7 +248,7 @@ def _remove_stale(out_dir: Path, name: str, manifest_path: Path, manifest: dict 
             ours = False
         if not ours:
             raise DataError(f"{manifest_path}: not an llmc tokenize manifest, so llmc will not replace it (even "
-                            "with --force); move it or choose another --out-dir")
+                            f"with {arg('force', True)}); move it or choose another {arg('out_dir')}")
     for p in stale:
         p.unlink()
 
@@ -289,7 +292,7 @@ class _ShardWriter:
     def past_the_input(self, what: str) -> DataError:
         return DataError(f"{self.manifest_path}: says the next shard starts at token {self.skip_off:,} of document "
                          f"{self.skip_doc:,}, but {what}; the input is not the one its shards were made from, or the "
-                         "manifest is damaged; pass --force to redo the shards")
+                         f"manifest is damaged; pass {arg('force', True)} to redo the shards")
 
     def _take(self, n: int) -> np.ndarray:
         """The first n buffered tokens, out of the buffer."""
@@ -370,9 +373,9 @@ class _ShardWriter:
         if final:  # the whole input fits the val split: refused before any shard is written
             name, buffered = self.src.name, self.buffered
             if self.val_tokens and not self.src.explicit_split:
-                raise DataError(f"{name}: the input holds {buffered:,} tokens, all of them inside the val split's "
-                                f"{self.val_size:,} (--val-tokens), so no train shard would be left; no shard "
-                                f"written; pass a --val-tokens below {buffered:,}")
+                raise DataError(f"{name}: the input holds {buffered:,} tokens, all inside the val split's "
+                                f"{self.val_size:,}, so no train shard; no shard written; pass a {arg('val_tokens')} "
+                                f"below {buffered:,}")
             raise DataError(f"{name}: the input holds {buffered:,} token(s), too few for a val and a train shard; "
                             "no shard written")
         return False
@@ -385,9 +388,9 @@ class _ShardWriter:
             raise DataError(f"{name}: the input holds no documents, no shards written")
         if not any(s["split"] == "train" for s in shards):  # (a corpus's own split with no train part)
             n, first = len(shards), shards[0]["file"]
-            raise DataError(f"{name}: the input's train part holds no documents, so no train shard was "
-                            f"written (only {n} val shard(s), {first}{', ...' if n > 1 else ''}, in {self.out_dir}, "
-                            "its manifest marked unfinished); add train documents and run again with --force")
+            raise DataError(f"{name}: the input's train part holds no documents, so no train shard was written "
+                            f"(only {first}{', ...' if n > 1 else ''} in {self.out_dir}); add train documents and run "
+                            f"again with {arg('force', True)}")
 
 
 def _write_shards(w: _ShardWriter, src: Source, tok, workers: int, progress: ProgressFactory, t0: float) -> None:

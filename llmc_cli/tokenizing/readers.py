@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from llmc_cli.formats.files import DataError, special_file
+from llmc_cli.naming import arg
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -202,9 +203,9 @@ def _field(obj, text_field: str, where: str, remedy: str | None = None) -> str:
             return checked_text(v, where)
         if text_field in obj:
             raise DataError(f"{where}: field {text_field!r} is {type(v).__name__}, expected a string; "
-                            f"{remedy or 'use --text-field for another field'}")
+                            f"{remedy or 'use ' + arg('text_field') + ' for another field'}")
         raise DataError(f"{where}: no string field {text_field!r} (fields: {', '.join(map(str, obj))}); "
-                        f"{remedy or 'use --text-field'}")
+                        f"{remedy or 'use ' + arg('text_field')}")
     raise DataError(f"{where}: expected an object with a {text_field!r} field or a string, got {type(obj).__name__}")
 
 
@@ -280,7 +281,7 @@ def _parquet_docs(path: Path, text_field: str, remedy: str | None) -> Iterator[s
                         f"(columns: {', '.join(pf.schema_arrow.names)})")
     if text_field not in pf.schema_arrow.names:
         raise DataError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                        f"{remedy or 'use --text-field'}")
+                        f"{remedy or 'use ' + arg('text_field')}")
     _check_text_column(path, text_field, pf.schema_arrow.field(text_field).type, remedy)
     batches = pf.iter_batches(columns=[text_field], batch_size=1024)
     while True:
@@ -301,7 +302,7 @@ def _parquet_docs(path: Path, text_field: str, remedy: str | None) -> Iterator[s
 def iter_hellaswag(path: Path) -> Iterator[tuple[int, str, list[str]]]:
     """(label, context, the 4 endings) of each example of a HellaSwag .jsonl (rowanz/hellaswag), typed strictly:
     a label of 1.7 or true, or endings given as one string, would otherwise become an example nobody wrote."""
-    path = regular_file(path, "--local", pipe_ok=True)
+    path = regular_file(path, arg("local"), pipe_ok=True)
     try:
         # (lines as every JSON Lines input is read: split at "\n" only, a lone "\r" being JSON's blank, and a line
         # of gigabytes refused before it is held whole)
@@ -342,7 +343,7 @@ def _check_text_column(path: Path, name: str, t, remedy: str | None = None) -> N
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)
             or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))):
         raise DataError(f"{path}: column {name!r} holds {t}, expected strings; "
-                        f"{remedy or 'use --text-field for another column'}")
+                        f"{remedy or 'use ' + arg('text_field') + ' for another column'}")
 
 
 def _files_ident(files: list[Path]) -> list:

@@ -26,6 +26,7 @@ import numpy as np
 from llmc_cli.data.tokenizer import load_tokenizer
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import shard_format
+from llmc_cli.naming import arg
 from llmc_cli.parallel.launch import exit_words
 
 class WorkerDied(RuntimeError):
@@ -108,9 +109,9 @@ class _Workers:
             self.conns.append(mine)
             self.procs.append(p)
         except OSError as e:  # (out of file descriptors or processes: each worker holds a pipe and is a process)
-            raise DataError(f"--workers {self.n}: worker {k + 1} could not start ({e.strerror or e}); pass fewer "
-                            "--workers" + (" or raise the open-file limit (ulimit -n)" if e.errno == errno.EMFILE
-                                           else "")) from None
+            limit = " or raise the open-file limit (ulimit -n)" if e.errno == errno.EMFILE else ""
+            raise DataError(f"{arg('workers', self.n)}: worker {k + 1} could not start ({e.strerror or e}); pass "
+                            f"fewer {arg('workers')}{limit}") from None
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)  # (a signal held back is handled here)
 
@@ -145,10 +146,10 @@ class _Workers:
         how, hint = exit_words(code) if code is not None else "closed its pipe", ""
         if code == -signal.SIGKILL:
             how += " (the system may have run out of memory)"
-            hint = " (fewer --workers take less memory)"
+            hint = f" (fewer {arg('workers')} take less memory)"
         elif code == _NO_THREAD:
             how = "could not start a thread (the process or thread limit: ulimit -u, a container's pids limit)"
-            hint = " with fewer --workers"
+            hint = f" with fewer {arg('workers')}"
         raise WorkerDied(f"tokenizer worker {k + 1} of {self.n} (pid {p.pid}) {how} before returning its batch; "
                          f"finished shards stay: run the same command again{hint} to resume")
 
@@ -190,7 +191,7 @@ def _serve(name: str, path: str | None, conn, inherited: list, parent: int) -> N
             tasks.put(None)
         except BaseException as e:  # noqa: BLE001  (out of memory for a batch, say: the parent must hear of it)
             tasks.put(WorkerDied(f"a tokenizer worker could not take its batch ({type(e).__name__}: {e}); finished "
-                                 "shards stay: run the same command again with fewer --workers to resume"))
+                                 f"shards stay: run the same command again with fewer {arg('workers')} to resume"))
     try:
         threading.Thread(target=take, daemon=True).start()
     except RuntimeError:  # (can't start a new thread: said by the parent, from this exit status)

@@ -15,6 +15,7 @@ from llmc_cli.data.loader import DataSetupChanged
 from llmc_cli.formats.shards import data_vocab_size
 from llmc_cli.models.base import INT32_MAX, check_recompute
 from llmc_cli.models.families import family_for, family_of
+from llmc_cli.naming import arg
 from llmc_cli.optim import AdamWConfig
 
 
@@ -87,7 +88,7 @@ def model_config(a: TrainArgs):
                                ("n_kv_head", a.n_kv_head), ("block_size", a.block_size),
                                ("vocab_size", a.vocab_size or data_vocab_size(a.data))) if v is not None}
     if "n_kv_head" in over and "n_kv_head" not in {f.name for f in fields(family.config_class)}:
-        raise ValueError(f"--n-kv-head applies to Llama models, not {a.model}")
+        raise ValueError(f"{arg('n_kv_head')} applies to Llama models, not {a.model}")
     cfg = family.preset(a.model, **over)
     cfg.validate()
     return cfg
@@ -102,17 +103,17 @@ def data_setup_changes(e: DataSetupChanged) -> str:
     said = []
     for key, (then, now) in e.changes.items():
         if key == "num_shards":
-            said.append(f"--data gives {now} shard(s) where the run read {then}")
+            said.append(f"{arg('data')} gives {now} shard(s) where the run read {then}")
         elif key == "shard_file":
-            said.append(f"--data's shard {e.shard} (in the order the run reads them) is {now} where the run's was "
+            said.append(f"{arg('data')}'s shard {e.shard} (in the order the run reads them) is {now} where the run's was "
                         f"{then}")
         elif key == "shuffle":
-            said.append("--shuffle is given where the run read its data in order" if now else
-                        "the run was shuffled (--shuffle) and this one is not")
+            said.append(f"{arg('shuffle', True)} is given where the run read its data in order" if now else
+                        f"the run was shuffled ({arg('shuffle', True)}) and this one is not")
         elif key in ("B", "T"):
-            said.append(f"{'-b' if key == 'B' else '-t'} {now} where the run read {then}")
+            said.append(f"{arg('batch_size' if key == 'B' else 'seq_len', now)} where the run read {then}")
         elif key == "seed":
-            said.append(f"--seed {now} where the run shuffled with --seed {then}")
+            said.append(f"{arg('seed', now)} where the run shuffled with {arg('seed', then)}")
         elif key == "world_size":
             said.append(f"{now} rank(s) (--gpus / --procs) where the run had {then}")
         else:
@@ -124,11 +125,11 @@ def check_init_shape(init: str, cfg, given: dict) -> None:
     """--init takes the model's shape from its file: a shape option saying otherwise would be ignored silently (a
     run of another model than the one asked for), so it is a ValueError naming both."""
     for key in SHAPE_OPTIONS:
-        want, have, opt = given.get(key), getattr(cfg, key, None), "--" + key.replace("_", "-")
+        want, have, opt, init_ = given.get(key), getattr(cfg, key, None), arg(key), arg("init")
         if want is not None and want != have:
-            raise ValueError(f"--init: {init} is a model of {key} {have}, but {opt} is {want} (the shape comes from "
-                             "--init: leave the option out)" if have is not None else
-                             f"--init: {opt} does not apply to {init}, a {family_of(cfg).label} model")
+            raise ValueError(f"{init_}: {init} is a model of {key} {have}, but {opt} is {want} (the shape comes from "
+                             f"{init_}: leave the option out)" if have is not None else
+                             f"{init_}: {opt} does not apply to {init}, a {family_of(cfg).label} model")
 
 
 SEED_MAX = 2**32 - 1   # seeds are 32 bits: what the device kernels take for stochastic rounding
@@ -237,15 +238,10 @@ def check_args(a: TrainArgs) -> TrainArgs:
     return checked
 
 
-def python_name(field: str, value=None) -> str:
-    """A field as a Python caller names it (`batch_size`, `batch_size=4`); the command line names its flags."""
-    return field if value is None else f"{field}={value!r}"
-
-
 Namer = Callable[..., str]  # (field, value=None) -> how the caller spells it: python_name, or the command's flags
 
 
-def check_together(a: TrainArgs, ranks: int = 1, name: Namer = python_name) -> int:
+def check_together(a: TrainArgs, ranks: int = 1, name: Namer = arg) -> int:
     """What a run's options say together, refused the same way by the command line (once, before any rank starts)
     and by each rank: zero 2 beside overlap, a micro-batch of more tokens than the kernels index, a total batch
     that is not whole micro-steps of every rank. Returns the tokens per optimizer step."""
@@ -263,7 +259,7 @@ def check_together(a: TrainArgs, ranks: int = 1, name: Namer = python_name) -> i
     return total
 
 
-def micro_batch_error(B: int, T: int, name: Namer = python_name) -> str | None:
+def micro_batch_error(B: int, T: int, name: Namer = arg) -> str | None:
     """Why a micro-batch of B sequences of T tokens is refused (None when it is not): its B*T rows are indexed in
     32 bits by every kernel, and planning memory for more would count chunks past any machine."""
     if B * T > INT32_MAX:
@@ -275,4 +271,4 @@ def micro_batch_error(B: int, T: int, name: Namer = python_name) -> str | None:
 def check_seq_len(T: int, cfg) -> None:
     """-t is at most the model's block size (its position table, its rotary cache)."""
     if T > cfg.block_size:
-        raise TrainError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+        raise TrainError(f"{arg('seq_len', T)} is longer than the model's block size {cfg.block_size}")

@@ -8,6 +8,7 @@ import math
 from collections import deque
 
 from llmc_cli.kernels import update_applies
+from llmc_cli.naming import arg
 
 
 class OutlierDetector:
@@ -69,5 +70,5 @@ def skip_reason(a, lr: float, loss: float, norm: float, zloss: float, znorm: flo
     if not math.isfinite(loss) or not math.isfinite(norm):
         return "non-finite loss" if not math.isfinite(loss) else "non-finite grad norm"
     if not update_applies(loss, 0.0, max_loss, float("inf")):
-        return f"loss z-score {zloss:.1f} > --skip-loss-z {a.skip_loss_z:g}"
-    return f"grad norm z-score {znorm:.1f} > --skip-grad-z {a.skip_grad_z:g}"
+        return f"loss z-score {zloss:.1f} > {arg('skip_loss_z')} {a.skip_loss_z:g}"
+    return f"grad norm z-score {znorm:.1f} > {arg('skip_grad_z')} {a.skip_grad_z:g}"

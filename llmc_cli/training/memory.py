@@ -4,6 +4,7 @@ fails says in one line what the plan asks for, what the device has, and what to 
 from __future__ import annotations
 
 from llmc_cli.models.families import family_of, memory_plan
+from llmc_cli.naming import arg, arg_both
 
 
 # ---- before allocating ------------------------------------------------------------------------------------------
@@ -43,13 +44,13 @@ def plan_refusal(backend, cfg, B: int, T: int, recompute: str = "none", world_si
             return None
         where, have, fixed = "the host has (memory and swap)", host, need - (acts if device is None else 0)
     if fixed > have:  # (what B and T do not change)
-        remedy = "use a smaller model (--model, --n-layer, --n-embd)"
+        remedy = f"use a smaller model ({arg('model')}, {arg('n_layer')}, {arg('n_embd')})"
     else:
-        remedy = "lower -b or -t (--total-batch-size keeps the step size)"
+        remedy = f"lower {arg('batch_size')} or {arg('seq_len')} ({arg('total_batch_size')} keeps the step size)"
         if recompute != "gelu+layernorm":
-            remedy += ", or recompute activations (--recompute gelu+layernorm)"
-    return (f"the run needs {need / 2**30:.2f} GiB on --backend {getattr(backend, 'name', '?')} (B={B} T={T}) but "
-            f"{where} {have / 2**30:.2f} GiB; {remedy}; `llmc train --dry-run` shows the plan")
+            remedy += f", or recompute activations ({arg('recompute', 'gelu+layernorm')})"
+    return (f"the run needs {need / 2**30:.2f} GiB on {arg('backend')} {getattr(backend, 'name', '?')} (B={B} "
+            f"T={T}) but {where} {have / 2**30:.2f} GiB; {remedy}; `llmc train --dry-run` shows the plan")
 
 
 # ---- out of memory ----------------------------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int, recomp
                                 recompute=recompute, world_size=world_size, zero=zero, overlap=overlap).values())
     except Exception:
         pass
-    parts = [f"out of memory on --backend {getattr(backend, 'name', '?')} planning B={B} T={T}"]
+    parts = [f"out of memory on {arg('backend')} {getattr(backend, 'name', '?')} planning B={B} T={T}"]
     if asked:
         parts.append(f"the run needs {asked / 2**30:.2f} GiB")
     try:
@@ -77,6 +78,6 @@ def out_of_memory_message(e: BaseException, backend, cfg, B: int, T: int, recomp
     except Exception:
         pass
     detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-    more = "" if recompute == "gelu+layernorm" else ", or recompute activations (--recompute gelu+layernorm)"
-    return ("; ".join(parts) + f" ({detail}); lower -b/--batch-size (keep the step size with "
-            f"--total-batch-size) or -t/--seq-len{more}; `llmc train --dry-run` shows the plan")
+    more = "" if recompute == "gelu+layernorm" else f", or recompute activations ({arg('recompute', 'gelu+layernorm')})"
+    return ("; ".join(parts) + f" ({detail}); lower {arg_both('batch_size')} (keep the step size with "
+            f"{arg('total_batch_size')}) or {arg_both('seq_len')}{more}; `llmc train --dry-run` shows the plan")

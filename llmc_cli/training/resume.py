@@ -10,6 +10,7 @@ from llmc_cli.formats import checkpoint as ckpt
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.manifest import data_differences
 from llmc_cli.models.families import family_of
+from llmc_cli.naming import arg
 from llmc_cli.parallel.zero import reshard_loader_state
 from llmc_cli.training.args import RESUME_FIXED, SHAPE_OPTIONS, TrainError, _product, data_setup_changes
 
@@ -18,7 +19,7 @@ def read_resume(a):
     """--resume: (config, weights, optimizer state, state.json) of the newest checkpoint in --out, checked against
     the options given again."""
     if not a.out:
-        raise TrainError("--resume needs --out DIR (the run directory to continue)")
+        raise TrainError(f"{arg('resume', True)} needs {arg('out')} DIR (the run directory to continue)")
     try:
         cfg, params, opt_state, state = ckpt.read_run_checkpoint(a.out)
     except ckpt.CheckpointError as e:
@@ -48,13 +49,13 @@ def check_resume_options(a, cfg, state: dict) -> None:
         val = getattr(a, key, None)
         if key not in state["args"] or val is None:  # (not given: the run's own value)
             continue
-        had, opt = _had(key, cfg, state), "--" + key.replace("_", "-")
+        had, opt, resume = _had(key, cfg, state), arg(key, short=False), arg("resume", True)
         if had is None and key in SHAPE_OPTIONS:
-            raise TrainError(f"--resume: {opt} does not apply to the run in {a.out}, a "
+            raise TrainError(f"{resume}: {opt} does not apply to the run in {a.out}, a "
                              f"{family_of(cfg).label} model (leave it out)")
         if had != val:
-            raise TrainError(f"--resume: {opt} is {val!r} but the run in {a.out} was trained with "
-                             f"{had!r} (give the same options, or start a new --out)")
+            raise TrainError(f"{resume}: {opt} is {val!r} but the run in {a.out} was trained with "
+                             f"{had!r} (give the same options, or start a new {arg('out')})")
 
 
 def check_resume_data(a, state: dict, fingerprint: dict, loader) -> None:
@@ -68,7 +69,8 @@ def check_resume_data(a, state: dict, fingerprint: dict, loader) -> None:
         read = {recorded["shards"][i].get("name") for i in loader.files_read(state["dataloader"])}
         diff = data_differences(_only(recorded, read), _only(fingerprint, read))
     if diff is not None:
-        raise TrainError(f"--resume {a.out}: --data: {diff}; give the run's own shards, or start a new --out")
+        raise TrainError(f"{arg('resume', True)} {a.out}: {arg('data')}: {diff}; give the run's own shards, or start "
+                         f"a new {arg('out')}")
 
 
 def _only(fingerprint: dict, names: set) -> dict:
@@ -83,13 +85,13 @@ def restore(tr, opt_state: dict, state: dict) -> None:
     tr.opt.step_count = int(state.get("optimizer_steps", state["step"]))
     tr.start_step = tr.saved = state["step"]
     if a.steps < tr.start_step:  # (equal: the run is complete, and resuming it does nothing)
-        raise TrainError(f"--steps {a.steps}: the run in {a.out} is already at step {tr.start_step}; give "
-                         f"--steps {tr.start_step} or more to continue it")
+        raise TrainError(f"{arg('steps', a.steps)}: the run in {a.out} is already at step {tr.start_step}; give "
+                         f"{arg('steps', tr.start_step)} or more to continue it")
     old_total = state.get("tokens_per_step")
     if old_total and old_total != tr.tokens_per_step:
-        raise TrainError(f"--resume: the run in {a.out} took {old_total} tokens per step, now "
+        raise TrainError(f"{arg('resume', True)}: the run in {a.out} took {old_total} tokens per step, now "
                          f"{tr.tokens_per_step} ({tr.comm.world_size} rank(s) x B*T); give "
-                         f"--total-batch-size {old_total}")
+                         f"{arg('total_batch_size', old_total)}")
     _restore_data_position(tr, state)  # (the data's setup first: its message names the option that differs)
     check_resume_data(a, state, tr.data_fingerprint, tr.train_loader)
     try:
@@ -110,7 +112,7 @@ def _restore_data_position(tr, state: dict) -> None:
     try:
         tr.train_loader.load_state(reshard_loader_state(state["dataloader"], tr.comm.world_size))
     except DataSetupChanged as e:
-        raise TrainError(f"--resume {tr.a.out}: {data_setup_changes(e)}; give the run's options, or start a new "
-                         "--out") from None
+        raise TrainError(f"{arg('resume', True)} {tr.a.out}: {data_setup_changes(e)}; give the run's options, or start "
+                         f"a new {arg('out')}") from None
     except (DataError, ValueError) as e:  # (a position of other ranks, a damaged or foreign state)
-        raise TrainError(f"--resume {tr.a.out}: {e}") from None
+        raise TrainError(f"{arg('resume', True)} {tr.a.out}: {e}") from None

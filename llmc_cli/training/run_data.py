@@ -15,6 +15,7 @@ from llmc_cli.formats.evalfile import read_evalfile_header
 from llmc_cli.formats.files import DataError
 from llmc_cli.formats.shards import SHARD_VOCAB, check_tokenize_complete, has_split
 from llmc_cli.formats.sources import tokenizer_for
+from llmc_cli.naming import arg
 
 
 
@@ -24,7 +25,7 @@ def _option_named(flag: str):
     try:
         yield
     except DataError as e:
-        if str(e).startswith("--"):
+        if str(e).startswith(("--", flag)):
             raise
         raise DataError(f"{flag}: {e}") from None
 
@@ -33,12 +34,12 @@ def open_loaders(a, vocab_size: int, comm) -> tuple[DataLoader, ValLoader | None
     """The loaders of --data and --val-data (a directory given as --data: its val shards unless --val-data says
     else). Token ids are checked against the model's vocabulary as each shard is first opened; a missing or
     damaged shard is named with the option that led to it."""
-    with _option_named("--data"):
+    with _option_named(arg("data")):
         train = DataLoader(a.data, a.batch_size, a.seq_len, rank=comm.rank, world_size=comm.world_size,
                            shuffle=a.shuffle, seed=a.seed, vocab_size=vocab_size)
         check_tokenize_complete(train.files)
     val_data = a.val_data or (a.data if isinstance(a.data, str) and has_split(a.data, "val") else None)
-    with _option_named("--val-data" if a.val_data else "--data"):
+    with _option_named(arg("val_data" if a.val_data else "data")):
         val = ValLoader(val_data, a.batch_size, a.seq_len, vocab_size=vocab_size) if val_data else None
         if val is not None:
             check_tokenize_complete(val.files)
@@ -47,7 +48,7 @@ def open_loaders(a, vocab_size: int, comm) -> tuple[DataLoader, ValLoader | None
 
 def check_shard_vocab(vocab_size: int, train: DataLoader, val: ValLoader | None) -> None:
     """Shards of a tokenizer whose ids the model's vocabulary cannot hold."""
-    for opt, loader in (("--data", train), ("--val-data", val)):
+    for opt, loader in ((arg("data"), train), (arg("val_data"), val)):
         need = SHARD_VOCAB.get(loader.tokenizer) if loader is not None else None
         if need and vocab_size < need:
             raise DataError(f"{opt}: the shards were tokenized with the {loader.tokenizer} vocabulary "
@@ -73,7 +74,7 @@ def run_tokenizer(a, train: DataLoader, resume_state: dict | None) -> tuple[str,
     try:
         llama3_ranks(file)
     except DataError as e:
-        raise DataError(f"--init: {e}") from None
+        raise DataError(f"{arg('init')}: {e}") from None
     return train.tokenizer, file
 
 
@@ -87,10 +88,10 @@ def check_eval_files(a, val: ValLoader | None, tokenizer: str | None) -> None:
             if a.val_every > 0:  # (a bad id in a later val shard: one line now, not at a validation mid-run)
                 val.check_vocab_of_batches(a.val_batches)
     except DataError as e:
-        raise DataError(f"{'--val-data' if a.val_data else '--data'}: {e}") from None
+        raise DataError(f"{arg('val_data' if a.val_data else 'data')}: {e}") from None
     if a.hellaswag:
         try:
             check_tokenizer(a.hellaswag, read_evalfile_header(a.hellaswag).tokenizer, tokenizer, "the run",
                             HELLASWAG_REMEDY.format(tokenizer))
         except DataError as e:
-            raise DataError(f"--hellaswag: {e}") from None
+            raise DataError(f"{arg('hellaswag')}: {e}") from None

@@ -4,6 +4,7 @@ copied ahead while one computes, replayed as captured graphs (CAP_GRAPHS) once G
 from __future__ import annotations
 
 from llmc_cli.models.base import STAGED
+from llmc_cli.naming import arg
 
 # uncaptured steps before the micro-steps are captured as graphs (CAP_GRAPHS): enough for every scratch buffer to
 # reach its size and for a backend's own tuning of its products to settle (the CUDA backend's, d12: by step 5)
@@ -29,7 +30,8 @@ def replays(tr, dloss: float) -> list | None:
         try:
             cap = tr.backend.capture
             tr.graphs = [cap(lambda i=i: micro_step(tr, i, dloss)) for i in range(min(tr.grad_accum, 2))]
-            tr.say(f"graphs: micro-steps replay captured graphs from step {tr.steps_run + 1} (--no-graphs to compare)")
+            tr.say(f"graphs: micro-steps replay captured graphs from step {tr.steps_run + 1} "
+                   f"({arg('graphs', False)} to compare)")
         except Exception as e:  # the step runs uncaptured: nothing a failed capture recorded has run
             tr.graphs = False
             tr.say(f"graphs: off ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")

@@ -21,11 +21,12 @@ from llmc_cli.formats.tensorboard import EventWriter
 from llmc_cli.kernels import BFLOAT16, CAP_GRAPHS, MAX, Backend
 from llmc_cli.models.base import backend_capabilities, check_backend, unimplemented_kernel
 from llmc_cli.models.families import family_for, family_of
+from llmc_cli.naming import arg
 from llmc_cli.optim import lr_at
 from llmc_cli.parallel.comm import SingleProcess  # data parallel (issue 7)
 from llmc_cli.parallel.zero import LayerShardedReduction, OverlappedReduction, make_optimizer
 from llmc_cli.training.args import (SHAPE_OPTIONS, TrainArgs, TrainDiverged, TrainError, _is_int, check_args,
-                                    check_init_shape, model_config)
+                                    check_init_shape, check_seq_len, check_together, model_config)
 from llmc_cli.training.evaluation import evaluate_before, sample_text
 from llmc_cli.training.guard import OutlierDetector, skip_reason
 from llmc_cli.training.memory import out_of_memory_message, plan_refusal
@@ -45,7 +46,7 @@ def _append_record(log, path: str, rec: dict) -> None:
         log.write(record_line(rec))
         log.flush()
     except OSError as e:
-        raise OSError(e.errno, f"{e.strerror} (writing the --log records)", str(path)) from None
+        raise OSError(e.errno, f"{e.strerror} (writing the {arg('log')} records)", str(path)) from None
 
 
 
@@ -138,7 +139,7 @@ class Trainer:
             cfg, params, _ = load_model_any(self.a.init)
             check_init_shape(self.a.init, cfg, {k: getattr(self.a, k) for k in SHAPE_OPTIONS})
         except ckpt.CheckpointError as e:
-            raise TrainError(f"--init: {e}") from None
+            raise TrainError(f"{arg('init')}: {e}") from None
         except ValueError as e:
             raise TrainError(str(e)) from None
         return cfg, params
@@ -147,22 +148,14 @@ class Trainer:
         """The sizes of a step, and every refusal that needs only them (the memory the plan needs included)."""
         a, ranks = self.a, self.comm.world_size
         B, T = a.batch_size, a.seq_len
-        if T > cfg.block_size:
-            raise TrainError(f"-t {T} is longer than the model's block size {cfg.block_size}")
+        check_seq_len(T, cfg)
         self.cfg, self.family = cfg, family_of(cfg)
-        tokens_per_micro = B * T * ranks  # one micro-step reads B*T tokens on every rank
-        total = a.total_batch_size or tokens_per_micro
-        if total % tokens_per_micro:
-            what = "B*T*ranks" if ranks > 1 else "B*T"
-            raise TrainError(f"--total-batch-size {total} is not a multiple of {what} = {tokens_per_micro}")
-        self.grad_accum = total // tokens_per_micro
+        total = check_together(a, ranks)
+        self.grad_accum = total // (B * T * ranks)  # one micro-step reads B*T tokens on every rank
         self.tokens_per_step = total
         self.steps_run = 0
-        if a.zero == 2 and a.overlap:
-            raise TrainError("--overlap: --zero 2 already reduces each layer's gradients during the backward pass "
-                             "(into the ranks' shards, on the compute stream); leave --overlap out")
         if a.overlap and ranks == 1:
-            self.say("--overlap: data parallel only, and this run has one rank: nothing to overlap")
+            self.say(f"{arg('overlap')}: data parallel only, and this run has one rank: nothing to overlap")
         refusal = plan_refusal(self.backend, cfg, B, T, a.recompute, ranks, a.zero, a.overlap)
         if refusal:
             raise TrainError(refusal)
@@ -401,7 +394,7 @@ class Trainer:
         try:
             return EventWriter(a.tensorboard)
         except OSError as e:  # (a file where the folder belongs: mkdir says only "File exists")
-            raise TrainError(f"--tensorboard {a.tensorboard}: cannot write event files there "
+            raise TrainError(f"{arg('tensorboard', a.tensorboard)}: cannot write event files there "
                              f"({e.strerror or type(e).__name__}); give a directory llmc may create or write in") \
                 from None
 
@@ -434,8 +427,8 @@ class Trainer:
         if self.a.max_bad_steps and self.bad_streak >= self.a.max_bad_steps:
             raise TrainDiverged(
                 f"step {rec['step']}: {self.bad_streak} consecutive bad steps (last: {rec['reason']}), "
-                f"stopping rather than training on garbage{self.last_good()}; lower --lr, raise --warmup "
-                f"or check the data (--max-bad-steps sets the limit)")
+                f"stopping{self.last_good()}; lower {arg('lr')}, raise {arg('warmup')} or check the data "
+                f"({arg('max_bad_steps')} sets the limit)")
 
     def _stop(self, step: int, signame: str) -> None:
         """A stop request after `step`: its checkpoint (unless on disk already), and what run() stopped at."""

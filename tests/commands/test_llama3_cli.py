@@ -348,5 +348,5 @@ def test_python_api_refuses_unknown_recompute_in_one_line(shards):
     from llmc_cli.training.trainer import Trainer
     a = TrainArgs(data=str(shards / "tiny_train*.bin"), model="llama3-tiny", batch_size=2, seq_len=16,
                   recompute="rmsnorm")
-    with pytest.raises(TrainError, match="--recompute must be one of none, gelu, layernorm, gelu\\+layernorm"):
+    with pytest.raises(TrainError, match="^recompute must be one of none, gelu, layernorm, gelu\\+layernorm"):
         Trainer(a, create_backend("cpu"))

@@ -30,3 +30,11 @@ def test_the_documented_examples_run(tmp_path, monkeypatch, capsys):
     assert last < first, out
     assert out.count("ROMEO:") >= 1 and re.search(r"val loss \d+\.\d+", out), out
     assert (tmp_path / "checkpoints" / "api" / "latest").is_file()
+
+
+def test_the_readme_and_api_examples_write_different_run_directories():
+    """Run one after the other in one folder, the second must not find the first's run (and refuse it)."""
+    readme = DOC.parents[1] / "README.md"
+    outs = [set(re.findall(r'out="([^"]+)"', "".join(re.findall(r"```python\n(.*?)```", p.read_text(), re.S))))
+            for p in (readme, DOC)]
+    assert all(outs) and not outs[0] & outs[1], outs

@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parents[2] / "llmc_cli"
 
 # bottom to top; a module may import from its own layer or any layer below it
 LAYERS = [
-    ("contract", {"kernels", "registry"}),
+    ("contract", {"kernels", "registry", "naming"}),
     ("domain", {"models", "formats", "data", "optim", "parallel"}),
     ("workflows", {"training", "inference", "evals", "bench", "tokenizing", "charts", "testing"}),
     ("commands", {"commands", "entry", "__main__", "__init__"}),

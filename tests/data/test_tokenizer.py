@@ -135,7 +135,7 @@ def test_bad_paths_and_names(tmp_path):
         load_tokenizer("gpt2", junk)
     with pytest.raises(TokenizerError, match="unknown tokenizer 'gpt5'"):
         load_tokenizer("gpt5")
-    with pytest.raises(TokenizerError, match="--tokenizer-path"):
+    with pytest.raises(TokenizerError, match="pass tokenizer_path PATH"):
         load_tokenizer("llama3")
 
 

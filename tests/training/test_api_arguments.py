@@ -76,7 +76,7 @@ BAD = [
     (dict(outlier_window=1), ["outlier_window", "got 1"]),
     (dict(model=None), ["model must be", "(got None"]),
     (dict(out=5), ["out must be", "(got 5"]),
-    (dict(recompute=None), ["--recompute must be one of"]),
+    (dict(recompute=None), ["recompute must be one of"]),
 ]
 
 
@@ -216,12 +216,20 @@ def test_resume_accepts_options_equal_to_the_runs_own_values(shards, tmp_path):
         assert t.start_step == 1 and [r["step"] for r in t.run()] == [2]
     finally:
         t.close()
-    for kw, needle in ((dict(n_layer=3), "--n-layer is 3 but the run in .* was trained with 2"),
-                       (dict(block_size=512), "--block-size is 512 but .* trained with 1024"),
-                       (dict(total_batch_size=64), "--total-batch-size is 64 but .* trained with 32"),
-                       (dict(n_kv_head=1), "--n-kv-head does not apply to the run in .*GPT-2")):
+    for kw, needle in ((dict(n_layer=3), "^resume=True: n_layer is 3 but the run in .* was trained with 2"),
+                       (dict(block_size=512), "block_size is 512 but .* trained with 1024"),
+                       (dict(total_batch_size=64), "total_batch_size is 64 but .* trained with 32"),
+                       (dict(n_kv_head=1), "n_kv_head does not apply to the run in .*GPT-2")):
         with pytest.raises(TrainError, match=needle):
             trainer(shards, out=str(out), steps=3, resume=True, **kw)
+
+
+def test_a_run_directory_in_use_is_refused_in_python_words(shards, tmp_path):
+    """A second run into one directory tells a Python caller to pass resume=True, not to add --resume."""
+    out = tmp_path / "run"
+    trained(shards, out=str(out), steps=1)
+    with pytest.raises(TrainError, match="already holds a run .*; add resume=True to continue it, or give another out"):
+        trainer(shards, out=str(out), steps=2)
 
 
 def test_resume_on_the_command_line_with_the_runs_own_shape(shards, tmp_path):

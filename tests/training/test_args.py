@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from llmc_cli.commands.options import check_tokens, flag_name
-from llmc_cli.training.args import TrainArgs, TrainError, check_together, python_name
+from llmc_cli.naming import python_name
+from llmc_cli.training.args import TrainArgs, TrainError, check_together
 
 CASES = [  # (fields, ranks, what a Python caller reads, what the command line says)
     (dict(zero=2, overlap=True), 1, "overlap: zero=2 already reduces", "--overlap: --zero 2 already reduces"),

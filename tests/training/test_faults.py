@@ -85,7 +85,7 @@ def test_outlier_spikes_are_skipped(shards):
     recs = tr.run()
     skipped = {r["step"]: r["reason"] for r in recs if r.get("skipped")}
     assert set(skipped) == {11, 13}, skipped
-    assert "--skip-loss-z" in skipped[11] and "--skip-grad-z" in skipped[13]
+    assert "> skip_loss_z 3" in skipped[11] and "> skip_grad_z 3" in skipped[13]
     assert tr.opt.step_count == 12
 
 

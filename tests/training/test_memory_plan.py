@@ -37,11 +37,13 @@ def base(shards, **kw) -> dict:
 CASES = [
     # (arguments, device total, host memory, what the refusal says; None: not refused)
     (dict(model="d12", n_layer=100000, n_embd=768), None, 64 * GiB, ["the host has (memory and swap) 64.00 GiB",
-                                                          "use a smaller model (--model, --n-layer, --n-embd)"]),
-    (dict(), None, 35 * MiB, ["the host has (memory and swap) 0.03 GiB", "lower -b or -t",
-                              "--recompute gelu+layernorm"]),
-    (dict(recompute="gelu+layernorm"), None, 35 * MiB, ["lower -b or -t (--total-batch-size keeps the step size);"]),
-    (dict(), 30 * MiB, 64 * GiB, ["on --backend cpu (B=2 T=16) but the device has 0.03 GiB", "lower -b or -t"]),
+                                                          "use a smaller model (model, n_layer, n_embd)"]),
+    (dict(), None, 35 * MiB, ["the host has (memory and swap) 0.03 GiB", "lower batch_size or seq_len",
+                              "recompute='gelu+layernorm'"]),
+    (dict(recompute="gelu+layernorm"), None, 35 * MiB,
+     ["lower batch_size or seq_len (total_batch_size keeps the step size);"]),
+    (dict(), 30 * MiB, 64 * GiB,
+     ["on backend cpu (B=2 T=16) but the device has 0.03 GiB", "lower batch_size or seq_len"]),
     (dict(), 20 * MiB, 64 * GiB, ["the device has 0.02 GiB", "use a smaller model"]),
     (dict(), 64 * GiB, 1 * MiB, ["the host has (memory and swap) 0.00 GiB", "use a smaller model"]),
     (dict(), None, 64 * GiB, None),

@@ -52,9 +52,9 @@ def test_the_checkpoint_records_the_shards_fingerprint(tmp_path):
 
 
 @pytest.mark.parametrize("change, needles", [
-    ("retokenized", ("--data", "x_train_000001.bin", "other tokens")),  # same name and size, other text
-    ("longer", ("--data", "x_train_000001.bin", "bytes")),
-    ("renamed", ("--data", "x_train_000002.bin")),  # (named by the data setup's own check)
+    ("retokenized", ("resume=True", ": data: x_train_000001.bin", "other tokens")),  # same name and size, other text
+    ("longer", ("resume=True", ": data: x_train_000001.bin", "bytes")),
+    ("renamed", ("resume=True", "data", "x_train_000002.bin")),  # (named by the data setup's own check)
 ])
 def test_a_resume_on_other_shards_is_refused_naming_data(tmp_path, change, needles):
     data = _shards(tmp_path / "data", seed=0)
@@ -99,6 +99,6 @@ def test_shards_of_an_unfinished_tokenize_run_are_refused(tmp_path, complete, re
     if refused:
         with pytest.raises(DataError) as e:  # (as a missing or damaged shard is)
             _train(data, None, 1)
-        assert "--data" in str(e.value) and "x_manifest.json" in str(e.value) and "llmc tokenize" in str(e.value)
+        assert str(e.value).startswith("data: ") and "x_manifest.json" in str(e.value) and "llmc tokenize" in str(e.value)
     else:
         _train(data, None, 1)

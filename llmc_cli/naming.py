@@ -1,0 +1,51 @@
+"""How an error names a setting: the command line's flag (`--out`, `-t`, `--zero 2`) while an `llmc` command runs,
+the Python argument (`out`, `seq_len`, `zero=2`) otherwise. The layers below the commands raise with `arg(field)`,
+so `llmc.Trainer(TrainArgs(...))` is told "resume=True" where `llmc train` is told "--resume"; the command line
+switches to its spelling once, at its entry (`flags`). Nothing here imports the rest of llmc."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+FLAGS = {"batch_size": "-b", "seq_len": "-t"}  # a field whose flag is not --FIELD-NAME
+
+_cli = False  # process-wide, not a contextvar: a thread the command starts (a prefetch, a reader) raises in its words
+
+
+def flag_name(field: str, value=None, *, short: bool = True) -> str:
+    """A field as the command line names it: its flag (`-b`, or `--batch-size` when not `short`;
+    `--total-batch-size`), with its value (`-b 4`); an on/off flag is the flag alone, given True (`--resume`) or
+    False (`--no-graphs`)."""
+    long = "--" + field.replace("_", "-")
+    flag = FLAGS.get(field, long) if short else long
+    if value is False:
+        return "--no-" + long[2:]
+    return flag if value is None or value is True else f"{flag} {value}"
+
+
+def python_name(field: str, value=None) -> str:
+    """A field as a Python caller names it (`batch_size`, `batch_size=4`, `resume=True`)."""
+    return field if value is None else f"{field}={value!r}"
+
+
+def arg(field: str, value=None, *, short: bool = True) -> str:
+    """`field` (with `value`) in the words of whoever called: a flag under an `llmc` command, else the argument."""
+    return flag_name(field, value, short=short) if _cli else python_name(field, value)
+
+
+def arg_both(field: str) -> str:
+    """A field with a short flag as the command line names it both ways (`-b/--batch-size`); Python: its name."""
+    short, long = arg(field), arg(field, short=False)
+    return short if short == long else f"{short}/{long}"
+
+
+@contextmanager
+def flags():
+    """Errors raised inside name command-line flags (restored on the way out, for commands run in process)."""
+    global _cli
+    was, _cli = _cli, True
+    try:
+        yield
+    finally:
+        _cli = was
+
