@@ -75,13 +75,13 @@ class _Display(Progress):
 
 
 def _progress(console: Console | None, bytes_only: bool = False) -> _Display:
-    """Within 80 columns (the closing line gives the rates); off a terminal, no bar: that line says it all."""
+    """Within 80 columns, a terminal's or a pipe's (the closing line gives the rates)."""
     console = console or _console()
     cols = [TextColumn("[bold]{task.description}"), BarColumn(bar_width=10), DownloadColumn()]
     cols.append(TransferSpeedColumn() if bytes_only else
                 TextColumn("{task.fields[tokens]:,} tok, shard {task.fields[shard]}"))
     cols.append(TimeElapsedColumn())
-    return _Display(*cols, console=console, transient=False, disable=not console.is_terminal)
+    return _Display(*cols, console=console, transient=False)
 
 
 def _progress_factory(console: Console | None = None):

@@ -304,7 +304,7 @@ def test_plot_passes_over_what_is_not_a_log_file(tmp_path):
 # ---- --config and --tensorboard -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("what", ["/dev/zero", "fifo", "/dev/null", "not-utf8", "deep", "huge"])
-def test_config_that_is_not_a_file_of_options_is_one_line(what, data, tmp_path):
+def test_config_that_is_not_a_file_of_options_is_one_line(what, data, tmp_path, monkeypatch):
     """--config reads a regular TOML file or a pipe (`--config <(...)`, a named FIFO whose writer comes later:
     waited for, as `cat` would, not read as empty); /dev/zero would never end; bytes that are not UTF-8 and arrays
     nested past the parser's recursion are "not valid TOML"."""
@@ -326,6 +326,7 @@ def test_config_that_is_not_a_file_of_options_is_one_line(what, data, tmp_path):
         with open(path, "wb") as f:  # (sparse)
             f.write(b"# options\n")
             f.truncate(1 << 30)
+    monkeypatch.setenv("COLUMNS", "200")  # (a wide console's step line shows the lr the --config file gave)
     r = run(*TINY, "--config", path, "--steps", "1", "--data", data / "tiny_train_000001.bin", ok=False)
     if what == "fifo":
         assert r.exit_code == 0 and "lr 2.00e-03" in r.stdout, r.output
@@ -345,7 +346,8 @@ def test_config_through_a_pipe(data, tmp_path):
     """`--config <(...)`: a pipe, read until its writer closes it."""
     script = (f"{sys.executable} -m llmc_cli {' '.join(TINY)} --steps 1 --data {data / 'tiny_train_000001.bin'} "
               "--config <(sleep 0.5; echo 'lr = 2e-3')")
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env=os.environ | {"COLUMNS": "200"})  # (a wide console's step line shows the lr)
     assert proc.returncode == 0 and "lr 2.00e-03" in proc.stdout, proc.stderr
 
 
