@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 from contextlib import contextmanager
 
 import click
@@ -35,16 +37,12 @@ class StdoutClosed(BaseException):
     (`finally`, temporary files) still run. A broken pipe in a file llmc writes stays an OSError naming that file."""
 
 
-class _StdoutFd(io.RawIOBase):
-    """Standard output's file descriptor, written as FileIO writes it, whose errors say they are standard output's:
-    EPIPE is StdoutClosed, any other an OSError naming STDOUT_NAME. After one, the rest goes nowhere, so that the exit
-    (its flush of what is left) does not fail a second time."""
+class _Fd(io.RawIOBase):
+    """A standard stream's file descriptor under a text layer; subclasses say what a failed write means."""
 
-    name = "<stdout>"
-
-    def __init__(self, fd: int, closed: bool = False):
+    def __init__(self, fd: int):
         super().__init__()
-        self._fd, self._failed, self._closed = fd, False, closed
+        self._fd, self._failed = fd, False
 
     def writable(self) -> bool:
         return True
@@ -53,12 +51,21 @@ class _StdoutFd(io.RawIOBase):
         return self._fd
 
     def isatty(self) -> bool:
-        import os
         return os.isatty(self._fd)
 
+
+class _StdoutFd(_Fd):
+    """Standard output's file descriptor, written as FileIO writes it, whose errors say they are standard output's:
+    EPIPE is StdoutClosed, any other an OSError naming STDOUT_NAME. After one, the rest goes nowhere, so that the exit
+    (its flush of what is left) does not fail a second time."""
+
+    name = "<stdout>"
+
+    def __init__(self, fd: int, closed: bool = False):
+        super().__init__(fd)
+        self._closed = closed
+
     def write(self, b) -> int | None:
-        import errno
-        import os
         if self._failed:
             return memoryview(b).nbytes
         if self._closed:  # (started with it closed: what the command says would be lost, and so is its result)
@@ -80,29 +87,14 @@ class _StdoutFd(io.RawIOBase):
             raise OSError(e.errno, e.strerror, STDOUT_NAME) from None
 
 
-class _StderrFd(io.RawIOBase):
+class _StderrFd(_Fd):
     """Standard error's file descriptor, whose write errors (a full disk, `2>/dev/full`; a reader gone) drop what
     follows: nothing can be said about them, and a command's exit code is its own (0 with a warning it could not
     print, 2 for an error line that went nowhere), never a traceback's 1."""
 
     name = "<stderr>"
 
-    def __init__(self, fd: int):
-        super().__init__()
-        self._fd, self._failed = fd, False
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def isatty(self) -> bool:
-        import os
-        return os.isatty(self._fd)
-
     def write(self, b) -> int:
-        import os
         view = memoryview(b).cast("B")
         done = 0
         while not self._failed and done < len(view):  # (all of it: the text layer above has no buffer to retry)
@@ -153,7 +145,6 @@ def _closed_at_start() -> None:
     """Started with standard output closed (`>&-`: sys.stdout is None; entry.py has put /dev/null on the
     descriptor): its first write fails, so a command whose result is its output does not end in success with the
     result lost. A closed standard error goes nowhere (nothing can be said)."""
-    import os
     import sys
     if sys.stdout is None:
         sys.stdout = io.TextIOWrapper(io.BufferedWriter(_StdoutFd(-1, closed=True)), encoding="utf-8", newline="\n")
@@ -164,7 +155,6 @@ def _closed_at_start() -> None:
 def _check_working_directory() -> None:
     """Relative paths are made absolute from the working directory: one deleted under the shell (`rmdir` of it
     elsewhere) made every such path fail with a bare "No such file or directory" naming no file."""
-    import os
     try:
         os.getcwd()
     except FileNotFoundError:
