@@ -107,16 +107,23 @@ class _StderrFd(_Fd):
         return len(view)
 
 
+def _own_fd(stream, original) -> int | None:
+    """The descriptor under `stream`, flushed, where it is the process's own text stream (not a test's capture)."""
+    if stream is not original or not isinstance(stream, io.TextIOWrapper):
+        return None
+    try:
+        fd = stream.fileno()
+        stream.flush()
+    except (OSError, ValueError):
+        return None
+    return fd
+
+
 def _guard_stderr() -> None:
     """Standard error (the process's own) rewrapped over _StderrFd, same encoding and buffering."""
     import sys
     err = sys.stderr
-    if err is not sys.__stderr__ or not isinstance(err, io.TextIOWrapper):
-        return
-    try:
-        fd = err.fileno()
-        err.flush()
-    except (OSError, ValueError):
+    if (fd := _own_fd(err, sys.__stderr__)) is None:
         return
     sys.stderr = io.TextIOWrapper(_StderrFd(fd), encoding=err.encoding, errors=err.errors, newline="\n",
                                   line_buffering=err.line_buffering, write_through=True)  # (unbuffered, as Python's)
@@ -129,12 +136,7 @@ def _guard_stdout() -> None:
     import sys
     _closed_at_start()
     out = sys.stdout
-    if out is not sys.__stdout__ or not isinstance(out, io.TextIOWrapper):
-        return
-    try:
-        fd = out.fileno()
-        out.flush()
-    except (OSError, ValueError):
+    if (fd := _own_fd(out, sys.__stdout__)) is None:
         return
     sys.stdout = io.TextIOWrapper(io.BufferedWriter(_StdoutFd(fd)), encoding=out.encoding, errors=out.errors,
                                   newline="\n", line_buffering=out.line_buffering, write_through=out.write_through)
