@@ -201,7 +201,8 @@ class Trainer:
             self.tokenizer, self.tokenizer_file = run_tokenizer(a, self.train_loader, resume_state)
             self.model.tokenizer = self.tokenizer if self.tokenizer in SHARD_VOCAB else None
             check_eval_files(a, self.val_loader, self.model.tokenizer)
-            self.data_fingerprint = data_fingerprint(self.train_loader.files)
+            # (what checkpoints record and a resume compares: read only by a run that has a run directory)
+            self.data_fingerprint = data_fingerprint(self.train_loader.files) if a.out else None
         except DataError as e:
             raise TrainError(str(e)) from None
 
