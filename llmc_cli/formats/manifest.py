@@ -27,6 +27,7 @@ from pathlib import Path
 
 from llmc_cli.formats.files import CheckpointError, atomic_write_bytes, read_at_most
 from llmc_cli.formats.rundir import step_dirs, step_of
+from llmc_cli.formats.shards import tokenize_manifests
 
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "state.json"
@@ -211,7 +212,6 @@ def data_fingerprint(shards: list[str | Path] | tuple[str | Path, ...]) -> dict:
     manifest (`*_manifest.json`) beside them. Two fingerprints differ when the shards were tokenized again from
     other text, even under the same names and sizes."""
     out: dict = {"shards": [], "tokenize_manifests": {}}
-    folders: dict[Path, None] = {}
     for p in map(Path, shards):
         size = os.path.getsize(p)
         h = hashlib.sha256(size.to_bytes(8, "little"))
@@ -221,13 +221,11 @@ def data_fingerprint(shards: list[str | Path] | tuple[str | Path, ...]) -> dict:
                 f.seek(SHARD_HEADER_BYTES + (max(size - SHARD_HEADER_BYTES - _SAMPLE_BYTES, 0) * i) // (_SAMPLES - 1))
                 h.update(f.read(_SAMPLE_BYTES))
         out["shards"].append({"name": p.name, "size": size, "sha256": h.hexdigest()})
-        folders[p.parent] = None
-    for folder in folders:
-        for m in sorted(folder.glob("*_manifest.json")):
-            if m.is_file():
-                h = hashlib.sha256()
-                _chunks(m, h.update)
-                out["tokenize_manifests"][m.name] = h.hexdigest()
+    for m in tokenize_manifests(shards):
+        if m.is_file():
+            h = hashlib.sha256()
+            _chunks(m, h.update)
+            out["tokenize_manifests"][m.name] = h.hexdigest()
     return out
 
 

@@ -247,15 +247,20 @@ def has_split(directory: str | os.PathLike, split: str) -> bool:
                                                                              "*.bin")))
 
 
+def tokenize_manifests(shards: Sequence[str | os.PathLike]) -> list[Path]:
+    """The tokenize manifests (`*_manifest.json`) in the folders of `shards`, each folder once, sorted."""
+    folders = dict.fromkeys(Path(s).parent for s in shards)
+    return [m for folder in folders for m in sorted(folder.glob("*_manifest.json"))]
+
+
 def check_tokenize_complete(shards: Sequence[str | os.PathLike]) -> None:
     """Shards beside a tokenize manifest (`*_manifest.json`) that says its run did not finish are refused: the
     corpus is cut short (the tokenize run was stopped or failed), and `llmc tokenize` run again completes it."""
-    for folder in dict.fromkeys(Path(s).parent for s in shards):
-        for m in sorted(folder.glob("*_manifest.json")):
-            try:
-                complete = json.loads(m.read_bytes()).get("complete", True)
-            except (OSError, ValueError, AttributeError):
-                continue  # (not a tokenize manifest this reads: its shards speak for themselves)
-            if complete is False:
-                raise DataError(f"{m}: its tokenize run did not finish, so the shards beside it are incomplete; "
-                                "run the same `llmc tokenize` again to complete them")
+    for m in tokenize_manifests(shards):
+        try:
+            complete = json.loads(m.read_bytes()).get("complete", True)
+        except (OSError, ValueError, AttributeError):
+            continue  # (not a tokenize manifest this reads: its shards speak for themselves)
+        if complete is False:
+            raise DataError(f"{m}: its tokenize run did not finish, so the shards beside it are incomplete; "
+                            "run the same `llmc tokenize` again to complete them")
