@@ -912,10 +912,12 @@ class BackendPlugin(abc.ABC):
         call again (a warm cache makes it quick)."""
         return "nothing to prepare"
 
-    def planned_scratch(self, dtype: str, options: dict[str, str] | None = None) -> dict[str, int]:
+    def planned_scratch(self, dtype: str, options: dict[str, str] | None = None,
+                        attention: tuple[int, int, int, int, int] | None = None) -> dict[str, int]:
         """Optional: the bytes a backend created with `dtype` and `options` allocates beside the engine's buffers
-        whatever the model (libraries' workspaces), by component: upper bounds, for `llmc train --dry-run`. Must
-        not touch a device; BackendUnavailable on a bad option value, as `create` would say it."""
+        (libraries' workspaces), by component: upper bounds, for `llmc train --dry-run`. `attention`: the model's
+        (B, T, n_head, n_kv_head, head_dim), for workspaces that grow with it. Must not touch a device;
+        BackendUnavailable on a bad option value, as `create` would say it."""
         return {}
 
     def communicator(self, backend: Backend, info: RankInfo, rendezvous: Rendezvous) -> "Communicator | None":

@@ -33,7 +33,8 @@ def dry_run(o: dict, args: TrainArgs, ranks: int) -> None:
     table.add_column("component")
     table.add_column("GiB", justify="right")
     try:  # the backend's own library workspaces, as its options set them
-        scratch = plugin.planned_scratch(dtype, backend_options(o["backend_opt"]) or None) if plugin else {}
+        heads = (B, T, cfg.n_head, family_of(cfg).kv_heads(cfg), cfg.n_embd // cfg.n_head)
+        scratch = plugin.planned_scratch(dtype, backend_options(o["backend_opt"]) or None, heads) if plugin else {}
     except BackendUnavailable as e:
         fail(f"--backend {plugin.name}: {e}")
     plan |= {f"{plugin.name}: {k}": v for k, v in scratch.items()}

@@ -29,7 +29,7 @@ def _save_gpt2_hf(out_dir, cfg, params, bf16=False, tokenizer="gpt2", tokenizer_
 GPT2 = Family(
     name="gpt2", label="GPT-2", tokenizer="gpt2", config_class=gpt2.GPT2Config, model_class=gpt2.GPT2, preset_names=tuple(gpt2.PRESETS),
     preset=gpt2.preset, parameter_shapes=gpt2.parameter_shapes, num_parameters=gpt2.num_parameters,
-    init_parameters=gpt2.init_parameters, activation_bytes=gpt2.activation_bytes,
+    init_parameters=gpt2.init_parameters, activation_bytes=gpt2.activation_bytes, kv_heads=lambda c: c.n_head,
     model_file=ModelFile("model.bin", lambda bf16: f"llm.c model file (version {5 if bf16 else 3})", _write_gpt2, _read_gpt2, lambda p: llmc_bin.read_model_header(p)[0]),
     hf=HFMapping("gpt2", hf_gpt2.read_hf_config, hf_gpt2.import_hf, _save_gpt2_hf),
 )
@@ -37,7 +37,7 @@ LLAMA3 = Family(
     name="llama3", label="Llama 3", tokenizer="llama3", config_class=llama3.Llama3Config, model_class=llama3.Llama3,
     preset_names=tuple(llama3.PRESETS) + tuple(llama3.ALIASES), preset=llama3.preset,
     parameter_shapes=llama3.parameter_shapes, num_parameters=llama3.num_parameters,
-    init_parameters=llama3.init_parameters, activation_bytes=llama3.activation_bytes,
+    init_parameters=llama3.init_parameters, activation_bytes=llama3.activation_bytes, kv_heads=lambda c: c.n_kv_head,
     model_file=ModelFile("model.safetensors", lambda bf16: "llmc Llama model file", llama_file.write_llama_model, llama_file.read_llama_model,
                          lambda p: llama_file.read_llama_header(p)[0]),
     hf=HFMapping("llama", hf_llama3.read_hf_config, hf_llama3.import_hf, hf_llama3.export_hf),

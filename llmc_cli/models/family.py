@@ -46,6 +46,7 @@ class Family:
     num_parameters: Callable[[Config], int]
     init_parameters: Callable[[Config, int], np.ndarray]        # (cfg, seed), on the host: identical everywhere
     activation_bytes: Callable[..., int]   # (cfg, B, T, training, act_bytes, recompute): the activation plan
+    kv_heads: Callable[[Config], int]      # attention's key/value heads (GPT-2: one per query head)
     model_file: ModelFile
     hf: HFMapping
 

@@ -174,10 +174,12 @@ def test_dry_run_refuses_what_a_run_refuses(args, expect):
 
 def test_dry_run_counts_the_backends_workspaces_as_their_options_set_them():
     """--dry-run on the cuda backend (planned here without a GPU) adds cuBLASLt's workspace and, for bf16 with cuDNN
-    on, cuDNN attention's at its cap; the cpu backend has none. A bad value is one line naming the option."""
+    on, the whole batch's cuDNN attention backward workspace, within cudnn_workspace_mib when that is set; the cpu
+    backend has none. A bad value is one line naming the option."""
     pytest.importorskip("llmc_cuda", reason="llmc-cuda is not installed")
     from llmc_cuda import CUBLASLT_WORKSPACE_BYTES
-    plan = ["train", "--dry-run", "--model", "d2", "-b", 2, "-t", 32]
+    plan = ["train", "--dry-run", "--model", "d12", "-b", 64, "-t", 1024]
+    key = "cuda: cuDNN attention workspace (cudnn_workspace_mib)"
 
     def rows(*args) -> dict[str, str]:
         out = run(*plan, *args).output
@@ -186,9 +188,9 @@ def test_dry_run_counts_the_backends_workspaces_as_their_options_set_them():
 
     cuda = rows("--backend", "cuda")
     assert cuda["cuda: cuBLASLt workspace"] == f"{CUBLASLT_WORKSPACE_BYTES / 2**30:.2f}"
-    assert cuda["cuda: cuDNN attention workspace (at most: cudnn_workspace_mib)"] == "0.50"
-    small = rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=1024")
-    assert small["cuda: cuDNN attention workspace (at most: cudnn_workspace_mib)"] == "1.00"
+    assert cuda[key] == "1.50"  # a bf16 score for each of 64 x 12 x 1024 x 1024 query-key pairs, and the statistics
+    assert rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=1024")[key] == "1.00"
+    assert rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=4096")[key] == "1.50"
     for args in (["--backend-opt", "cudnn=off"], ["--dtype", "fp32"]):
         assert not any("cuDNN" in k for k in rows("--backend", "cuda", *args)), args
     assert not any(k.startswith("cpu:") for k in rows("--backend", "cpu"))

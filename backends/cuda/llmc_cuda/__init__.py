@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import ctypes
 
-from llmc_cli.kernels import BFLOAT16, FLOAT32, FP8, BackendPlugin, BackendUnavailable, option_flag, option_int
+from llmc_cli.kernels import BFLOAT16, FLOAT32, FP8, BackendPlugin, BackendUnavailable, option_flag
 
 from .nccl import create as create_communicator
-from .options import CUBLASLT_WORKSPACE_BYTES, CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS, check_options
+from .options import (
+    CUBLASLT_WORKSPACE_BYTES,
+    CUDNN_WORKSPACE_MAX_MIB,
+    CUDNN_WORKSPACE_SHARE,
+    FP8_SCALINGS,
+    attention_backward_workspace,
+    check_options,
+    cudnn_workspace_cap,
+)
 
 _DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32, FP8: FP8}
 
@@ -94,7 +102,8 @@ class CudaPlugin(BackendPlugin):
         "tf32": "on|off: with --dtype fp32, matmuls on TF32 tensor cores (operands rounded to 10 mantissa bits, "
                 "float32 accumulation; llm.c's default) rather than IEEE fp32 (default on; env LLMC_TF32)",
         "cudnn_workspace_mib": "MiB, 0..1048576: the most workspace cuDNN's deterministic attention backward may take; "
-                               "past it the batch is run in slices (default 512; env LLMC_CUDNN_WORKSPACE_MIB)",
+                               "past it the batch is run in slices (default: 1/32 of the GPU's memory; env "
+                               "LLMC_CUDNN_WORKSPACE_MIB)",
         "fp8_classifier": "on|off: with --dtype fp8, the classifier's matmuls in FP8 too (default off: bf16; env "
                           "LLMC_FP8_CLASSIFIER)",
         "fp8_scaling": "delayed|current: with --dtype fp8, how each cast tensor is scaled: by its largest amax of "
@@ -118,16 +127,18 @@ class CudaPlugin(BackendPlugin):
                           "env LLMC_FP8_FAST_ACCUM)",
     }
 
-    def planned_scratch(self, dtype, options=None):
-        """cuBLASLt's workspace (CUBLASLT_WORKSPACE_BYTES) and, for
-        bf16 and fp8 with cuDNN on, cuDNN attention's workspace at its cap (cudnn_workspace_mib), which FP8's
-        casts share: so for fp8 it overlaps the plan's "FP8 casts" and the sum is an upper bound."""
+    def planned_scratch(self, dtype, options=None, attention=None):
+        """cuBLASLt's workspace (CUBLASLT_WORKSPACE_BYTES) and, for bf16 and fp8 with cuDNN on, cuDNN attention's:
+        the whole batch's backward (`attention`'s shape), within cudnn_workspace_mib when it is set. On a GPU whose
+        1/CUDNN_WORKSPACE_SHARE of memory is less, the backward runs in slices that take less. FP8's casts share it:
+        for fp8 it overlaps the plan's "FP8 casts", and the sum is an upper bound."""
         check_options(options)
         out = {"cuBLASLt workspace": CUBLASLT_WORKSPACE_BYTES}
         if _DTYPES.get(dtype, dtype) in (BFLOAT16, FP8) and option_flag(options, "cudnn", True, env="LLMC_CUDNN"):
-            mib = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB",
-                             max=CUDNN_WORKSPACE_MAX_MIB)
-            out["cuDNN attention workspace (at most: cudnn_workspace_mib)"] = mib << 20
+            cap = cudnn_workspace_cap(options)
+            need = attention_backward_workspace(*attention) if attention is not None else cap
+            if need is not None:
+                out["cuDNN attention workspace (cudnn_workspace_mib)"] = need if cap is None else min(need, cap)
         return out
 
     def create(self, device=None, dtype=None, options=None):
@@ -172,5 +183,5 @@ class CudaPlugin(BackendPlugin):
         return create_communicator(backend, info, rendezvous)
 
 
-__all__ = ["CUBLASLT_WORKSPACE_BYTES", "CUDNN_WORKSPACE_MAX_MIB", "FP8_SCALINGS", "CudaPlugin",
-           "check_options"]
+__all__ = ["CUBLASLT_WORKSPACE_BYTES", "CUDNN_WORKSPACE_MAX_MIB", "CUDNN_WORKSPACE_SHARE", "FP8_SCALINGS", "CudaPlugin",
+           "attention_backward_workspace", "check_options"]

@@ -37,12 +37,11 @@ from llmc_cli.kernels import (
     check_input_batch,
     option_choice,
     option_flag,
-    option_int,
     read_cache_json,
     write_cache_file,
 )
 
-from .options import CUDNN_WORKSPACE_MAX_MIB, FP8_SCALINGS  # the options' values (checked in CudaPlugin.create)
+from .options import CUDNN_WORKSPACE_SHARE, FP8_SCALINGS, cudnn_workspace_cap  # (checked in CudaPlugin.create)
 from .overlap import Overlap, host_alloc
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
@@ -191,8 +190,8 @@ class CudaBackend(Backend):
                            signature=self._signature, decisions=read_cache_json(self._decisions_path),
                            on_decided=self._keep_decisions, tf32=self.tf32)
         self._cudnn = None
-        self.cudnn_workspace = option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB",
-                                          max=CUDNN_WORKSPACE_MAX_MIB) << 20
+        cap = cudnn_workspace_cap(options)
+        self.cudnn_workspace = cap if cap is not None else self.props["totalGlobalMem"] // CUDNN_WORKSPACE_SHARE
         self.cudnn_reason = "not tried yet"
         self._read_fp8_and_p2p_options(options)
         self._init_fp8_scaling(options)

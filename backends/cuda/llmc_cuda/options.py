@@ -7,6 +7,10 @@ from llmc_cli.kernels import option_choice, option_flag, option_int
 
 FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
 CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 1 TiB (past any GPU's memory)
+# cudnn_workspace_mib unset: cuDNN's attention backward may take this share of the device's memory. 1/32 of an H200
+# (4.4 GiB) holds Llama 3.1 8B's whole T=8192 sequence (4.1 GiB); run whole, the backward is 1.7x faster than over
+# one-sequence slices (Llama 3.2-1B, B=8 T=2048; bench/attn_plans.py, docs/performance.md).
+CUDNN_WORKSPACE_SHARE = 32
 CUBLASLT_WORKSPACE_BYTES = 32 << 20  # every cuBLASLt matmul's workspace (cublaslt.py; here, where nothing is heavy)
 # the on/off options and their environment variables (the older way to set them)
 _FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
@@ -23,4 +27,20 @@ def check_options(options: dict[str, str] | None) -> None:
     for name, env in _FLAGS:
         option_flag(options, name, False, env=env)
     option_choice(options, "fp8_scaling", FP8_SCALINGS, "delayed", env="LLMC_FP8_SCALING")
-    option_int(options, "cudnn_workspace_mib", 512, env="LLMC_CUDNN_WORKSPACE_MIB", max=CUDNN_WORKSPACE_MAX_MIB)
+    cudnn_workspace_cap(options)
+
+
+def cudnn_workspace_cap(options: dict[str, str] | None) -> int | None:
+    """cudnn_workspace_mib in bytes; None when unset (the backend then takes 1/CUDNN_WORKSPACE_SHARE of the
+    device's memory)."""
+    mib = option_int(options, "cudnn_workspace_mib", None, env="LLMC_CUDNN_WORKSPACE_MIB", max=CUDNN_WORKSPACE_MAX_MIB)
+    return None if mib is None else mib << 20
+
+
+def attention_backward_workspace(B: int, T: int, NH: int, NKV: int, hd: int) -> int:
+    """Bytes of workspace cuDNN 9's deterministic attention backward asks for over B sequences (its sizes on Hopper,
+    which the CUDA tests check against cuDNN): a bf16 score per query (T padded to 64) and key (padded to 128), a
+    statistic per query, and with grouped-query attention a float32 copy of the query gradient."""
+    rows = B * NH * T
+    scores = 2 * B * NH * (-(-T // 64) * 64) * (-(-T // 128) * 128)
+    return scores + 4 * rows + 256 + (4 * rows * hd if NKV < NH else 0)

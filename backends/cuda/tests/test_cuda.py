@@ -284,6 +284,25 @@ def test_cudnn_attention_backward_in_batch_slices_is_exact(B, NH, NKV):
     np.testing.assert_array_equal(down(b, sliced), down(b, whole))
 
 
+@pytest.mark.parametrize("B,T,NH,NKV,hd", [(1, 64, 4, 4, 16), (2, 96, 4, 2, 64), (1, 100, 4, 4, 32),
+                                           (3, 1024, 12, 12, 64), (1, 2048, 32, 8, 64), (1, 8192, 32, 8, 128),
+                                           (2, 320, 25, 25, 64)])
+def test_planned_attention_workspace_is_what_cudnn_asks_for(B, T, NH, NKV, hd):
+    """--dry-run plans cuDNN's attention backward workspace without a device (attention_backward_workspace): the
+    bytes are the ones cuDNN's deterministic backward asks for, and the backend's default cap (1/32 of the device)
+    runs Llama 3.1 8B's T=8192 sequence whole on a GPU of 139 GiB or more."""
+    from llmc_cuda import CUDNN_WORKSPACE_SHARE, attention_backward_workspace
+    b = cuda(BFLOAT16)
+    if not b._cudnn_ready():
+        pytest.skip(f"cuDNN not available: {b.cudnn_reason}")
+    g = b._cudnn.graph("bwd", B, T, NH, NKV, hd)
+    assert g is not None, b._cudnn.failed
+    assert attention_backward_workspace(B, T, NH, NKV, hd) == g.get_workspace_size(), g.get_workspace_size()
+    assert b.cudnn_workspace == b.props["totalGlobalMem"] // CUDNN_WORKSPACE_SHARE
+    if b.props["totalGlobalMem"] >= 139 << 30:
+        assert attention_backward_workspace(1, 8192, 32, 8, 128) <= b.cudnn_workspace
+
+
 # =============================================================================================================
 # bf16 kernels vs the CPU backend (fp32) within bf16 bounds
 
