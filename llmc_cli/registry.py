@@ -11,6 +11,7 @@ others work as before. A command that names its backend loads and probes only th
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -420,6 +421,31 @@ def load_plugin(name: str) -> BackendPlugin | None:
         probed = [p for p in plugins_named([name]) if p.plugin is not None]
         return next((p.plugin for p in probed if p.usable), probed[0].plugin if probed else loaded[0].plugin)
     return loaded[0].plugin if loaded else None
+
+
+def planned_scratch(plugin: BackendPlugin, dtype: str, options: dict[str, str] | None,
+                    attention: tuple[int, int, int, int, int]) -> dict[str, int]:
+    """`plugin.planned_scratch` for `--dry-run`, given the model's attention shape when its signature takes one (a
+    plugin written before that argument existed keeps working): names to byte counts. BackendUnavailable passes
+    (a bad option value); anything else the plugin raises or returns is a one-line PluginError."""
+    fn = plugin.planned_scratch
+    try:
+        takes = "attention" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # (a builtin or an odd callable: called the old way)
+        takes = False
+    try:
+        out = fn(dtype, options, attention=attention) if takes else fn(dtype, options)
+    except BackendUnavailable:
+        raise
+    except BaseException as e:  # noqa: BLE001  (SystemExit too: a plugin must not end the command)
+        if _passes(e):
+            raise
+        raise PluginError(f"planned_scratch() failed: {type(e).__name__}: {one_line(e, 200)}") from None
+    if not isinstance(out, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+            for k, v in out.items()):
+        raise PluginError(f"planned_scratch() returned {_short(out)}, not names to byte counts")
+    return {one_line(k, 80): int(v) for k, v in out.items()}
 
 
 def default_dtype(name: str = "auto") -> str:

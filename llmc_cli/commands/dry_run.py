@@ -32,10 +32,11 @@ def dry_run(o: dict, args: TrainArgs, ranks: int) -> None:
     table = Table(title=f"{source or args.model}: {n:,} parameters, B={B} T={T}, {dtype}{how}{per}")
     table.add_column("component")
     table.add_column("GiB", justify="right")
+    heads = (B, T, cfg.n_head, family_of(cfg).kv_heads(cfg), cfg.n_embd // cfg.n_head)
     try:  # the backend's own library workspaces, as its options set them
-        heads = (B, T, cfg.n_head, family_of(cfg).kv_heads(cfg), cfg.n_embd // cfg.n_head)
-        scratch = plugin.planned_scratch(dtype, backend_options(o["backend_opt"]) or None, heads) if plugin else {}
-    except BackendUnavailable as e:
+        scratch = registry.planned_scratch(plugin, dtype, backend_options(o["backend_opt"]) or None,
+                                           heads) if plugin else {}
+    except BackendUnavailable as e:  # (PluginError too)
         fail(f"--backend {plugin.name}: {e}")
     plan |= {f"{plugin.name}: {k}": v for k, v in scratch.items()}
     for k, v in plan.items():

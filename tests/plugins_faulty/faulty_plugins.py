@@ -261,6 +261,39 @@ class CreateExit(Fake):
         sys.exit("bye from create (test)")
 
 
+class ScratchRaises(Fake):
+    def planned_scratch(self, dtype, options=None, attention=None):
+        raise RuntimeError("scratch boom (test)")
+
+
+class ScratchExit(Fake):
+    def planned_scratch(self, dtype, options=None, attention=None):
+        sys.exit("bye from planned_scratch (test)")
+
+
+class ScratchNone(Fake):
+    def planned_scratch(self, dtype, options=None, attention=None):
+        return None
+
+
+class ScratchNegative(Fake):
+    def planned_scratch(self, dtype, options=None, attention=None):
+        return {"lib workspace": -1}
+
+
+class ScratchWithoutAttention(Fake):
+    """A plugin written before planned_scratch took the model's attention shape."""
+
+    def planned_scratch(self, dtype, options=None):
+        return {"lib workspace": 1 << 30}
+
+
+class ScratchOfTheShape(Fake):
+    def planned_scratch(self, dtype, options=None, attention=None):
+        B, T, NH, NKV, hd = attention
+        return {"per score": 2 * B * NH * T * T}
+
+
 class CreateHalf(Fake):
     backend_class = Half
 

@@ -159,6 +159,29 @@ def test_dry_run_on_a_plugin_whose_constructor_raises(install):
     assert r.exit_code == 2 and "\n" not in line and "ctor boom (test)" in line, r.output
 
 
+@pytest.mark.parametrize("attr, code, needle", [
+    ("ScratchRaises", 2, "--backend fake: planned_scratch() failed: RuntimeError: scratch boom (test)"),
+    ("ScratchExit", 2, "--backend fake: planned_scratch() failed: SystemExit: bye from planned_scratch (test)"),
+    ("ScratchNone", 2, "--backend fake: planned_scratch() returned NoneType None, not names to byte counts"),
+    ("ScratchNegative", 2, "--backend fake: planned_scratch() returned dict {'lib workspace': -1}, not names to"),
+    ("ScratchWithoutAttention", 0, "fake: lib workspace"),
+    ("ScratchOfTheShape", 0, "fake: per score"),
+])
+def test_dry_run_on_a_plugins_planned_scratch(install, attr, code, needle):
+    """--dry-run asks the backend's plugin for its workspaces: what the plugin raises or returns out of contract is
+    one line and exit 2; a plugin whose planned_scratch predates the attention argument is asked without it."""
+    install(ep("bad", attr))
+    r = llmc(*DRY, "--backend", "bad", "--n-layer", 1)
+    assert r.exit_code == code and "Traceback" not in r.output, r.output
+    if code:
+        assert r.stderr.strip().startswith("error: " + needle) and "\n" not in r.stderr.strip(), r.stderr
+    else:
+        assert needle in r.stdout, r.stdout
+    if attr == "ScratchOfTheShape":  # d2 at B=1 T=8: 2 heads -> 256 bytes, 0.00 GiB
+        assert registry.planned_scratch(faulty_plugins.ScratchOfTheShape(), "float32", None,
+                                        (1, 8, 2, 2, 64)) == {"per score": 256}
+
+
 def test_create_raising_systemexit_is_a_plugin_error(install):
     install(ep("bad", "CreateExit"))
     with pytest.raises(registry.PluginError, match="create\\(\\) failed: SystemExit: bye from create"):
