@@ -134,8 +134,7 @@ class HellaSwagResult:
         return {"hellaswag_acc": self.acc, "hellaswag_acc_norm": self.acc_norm, "hellaswag_examples": self.n}
 
 
-HELLASWAG_REMEDY = ("tokenize it again with `llmc tokenize hellaswag --tokenizer {0}` (or `llmc tokenize hellaswag "
-                    "--checkpoint MODEL`)")
+HELLASWAG_REMEDY = "tokenize it again with `llmc tokenize hellaswag --tokenizer {0}` (or --checkpoint MODEL)"
 
 
 class HellaSwag:
