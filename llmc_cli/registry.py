@@ -430,11 +430,8 @@ def planned_scratch(plugin: BackendPlugin, dtype: str, options: dict[str, str] |
     (a bad option value); anything else the plugin raises or returns is a one-line PluginError."""
     fn = plugin.planned_scratch
     try:
-        takes = "attention" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # (a builtin or an odd callable: called the old way)
-        takes = False
-    try:
-        out = fn(dtype, options, attention=attention) if takes else fn(dtype, options)
+        args, kw = _scratch_arguments(fn, dtype, options, attention)
+        out = fn(*args, **kw)
     except BackendUnavailable:
         raise
     except BaseException as e:  # noqa: BLE001  (SystemExit too: a plugin must not end the command)
@@ -446,6 +443,22 @@ def planned_scratch(plugin: BackendPlugin, dtype: str, options: dict[str, str] |
             for k, v in out.items()):
         raise PluginError(f"planned_scratch() returned {_short(out)}, not names to byte counts")
     return {one_line(k, 80): int(v) for k, v in out.items()}
+
+
+def _scratch_arguments(fn, dtype, options, attention) -> tuple[tuple, dict]:
+    """The arguments `fn` takes: `attention` by name (or by position, where only that binds) when its signature has
+    room for it, else (dtype, options) alone, as the contract had it before `attention`."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # (a callable without a signature: called the old way)
+        return (dtype, options), {}
+    for args, kw in (((dtype, options), {"attention": attention}), ((dtype, options, attention), {})):
+        try:
+            sig.bind(*args, **kw)
+            return args, kw
+        except TypeError:
+            continue
+    return (dtype, options), {}
 
 
 def default_dtype(name: str = "auto") -> str:

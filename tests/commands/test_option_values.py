@@ -174,8 +174,8 @@ def test_dry_run_refuses_what_a_run_refuses(args, expect):
 
 def test_dry_run_counts_the_backends_workspaces_as_their_options_set_them():
     """--dry-run on the cuda backend (planned here without a GPU) adds cuBLASLt's workspace and, for bf16 with cuDNN
-    on, the whole batch's cuDNN attention backward workspace, within cudnn_workspace_mib when that is set; the cpu
-    backend has none. A bad value is one line naming the option."""
+    on, cuDNN attention's backward workspace: the whole batch's, or the slice that fits cudnn_workspace_mib when that
+    is set; the cpu backend has none. A bad value is one line naming the option."""
     pytest.importorskip("llmc_cuda", reason="llmc-cuda is not installed")
     from llmc_cuda import CUBLASLT_WORKSPACE_BYTES
     plan = ["train", "--dry-run", "--model", "d12", "-b", 64, "-t", 1024]
@@ -189,13 +189,37 @@ def test_dry_run_counts_the_backends_workspaces_as_their_options_set_them():
     cuda = rows("--backend", "cuda")
     assert cuda["cuda: cuBLASLt workspace"] == f"{CUBLASLT_WORKSPACE_BYTES / 2**30:.2f}"
     assert cuda[key] == "1.50"  # a bf16 score for each of 64 x 12 x 1024 x 1024 query-key pairs, and the statistics
-    assert rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=1024")[key] == "1.00"
+    llama = run("train", "--dry-run", "--backend", "cuda", "--model", "llama3.2-1b", "-b", 8, "-t", 2048).output
+    assert "cuDNN attention workspace (cudnn_workspace_mib) │  2.13" in llama  # 8 key/value heads of 64
+    assert rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=1024")[key] == "0.75"  # 32 sequences
+    assert rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=0")[key] == "0.01"  # 3 heads of one
     assert rows("--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=4096")[key] == "1.50"
     for args in (["--backend-opt", "cudnn=off"], ["--dtype", "fp32"]):
         assert not any("cuDNN" in k for k in rows("--backend", "cuda", *args)), args
     assert not any(k.startswith("cpu:") for k in rows("--backend", "cpu"))
     one_line_error(run(*plan, "--backend", "cuda", "--backend-opt", "cudnn_workspace_mib=-1", ok=False),
                    "--backend-opt cudnn_workspace_mib=-1: expected an integer in [0, 1048576]")
+
+
+# cuDNN 9.19's deterministic attention backward on an H200 (backends/cuda/bench/attn_plans.py --workspace, 2026-11-28):
+# (B, T, n_head, n_kv_head, head_dim) -> the bytes it asked for
+CUDNN_WORKSPACES = {(1, 2048, 32, 8, 64): 285475072, (1, 8192, 32, 8, 128): 4430233856, (2, 64, 4, 2, 16): 166144,
+                    (3, 1024, 25, 25, 64): 157593856, (2, 96, 4, 2, 64): 462080, (1, 100, 4, 4, 32): 132928}
+
+
+def test_planned_attention_workspace_is_cudnns_and_follows_the_cap():
+    """--dry-run's cuDNN workspace is the bytes cuDNN asked for on the GPU, and under cudnn_workspace_mib the slice
+    the backend would run (the batch halved, one sequence, then key/value head groups), or the smallest."""
+    pytest.importorskip("llmc_cuda", reason="llmc-cuda is not installed")
+    from llmc_cuda.options import attention_backward_workspace as whole, planned_attention_workspace as planned
+    for shape, nbytes in CUDNN_WORKSPACES.items():
+        assert whole(*shape) == nbytes, shape
+    one_seq = whole(1, 2048, 32, 8, 64)
+    assert planned(8, 2048, 32, 8, 64, None) == whole(8, 2048, 32, 8, 64) > 2 << 30
+    assert planned(8, 2048, 32, 8, 64, 512 << 20) == one_seq  # 2,178 -> 1,089 -> 545 -> 272 MiB
+    assert planned(8, 2048, 32, 8, 64, 1100 << 20) == whole(4, 2048, 32, 8, 64)
+    assert planned(1, 8192, 32, 8, 128, 4096 << 20) == whole(1, 8192, 16, 4, 128)  # two head groups
+    assert planned(1, 8192, 32, 8, 128, 0) == whole(1, 8192, 4, 1, 128)  # nothing fits: the smallest
 
 
 def test_gpus_refused_before_starting_ranks_that_cannot_reduce(shards):

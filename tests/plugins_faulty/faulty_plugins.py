@@ -288,6 +288,16 @@ class ScratchWithoutAttention(Fake):
         return {"lib workspace": 1 << 30}
 
 
+class ScratchKeywords(Fake):
+    def planned_scratch(self, dtype, options=None, **kw):
+        return {"per score": 2 * kw["attention"][1] ** 2}
+
+
+class ScratchPositional(Fake):
+    def planned_scratch(self, dtype, options, attention, /):
+        return {"per score": 2 * attention[1] ** 2}
+
+
 class ScratchOfTheShape(Fake):
     def planned_scratch(self, dtype, options=None, attention=None):
         B, T, NH, NKV, hd = attention

@@ -166,6 +166,8 @@ def test_dry_run_on_a_plugin_whose_constructor_raises(install):
     ("ScratchNegative", 2, "--backend fake: planned_scratch() returned dict {'lib workspace': -1}, not names to"),
     ("ScratchWithoutAttention", 0, "fake: lib workspace"),
     ("ScratchOfTheShape", 0, "fake: per score"),
+    ("ScratchKeywords", 0, "fake: per score"),
+    ("ScratchPositional", 0, "fake: per score"),
 ])
 def test_dry_run_on_a_plugins_planned_scratch(install, attr, code, needle):
     """--dry-run asks the backend's plugin for its workspaces: what the plugin raises or returns out of contract is

@@ -51,8 +51,10 @@ norm)
   done
   ;;
 1b)
-  for ws in ${CUDNN_WS:-512}; do  # cuDNN's attention-backward workspace cap (MiB); several values: one profile each
-    (cd /tmp && LLMC_CUDNN_WORKSPACE_MIB=$ws timeout 300 $PY "$HERE/backends/cuda/bench/cuda_profile.py" \
+  for ws in ${CUDNN_WS:-default}; do  # cuDNN's attention-backward workspace cap (MiB, or the backend's default);
+    # several values: one profile each
+    (cd /tmp && [ "$ws" = default ] || export LLMC_CUDNN_WORKSPACE_MIB=$ws
+     timeout 300 $PY "$HERE/backends/cuda/bench/cuda_profile.py" \
       --model llama3.2-1b -b 8 -t 2048 --steps 5 --json "$OUT/1b_profile_ws$ws.json") 2>&1 | tail -n 60 \
       > "$OUT/1b_profile_ws$ws.log"
     echo "workspace $ws MiB: $(grep END2END "$OUT/1b_profile_ws$ws.log")"

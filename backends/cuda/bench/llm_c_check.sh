@@ -21,7 +21,7 @@ rm -rf /tmp/llm.c /tmp/cfe && cp -r "$HERE/.llm.c" /tmp/llm.c && mkdir -p /tmp/c
 (cd /tmp/cfe && $PY -m zipfile -e "$HERE"/.whl/nvidia_cudnn_frontend-*.whl .) && mkdir -p /tmp/llm.c/cudnn-frontend \
   && mv /tmp/cfe/include /tmp/llm.c/cudnn-frontend/include
 # CUDA 13's cudaMemAdvise takes a cudaMemLocation (llm.c's managed-memory fallback, unused when the GPU has room)
-sed -i 's/cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdviseSetPreferredLocation, cudaMemLocation{cudaMemLocationTypeHost, 0})/' \
+[ "$(nvcc --version 2>/dev/null | sed -nE 's/.*release ([0-9]+)\..*/\1/p')" -ge 13 ] 2>/dev/null && sed -i 's/cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdviseSetPreferredLocation, cudaMemLocation{cudaMemLocationTypeHost, 0})/' \
   /tmp/llm.c/llmc/cuda_utils.cuh
 # cudnn-frontend 1.32's headers compile NVRTC programs of their own: link NVRTC and the driver too
 sed -i 's/^NVCC_LDLIBS =$/NVCC_LDLIBS = -lnvrtc -lcuda/' /tmp/llm.c/Makefile
@@ -43,7 +43,7 @@ llm_c() {  # round
     (cd /tmp/llm.c && peak timeout 600 mpirun --allow-run-as-root -np "$GPUS" ./train_gpt2cu "${args[@]}")
   else
     (cd /tmp/llm.c && peak timeout 600 ./train_gpt2cu "${args[@]}")
-  fi > "$OUT/llm_c_$1.log" 2>&1 || { echo "llm.c round $1 failed"; tail -n 5 "$OUT/llm_c_$1.log"; }
+  fi > "$OUT/llm_c_$1.log" 2>&1 || { rc=1; echo "llm.c round $1 failed"; tail -n 5 "$OUT/llm_c_$1.log"; }
   echo "llm.c round $1: $(sed -nE 's/^step +([0-9]+)\/[0-9]+ .*\| ([0-9.]+) ms \|.*/\1 \2/p' "$OUT/llm_c_$1.log" \
     | summary) peak $(cat "$OUT/peak") MiB" | tee -a "$OUT/summary.log"
 }
@@ -51,7 +51,7 @@ llmc() {  # round
   (cd /tmp && peak timeout 600 $LLMC train --backend cuda --dtype bf16 --model "$MODEL" -b "$B" -t "$T" \
     --gpus "$GPUS" --zero "$ZERO" --recompute "$RECOMPUTE" --steps "$STEPS" --data "$TRAIN" --val-every 0 \
     --sample-every 0 --log "$OUT/llmc_$1.jsonl") > "$OUT/llmc_$1.log" 2>&1 \
-    || { echo "llmc round $1 failed"; tail -n 5 "$OUT/llmc_$1.log"; }
+    || { rc=1; echo "llmc round $1 failed"; tail -n 5 "$OUT/llmc_$1.log"; }
   echo "llmc  round $1: $($PY -c "import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
@@ -65,5 +65,7 @@ m = statistics.median(ms) if ms else float('nan')
 print(f'median {m:.1f} ms over {len(ms)} steps, {$B * $T * $GPUS / m * 1e3:,.0f} tok/s')"
 }
 echo "$MODEL B=$B T=$T on $GPUS GPU(s), --recompute $RECOMPUTE, ZeRO-$ZERO, $STEPS steps" | tee "$OUT/summary.log"
-for r in $(seq "$ROUNDS"); do llm_c "$r"; llmc "$r"; done
+for r in $(seq "$ROUNDS"); do  # alternated: llm.c first in odd rounds, llmc first in even ones
+  if [ $((r % 2)) = 1 ]; then llm_c "$r"; llmc "$r"; else llmc "$r"; llm_c "$r"; fi
+done
 exit $rc

@@ -10,7 +10,8 @@ set -u
 export OUT=${OUT:-$PWD/workspace_out}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_setup.sh"
 timeout 300 $PY -m pytest -q -p no:cacheprovider backends/cuda/tests/test_cuda.py \
-  -k "cudnn or workspace or two_passes or graph" 2>&1 | tail -n 6 | tee "$OUT/tests.log"
+  -k "cudnn or workspace or two_passes or graph" > "$OUT/tests.log" 2>&1 || rc=1
+tail -n 6 "$OUT/tests.log"
 (cd /tmp && timeout 200 $PY "$HERE/backends/cuda/bench/attn_plans.py" ${SHAPES:-}) 2>&1 | tee "$OUT/attn_plans.log"
 cd /tmp
 IFS=';' read -ra MS <<< "${MODELS:-d12 -b 64 -t 1024; llama3.2-1b -b 8 -t 2048}"
@@ -22,7 +23,7 @@ for m in "${MS[@]}"; do
       for ws in default "${CAP:-512}"; do
         opt=$([ $ws = default ] || echo "--backend-opt cudnn_workspace_mib=$ws")
         timeout 300 $LLMC bench train --backend cuda --dtype $dt --model $m $opt --steps 10 --warmup 3 --json \
-          > "$OUT/run.json" 2> "$OUT/run.err" || { rc=1; tail -n 3 "$OUT/run.err"; }
+          > "$OUT/run.json" 2> "$OUT/run.err" || { rc=1; tail -n 3 "$OUT/run.err"; continue; }
         $PY -c "import json,sys
 r = json.load(open(sys.argv[1]))['results'][0]
 print(f\"  workspace {sys.argv[2]}: {r['median_ms']:.1f} ms {r['tok_s'] / 1e3:.1f}k tok/s \"

@@ -19,6 +19,7 @@ from .options import (
     attention_backward_workspace,
     check_options,
     cudnn_workspace_cap,
+    planned_attention_workspace,
 )
 
 _DTYPES = {None: None, "bf16": BFLOAT16, BFLOAT16: BFLOAT16, "fp32": FLOAT32, FLOAT32: FLOAT32, FP8: FP8}
@@ -128,17 +129,18 @@ class CudaPlugin(BackendPlugin):
     }
 
     def planned_scratch(self, dtype, options=None, attention=None):
-        """cuBLASLt's workspace (CUBLASLT_WORKSPACE_BYTES) and, for bf16 and fp8 with cuDNN on, cuDNN attention's:
-        the whole batch's backward (`attention`'s shape), within cudnn_workspace_mib when it is set. On a GPU whose
-        1/CUDNN_WORKSPACE_SHARE of memory is less, the backward runs in slices that take less. FP8's casts share it:
-        for fp8 it overlaps the plan's "FP8 casts", and the sum is an upper bound."""
+        """cuBLASLt's workspace (CUBLASLT_WORKSPACE_BYTES) and, for bf16 and fp8 with cuDNN on, cuDNN attention's
+        backward: the slice it runs within cudnn_workspace_mib when that is set, else the whole batch's (an upper
+        bound: on a GPU whose 1/CUDNN_WORKSPACE_SHARE is less it runs in smaller slices). Without `attention` (the
+        model's shape) only a set cap is counted. FP8's casts share it: for fp8 it overlaps the plan's "FP8 casts",
+        and the sum is an upper bound."""
         check_options(options)
         out = {"cuBLASLt workspace": CUBLASLT_WORKSPACE_BYTES}
         if _DTYPES.get(dtype, dtype) in (BFLOAT16, FP8) and option_flag(options, "cudnn", True, env="LLMC_CUDNN"):
             cap = cudnn_workspace_cap(options)
-            need = attention_backward_workspace(*attention) if attention is not None else cap
+            need = planned_attention_workspace(*attention, cap) if attention is not None else cap
             if need is not None:
-                out["cuDNN attention workspace (cudnn_workspace_mib)"] = need if cap is None else min(need, cap)
+                out["cuDNN attention workspace (cudnn_workspace_mib)"] = need
         return out
 
     def create(self, device=None, dtype=None, options=None):

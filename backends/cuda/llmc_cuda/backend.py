@@ -1004,9 +1004,8 @@ class CudaBackend(Backend):
         if self._cudnn is None and self.use_cudnn:
             try:
                 from .cudnn_attention import CudnnAttention  # (imports cuDNN, heavy and optional: use_cudnn)
-                self._cudnn = CudnnAttention(cp, self.stream.ptr, plan_dir=self._decisions_path.parent,
-                                             workspace=self._transient)
-                self._cudnn.bwd_workspace_max = self.cudnn_workspace
+                self._cudnn = CudnnAttention(cp, self.stream.ptr, self.cudnn_workspace,
+                                             plan_dir=self._decisions_path.parent, workspace=self._transient)
                 self.cudnn_reason = "ok"
             except Exception as e:
                 self.use_cudnn = False

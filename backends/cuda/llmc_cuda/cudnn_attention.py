@@ -26,13 +26,16 @@ import cudnn
 
 from llmc_cli.kernels import CACHE_FILE_MAX, write_cache_file
 
+from .options import backward_slices
+
 Q, K, V, O, STATS, DO, DQ, DK, DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 
 class CudnnAttention:
-    def __init__(self, cupy, stream_ptr: int, plan_dir: Path | None = None, workspace=None):
-        """`workspace(nbytes)`, when given, returns device memory of at least nbytes for one call (the backend's
-        scratch, shared with what other calls need only while they run); else this object keeps its own."""
+    def __init__(self, cupy, stream_ptr: int, bwd_workspace_max: int, plan_dir: Path | None = None, workspace=None):
+        """`bwd_workspace_max`: bytes the backward's slices may take. `workspace(nbytes)`, when given, returns device
+        memory of at least nbytes for one call (the backend's scratch, shared with what other calls need only while
+        they run); else this object keeps its own."""
         self.cp = cupy
         self._workspace = workspace
         self.handle = cudnn.create_handle()
@@ -41,7 +44,7 @@ class CudnnAttention:
         self.graphs: dict[tuple, object] = {}
         self.failed: dict[tuple, str] = {}
         self.workspace = None
-        self.bwd_workspace_max = 512 << 20  # bytes
+        self.bwd_workspace_max = bwd_workspace_max
         # (B, T, NH, NKV, hd) -> (graph, sequences per slice, key/value heads per slice)
         self.bwd_slices: dict[tuple, tuple] = {}
 
@@ -155,27 +158,17 @@ class CudnnAttention:
         return True
 
     def _backward_plan(self, B, T, NH, NKV, hd):
-        """(graph, sequences, key/value heads) of the largest slice whose workspace fits: the batch halved while
-        it divides (B, B/2, ...), then one sequence, then its key/value heads (NKV, NKV/2, ...); None when cuDNN
-        plans no backward."""
+        """(graph, sequences, key/value heads) of the largest slice (options.backward_slices) whose workspace fits,
+        else of the smallest; None when cuDNN plans no backward."""
         key = (B, T, NH, NKV, hd)
         if key not in self.bwd_slices:
-            plan = None
-            Bs, G, rep = B, NKV, NH // NKV
-            while True:
+            plan, rep = None, NH // NKV
+            for Bs, G in backward_slices(B, NKV):
                 g = self.graph("bwd", Bs, T, G * rep, G, hd, *(() if G == NKV else (NH, NKV)))
                 if g is None:
                     break
                 plan = (g, Bs, G)
                 if g.get_workspace_size() <= self.bwd_workspace_max:
-                    break
-                if Bs % 2 == 0:
-                    Bs //= 2
-                elif Bs > 1:
-                    Bs = 1
-                elif G % 2 == 0:
-                    G //= 2
-                else:
                     break
             self.bwd_slices[key] = plan
         return self.bwd_slices[key]

@@ -44,3 +44,31 @@ def attention_backward_workspace(B: int, T: int, NH: int, NKV: int, hd: int) -> 
     rows = B * NH * T
     scores = 2 * B * NH * (-(-T // 64) * 64) * (-(-T // 128) * 128)
     return scores + 4 * rows + 256 + (4 * rows * hd if NKV < NH else 0)
+
+
+def backward_slices(B: int, NKV: int):
+    """(sequences, key/value heads) of the attention backward's slices, largest first, as the backend tries them
+    against its workspace cap: the batch halved while it divides, then one sequence, then its key/value heads
+    halved (each with its query heads)."""
+    Bs, G = B, NKV
+    while True:
+        yield Bs, G
+        if Bs % 2 == 0:
+            Bs //= 2
+        elif Bs > 1:
+            Bs = 1
+        elif G % 2 == 0:
+            G //= 2
+        else:
+            return
+
+
+def planned_attention_workspace(B: int, T: int, NH: int, NKV: int, hd: int, cap: int | None) -> int:
+    """Bytes of the slice the backend runs within `cap` (None: the whole batch), else of the smallest."""
+    rep = NH // NKV
+    for Bs, G in backward_slices(B, NKV):
+        need = attention_backward_workspace(Bs, T, G * rep, G, hd)
+        if cap is None or need <= cap:
+            break
+    return need
+
