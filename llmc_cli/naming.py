@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-FLAGS = {"batch_size": "-b", "seq_len": "-t"}  # a field whose flag is not --FIELD-NAME
+FLAGS = {"batch_size": "-b", "seq_len": "-t", "channels": "-c"}  # a field whose flag is not --FIELD-NAME
 
 _cli = False  # process-wide, not a contextvar: a thread the command starts (a prefetch, a reader) raises in its words
 
@@ -15,11 +15,13 @@ _cli = False  # process-wide, not a contextvar: a thread the command starts (a p
 def flag_name(field: str, value=None, *, short: bool = True) -> str:
     """A field as the command line names it: its flag (`-b`, or `--batch-size` when not `short`;
     `--total-batch-size`), with its value (`-b 4`); an on/off flag is the flag alone, given True (`--resume`) or
-    False (`--no-graphs`)."""
+    False (`--no-graphs`); a repeatable option given a list is the flag once per item (`--backend a --backend b`)."""
     long = "--" + field.replace("_", "-")
     flag = FLAGS.get(field, long) if short else long
     if value is False:
         return "--no-" + long[2:]
+    if isinstance(value, (list, tuple)):
+        return " ".join(f"{flag} {v}" for v in value)
     return flag if value is None or value is True else f"{flag} {value}"
 
 
@@ -28,15 +30,20 @@ def python_name(field: str, value=None) -> str:
     return field if value is None else f"{field}={value!r}"
 
 
-def arg(field: str, value=None, *, short: bool = True) -> str:
-    """`field` (with `value`) in the words of whoever called: a flag under an `llmc` command, else the argument."""
-    return flag_name(field, value, short=short) if _cli else python_name(field, value)
+def arg(field: str, value=None, *, short: bool = True, cli: str | None = None) -> str:
+    """`field` (with `value`) in the words of whoever called: a flag under an `llmc` command, else the argument.
+    `cli`: the command line's field where the Python argument has another name (`T` is `seq_len` there: `-t`)."""
+    return flag_name(cli or field, value, short=short) if _cli else python_name(field, value)
 
 
-def arg_both(field: str) -> str:
-    """A field with a short flag as the command line names it both ways (`-b/--batch-size`); Python: its name."""
-    short, long = arg(field), arg(field, short=False)
-    return short if short == long else f"{short}/{long}"
+def arg_both(field: str, value=None, *, cli: str | None = None) -> str:
+    """A field with a short flag as the command line names it both ways (`-b/--batch-size`, `-t/--seq-len 64`);
+    Python: its name (`seq_len`, `T=64`). `cli` as for `arg`."""
+    if not _cli:
+        return python_name(field, value)
+    short, long = flag_name(cli or field), flag_name(cli or field, short=False)
+    both = short if short == long else f"{short}/{long}"
+    return both if value is None else f"{both} {value}"
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from llmc_cli.kernels import (
     Backend,
     BackendUnavailable,
 )
+from llmc_cli.naming import arg
 
 # relative error (max |got - ref| / max |ref|) above which a kernel is a mismatch, by the backend's dtype
 TOLERANCES = {FLOAT32: 1e-4, BFLOAT16: 3e-2, FP8: 1e-1,  # FP8: a matmul's, operands rounded to 3 or 2 mantissa bits
@@ -46,15 +47,20 @@ def failure_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _named(name: str) -> str:
+    """A backend of resolve_backends' `names` as its caller gave it (`--backend cuda` on the command line)."""
+    return f"{arg('names', cli='backend')} {name}"
+
+
 def _not_installed(name: str, installed: list[str]) -> None:
     """The BenchError for a --backend no plugin answers to."""
     listed = f"installed: {', '.join(installed) or 'none'}"
     if not name.strip():
-        raise BenchError(f"--backend: an empty name; give one of the installed backends ({listed})")
+        raise BenchError(f"{arg('names', cli='backend')}: an empty name; give one of the installed backends ({listed})")
     if "," in name:  # (a list in one option: each backend is an option of its own)
-        raise BenchError(f"--backend {name}: not installed ({listed}); give one backend per --backend, "
-                         "e.g. --backend cpu --backend opencl")
-    raise BenchError(f"--backend {name}: not installed ({listed})")
+        raise BenchError(f"{_named(name)}: not installed ({listed}); give one backend per {arg('names', cli='backend')}"
+                         f", e.g. {arg('names', ['cpu', 'opencl'], cli='backend')}")
+    raise BenchError(f"{_named(name)}: not installed ({listed})")
 
 
 def _create(plugin, name: str, tag: str | None, dtype, options: dict, named: bool, chosen: list, skipped: list,
@@ -66,15 +72,15 @@ def _create(plugin, name: str, tag: str | None, dtype, options: dict, named: boo
         chosen.append((label, registry.create_with(plugin, None, dtype, options)))
     except registry.PluginError as e:  # probed usable, then broke the contract: a failure, not a skip
         if named:
-            raise BenchError(f"--backend {label}: {e}") from None
+            raise BenchError(f"{_named(label)}: {e}") from None
         failed.append((label, str(e)))
     except BackendUnavailable as e:
         if named:
-            raise BenchError(f"--backend {name}{'' if tag is None else ' --dtype ' + tag}: {e}") from None
+            raise BenchError(f"{_named(name)}{'' if tag is None else ' ' + arg('dtype') + ' ' + tag}: {e}") from None
         skipped.append((label, str(e)))
     except Exception as e:  # noqa: BLE001  (a plugin's bug in create(): its line, the others still run)
         if named:
-            raise BenchError(f"--backend {label}: cannot start ({failure_line(e)})") from None
+            raise BenchError(f"{_named(label)}: cannot start ({failure_line(e)})") from None
         failed.append((label, f"cannot start ({failure_line(e)})"))
 
 
@@ -106,7 +112,7 @@ def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | No
             _not_installed(name, list(by_name) if given else (registry.installed_names() or list(by_name)))
         if p.plugin is None or not p.usable:
             if names:
-                raise BenchError(f"--backend {name}: installed but cannot run here: {registry.one_line(p.reason)}")
+                raise BenchError(f"{_named(name)}: installed but cannot run here: {registry.one_line(p.reason)}")
             skipped.append((name, registry.one_line(p.reason)))
             continue
         mine = {k: v for k, v in (options or {}).items() if k in (getattr(p.plugin, "options", {}) or {})}
@@ -120,8 +126,8 @@ def resolve_backends(names: Sequence[str], dtype: str | None | Sequence[str | No
     declared = {k for name in {label.split()[0] for label, _ in chosen}
                 for k in (getattr(by_name[name].plugin, "options", {}) or {})}
     if unknown := sorted(set(options or {}) - declared):
-        raise BenchError(f"--backend-opt {unknown[0]}: none of the benchmarked backends has this option "
-                         "(see `llmc backends --options`)")
+        raise BenchError(f"{arg('options', cli='backend_opt')} {unknown[0]}: none of the benchmarked backends has this "
+                         "option (see `llmc backends --options`)")
     return chosen, skipped
 
 

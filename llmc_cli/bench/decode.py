@@ -18,6 +18,7 @@ from llmc_cli.bench.backends import failure_line
 from llmc_cli.inference.decode import KVDecoder, has_kv_cache
 from llmc_cli.kernels import Backend
 from llmc_cli.models.families import family_of
+from llmc_cli.naming import arg, arg_both
 
 
 def _greedy(dec: KVDecoder, logits: np.ndarray, n: int) -> tuple[np.ndarray, float]:
@@ -69,9 +70,10 @@ def run_decode(backends: Sequence[tuple[str, Backend]], cfg, B: int, S: int, *, 
     """Every backend decodes the same model from the same prompt: {"config", "results"}. A backend that raises
     gets a result {"backend", "failed": one line} and the others still run."""
     if S < 2:  # (no prompt length fits a window of one: the window is what is wrong)
-        raise ValueError(f"-t/--seq-len {S}: the window must hold the prompt and at least one new token (2 or more)")
+        raise ValueError(f"{arg_both('S', S, cli='seq_len')}: the window must hold the prompt and at least one new "
+                         "token (2 or more)")
     if not 1 <= prompt_len < S:
-        raise ValueError(f"--prompt-len {prompt_len} must be at least 1 and shorter than the window ({S})")
+        raise ValueError(f"{arg('prompt_len', prompt_len)} must be at least 1 and shorter than the window ({S})")
     params = family_of(cfg).init_parameters(cfg, seed)
     results = []
     for label, be in backends:

@@ -24,6 +24,7 @@ from llmc_cli.models.families import family_of
 from llmc_cli.models.gpt2 import GPT2Config, num_parameters
 from llmc_cli.models.llama3 import freqs_cis
 from llmc_cli.models.llama3 import num_parameters as llama_params
+from llmc_cli.naming import arg, arg_both
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernel cases
@@ -523,9 +524,10 @@ def check_host_memory(cases: Sequence[KernelCase], cfg, B: int, T: int, availabl
         return
     need, case = max((host_bytes_needed(c, cfg, B, T), c.name) for c in cases)
     if need > available:
-        raise BenchError(f"-b {B} -t {T}: the kernel case {case} needs at least {need / 2**30:.1f} GiB of host memory, "
-                         f"{available / 2**30:.1f} GiB is available; lower -b/--batch-size or -t/--seq-len, or leave "
-                         "it out with --only")
+        raise BenchError(f"{arg('B', B, cli='batch_size')} {arg('T', T, cli='seq_len')}: the kernel case {case} needs "
+                         f"at least {need / 2**30:.1f} GiB of host memory, {available / 2**30:.1f} GiB is available; "
+                         f"lower {arg_both('B', cli='batch_size')} or {arg_both('T', cli='seq_len')}, or leave it out "
+                         f"with {arg('only')}")
 
 
 def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int, T: int, *, repeat: int = 10,
@@ -540,12 +542,12 @@ def run_kernels(backends: Sequence[tuple[str, Backend]], cfg: GPT2Config, B: int
     it but a line in "failed" ({"kernel", "backend", "error"}), and the others are still measured. Returns
     {"config", "results": [...], "mismatches": [...], "failed": [...]}."""
     if repeat < 1 or warmup < 0:
-        raise BenchError(f"--repeat must be >= 1 and --warmup >= 0 (got {repeat}, {warmup})")
+        raise BenchError(f"{arg('repeat')} must be >= 1 and {arg('warmup')} >= 0 (got {repeat}, {warmup})")
     cases = kernel_cases(cfg, B, T)
     if only:
         cases = [c for c in cases if any(c.name.startswith(o) for o in only)]
         if not cases:
-            raise BenchError(f"--only {' '.join(only)}: matches no kernel")
+            raise BenchError(f"{arg('only')} {' '.join(only)}: matches no kernel")
     check_host_memory(cases, cfg, B, T)
     out = {"results": [], "mismatches": [], "failed": []}
     for case in cases:

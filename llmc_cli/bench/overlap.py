@@ -37,6 +37,7 @@ from llmc_cli.kernels import (
     OVERLAP_SYNC,
     Backend,
 )
+from llmc_cli.naming import arg, arg_both
 
 BATCHES = (8, 16, 32, 64, 128, 256, 512)  # the diary's batch sizes, at T=1024, C=768 (GPT-2 124M's width)
 STREAMS = (1, 2, 4, 8, 16)
@@ -130,21 +131,28 @@ def check_grid(batches: Sequence[int], T: int, C: int, modes: Sequence[str], str
                blocks: Sequence[int], host_memory: Sequence[str]) -> None:
     """BenchError (one line, naming the option) for a grid the backends must not be asked to run."""
     if not batches or min(batches) < 1 or T < 1 or C < 1:
-        raise BenchError(f"-b/--batch-size, -t/--seq-len and -c/--channels must be >= 1 (got {list(batches)}, {T}, "
-                         f"{C})")
+        raise BenchError(f"{arg_both('batches', cli='batch_size')}, {arg_both('T', cli='seq_len')} and "
+                         f"{arg_both('C', cli='channels')} must be >= 1 (got {list(batches)}, {T}, {C})")
     if bad := [m for m in modes if m not in OVERLAP_MODES]:
-        raise BenchError(f"--mode {bad[0]}: expected one of {', '.join(OVERLAP_MODES)}")
+        raise BenchError(f"{arg('modes', cli='mode')} {bad[0]}: expected one of {', '.join(OVERLAP_MODES)}")
     if bad := [h for h in host_memory if h not in HOST_MEMORY]:
-        raise BenchError(f"--host-memory {bad[0]}: expected one of {', '.join(HOST_MEMORY)}")
+        raise BenchError(f"{arg('host_memory')} {bad[0]}: expected one of {', '.join(HOST_MEMORY)}")
     if bad := [b for b in blocks if not (32 <= b <= 1024 and b & (b - 1) == 0)]:
-        raise BenchError(f"--block {bad[0]}: expected a power of two in 32..1024 (threads per block)")
+        raise BenchError(f"{arg('blocks', cli='block')} {bad[0]}: expected a power of two in 32..1024 (threads per "
+                         "block)")
     if bad := [s for s in streams if not 1 <= s <= MAX_STREAMS]:
-        raise BenchError(f"--streams {bad[0]}: expected 1..{MAX_STREAMS}")
+        raise BenchError(f"{arg('streams')} {bad[0]}: expected 1..{MAX_STREAMS}")
     if max(batches) * T >= 2**31:
-        raise BenchError(f"-b {max(batches)} -t {T}: {max(batches) * T:,} rows, more than the kernels index (2**31 - 1)")
+        raise BenchError(f"{_rows(max(batches), T)}: {max(batches) * T:,} rows, more than the kernels index "
+                         "(2**31 - 1)")
     if OVERLAP_CHUNKED in modes and max(streams) > min(batches) * T:
-        raise BenchError(f"--streams {max(streams)}: more chunks than the {min(batches) * T} rows of -b "
-                         f"{min(batches)} -t {T}")
+        raise BenchError(f"{arg('streams')} {max(streams)}: more chunks than the {min(batches) * T} rows of "
+                         f"{_rows(min(batches), T)}")
+
+
+def _rows(B: int, T: int) -> str:
+    """One batch size of `batches` and T as a caller gave them (`-b 8 -t 1024` on the command line)."""
+    return f"{arg('batches', cli='batch_size')} {B} {arg('T', T, cli='seq_len')}"
 
 
 def reference_stats(inp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -222,7 +230,7 @@ def run_overlap(backends: Sequence[tuple[str, Backend]], T: int = 1024, C: int =
     "mismatches"}. One record per case: its grid point, bytes, times (ms), median, GB/s at the median, error."""
     check_grid(batches, T, C, modes, streams, blocks, host_memory)
     if repeat < 1 or warmup < 0:
-        raise BenchError(f"--repeat must be >= 1 and --warmup >= 0 (got {repeat}, {warmup})")
+        raise BenchError(f"{arg('repeat')} must be >= 1 and {arg('warmup')} >= 0 (got {repeat}, {warmup})")
     for label, be in backends:
         if CAP_COPY_OVERLAP not in be.capabilities:
             raise BenchError(f"backend {label} cannot overlap copies (capability {CAP_COPY_OVERLAP!r})")
@@ -264,9 +272,9 @@ def _run_backend(label: str, be: Backend, cases: list, T: int, C: int, N: int, b
         plan = _Plan(be, N, C, inp, weight, bias, ref_mean, ref_rstd, list(dict.fromkeys(host_memory)))
     except Exception as e:
         if be.is_out_of_memory(e):
-            raise BenchError(f"{label}: out of memory for -b {max(batches)} -t {T} -c {C} "
+            raise BenchError(f"{label}: out of memory for {_rows(max(batches), T)} {arg('C', C, cli='channels')} "
                              f"({4 * N * C / 2**30:.1f} GiB per array, two on the device and two per kind of "
-                             "host memory); lower -b") from None
+                             f"host memory); lower {arg('batches', cli='batch_size')}") from None
         raise
     for i, case in enumerate(cases):
         n = case.B * T
@@ -301,7 +309,7 @@ def overlap_backends(backends: Sequence[tuple[str, Backend]],
             continue
         why = f"no {CAP_COPY_OVERLAP} capability: no host<->device copies to overlap"
         if named:
-            raise BenchError(f"--backend {label}: {why}")
+            raise BenchError(f"{arg('backends', cli='backend')} {label}: {why}")
         skipped.append((label, why))
     if not chosen:
         raise BenchError(f"no usable backend can overlap copies (capability {CAP_COPY_OVERLAP}; see `llmc backends`)")

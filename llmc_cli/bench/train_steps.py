@@ -27,6 +27,7 @@ from llmc_cli.kernels import (
 from llmc_cli.models.base import INT32_MAX, check_seq_len
 from llmc_cli.models.families import family_of, flops_per_token
 from llmc_cli.models.family import Config
+from llmc_cli.naming import arg
 from llmc_cli.optim import AdamWConfig
 from llmc_cli.training.args import TrainArgs
 from llmc_cli.training.trainer import Trainer
@@ -86,8 +87,8 @@ def _preset_for(cfg: Config) -> tuple[str, dict]:
     for name in fam.preset_names:
         if fam.preset(name, **over) == cfg:
             return name, over
-    raise BenchError(f"no {fam.label} preset gives this model with --n-layer/--n-head/--n-embd/--block-size/"
-                     f"--vocab-size overrides: {cfg}")
+    fields = "/".join(arg(f) for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"))
+    raise BenchError(f"no {fam.label} preset gives this model with {fields} overrides: {cfg}")
 
 
 def _steps_progress(progress: Callable[[str], None] | None, what: str) -> Callable[[int, int, int], None] | None:
@@ -222,8 +223,8 @@ def random_shard(directory: str | Path, cfg: Config, ntokens: int, seed: int) ->
     fits = [t for t, n in sorted(SHARD_VOCAB.items(), key=lambda kv: -kv[1])
             if cfg.vocab_size >= n and (t != "bytes" or cfg.vocab_size == n)]  # (bytes: a byte model's alone)
     if not fits or (fits[0] == "gpt2" and cfg.vocab_size > 2**16):
-        raise BenchError(f"--vocab-size {cfg.vocab_size}: random tokens need a vocabulary of GPT-2's 50257 to "
-                         f"65536 ids or Llama 3's 128256 or more (shard formats); give --data instead")
+        raise BenchError(f"{arg('vocab_size', cfg.vocab_size)}: random tokens need a vocabulary of GPT-2's 50257 to "
+                         f"65536 ids or Llama 3's 128256 or more (shard formats); give {arg('data')} instead")
     rng = np.random.default_rng(seed)
     path = Path(directory) / "bench_train_000000.bin"
     write_shard(path, rng.integers(0, cfg.vocab_size, ntokens, dtype=np.int64), tokenizer=fits[0])
@@ -284,17 +285,17 @@ def run_train(backends: Sequence[tuple[str, Backend]], cfg: Config, B: int, T: i
     {"config", "results", "notes", "failed"}; a PyTorch variant that fails is a note, not an error, and a backend
     that raises (other than the trainer refusing the options) is a line in "failed" while the others train."""
     if steps < 1 or warmup < 0:
-        raise BenchError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+        raise BenchError(f"{arg('steps')} must be >= 1 and {arg('warmup')} >= 0 (got {steps}, {warmup})")
     if steps + warmup > INT32_MAX:  # (the trainer, given their sum, named a --steps no one had typed)
-        raise BenchError(f"--steps {steps} --warmup {warmup}: {steps + warmup:,} steps in all, more than a run "
-                         f"counts ({INT32_MAX:,})")
+        raise BenchError(f"{arg('steps', steps)} {arg('warmup', warmup)}: {steps + warmup:,} steps in all, more "
+                         f"than a run counts ({INT32_MAX:,})")
     try:
-        check_seq_len(T, cfg.block_size, "-t")
+        check_seq_len(T, cfg.block_size, arg("T", cli="seq_len"))
     except ValueError as e:
         raise BenchError(str(e)) from None
     if recompute != "none" and any(m.startswith("torch") for m in compare):
-        raise BenchError(f"--recompute {recompute} times llmc only; --compare runs PyTorch without it, so leave one "
-                         "out")
+        raise BenchError(f"{arg('recompute', recompute)} times llmc only; {arg('compare')} runs PyTorch without it, so "
+                         "leave one out")
     if torch_dtype is None:
         torch_dtype = torch_dtype_for(backends)
     results, notes, failed = [], [], []

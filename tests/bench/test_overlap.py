@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from llmc_test_support import make_backend, overlap_backend
 
+from llmc_cli import naming
 from llmc_cli.bench import overlap as ov
 from llmc_cli.bench.backends import BenchError
 from llmc_cli.bench.report import overlap_lines, overlap_table
@@ -37,7 +38,7 @@ def test_the_grids_and_an_axis_given_in_place_of_the_grids():
     assert ov.grid_line("small", small, 2, 1024, 768) == (
         "bench overlap: 16 case(s) on 2 backend(s) (grid small; --grid full runs 504 per backend)")
     assert ov.grid_line("full", mixed, 1, 1024, 768) == "bench overlap: 72 case(s) on 1 backend(s) (grid full)"
-    with pytest.raises(BenchError, match="--streams 16: more chunks than the 8 rows"):
+    with naming.flags(), pytest.raises(BenchError, match="--streams 16: more chunks than the 8 rows"):
         ov.grid_line("full", ov.grid_axes("full"), 1, 1, 768)
     assert ov.grid_help().startswith("small: 8 cases (-b 8 16, --streams 4, --block 256, --host-memory pinned")
 
@@ -128,7 +129,7 @@ def test_unwritten_stale_or_wrong_outputs_are_mismatches(fault, failing):
 ])
 def test_bad_grids_are_one_line_before_any_memory_is_taken(kw, needle):
     be = overlap_backend()
-    with pytest.raises(BenchError) as e:
+    with naming.flags(), pytest.raises(BenchError) as e:  # (the flags; test_bench_naming: a Python caller's words)
         ov.run_overlap([("host", be)], **dict(SMALL, **kw))
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert be.calls == 0 and be.memory_report().allocated == 0
@@ -139,7 +140,7 @@ def test_backends_without_the_capability_are_skipped_or_refused():
     assert CAP_COPY_OVERLAP not in cpu.capabilities
     chosen, skipped = ov.overlap_backends([("cpu", cpu), ("host", host)], named=False)
     assert chosen == [("host", host)] and skipped[0][0] == "cpu" and "copy_overlap" in skipped[0][1]
-    with pytest.raises(BenchError, match="--backend cpu: no copy_overlap capability"):
+    with naming.flags(), pytest.raises(BenchError, match="--backend cpu: no copy_overlap capability"):
         ov.overlap_backends([("cpu", cpu), ("host", host)], named=True)
     with pytest.raises(BenchError, match="no usable backend can overlap copies"):
         ov.overlap_backends([("cpu", cpu)], named=False)

@@ -16,6 +16,7 @@ from llmc_test_support import make_backend
 
 torch = pytest.importorskip("torch", reason="PyTorch is the test oracle: pip install torch==2.13.0")
 
+from llmc_cli import naming  # noqa: E402
 from llmc_cli.bench import train_steps  # noqa: E402
 from llmc_cli.bench.backends import BenchError  # noqa: E402
 from llmc_cli.bench.torch_gpt2 import build_torch_gpt2  # noqa: E402
@@ -212,7 +213,7 @@ def test_random_shard_format_follows_the_vocabulary(tmp_path):
     assert info.tokenizer == "llama3" and info.num_tokens == 100
     small = llama3.preset("llama3-tiny")
     assert read_shard_header(train_steps.random_shard(tmp_path / "..", small, 100, 0)).tokenizer == "gpt2"
-    with pytest.raises(BenchError, match="--vocab-size 70000.*--data"):
+    with naming.flags(), pytest.raises(BenchError, match="--vocab-size 70000.*--data"):
         train_steps.random_shard(tmp_path, replace(small, vocab_size=70000), 100, 0)
 
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "llmc_cli"
-DOMAIN = ("training", "formats", "parallel", "tokenizing", "models", "data", "inference", "evals")
+DOMAIN = ("training", "formats", "parallel", "tokenizing", "models", "data", "inference", "evals", "bench")
 MAX_FIXED = 150
 FLAG = re.compile(r"(?<![\w\-.])(--[a-z][a-z0-9-]+|-[bt](?= |$|/))")  # `--out`, `-t 64`; not `a-b` or `x--y`
 COMMAND = re.compile(r"`(llmc|pip) [^`]*`")  # a whole command to run (`llmc train --procs N`) is advice to anyone
