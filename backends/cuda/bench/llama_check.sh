@@ -7,8 +7,8 @@
 #   PART=profile ...  where a decoded token's time goes (decode_profile.py), d12 and Llama 3.2-1B
 #   PART=norm   ...   the CUDA norm tests, then the norm backward's implementations (`llmc bench kernels --variants`)
 #                     on Llama 3.2-1B's (B=8 T=2048) and Llama 3.1 8B's (B=1 T=8192) shapes
-#   PART=8b     ...   Llama 3.1 8B on every GPU here (GPUS=N: the first N): CONFIGS="BxT:recompute ..." tried in order until one
-#                     trains (ZERO, STEPS, DTYPE, EXTRA train options, TAG for the log names from the environment); device memory sampled by nvidia-smi
+#   PART=8b     ...   Llama 3.1 8B on every GPU here (GPUS=N: the first N): CONFIGS="BxT:recompute ..." tried in
+#                     order until one trains (ZERO, STEPS, DTYPE, EXTRA train options, TAG for the log names from the environment); device memory sampled by nvidia-smi
 # Expects python3.12 at /opt/torch/.venv (CuPy, torch), the carried cp312 wheels in .whl/ (pyopencl and its
 # dependencies, nvmath-python, cudnn-frontend), NVIDIA's driver with libnvidia-opencl.so.1.
 set -u

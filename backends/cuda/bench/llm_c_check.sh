@@ -21,7 +21,9 @@ rm -rf /tmp/llm.c /tmp/cfe && cp -r "$HERE/.llm.c" /tmp/llm.c && mkdir -p /tmp/c
 (cd /tmp/cfe && $PY -m zipfile -e "$HERE"/.whl/nvidia_cudnn_frontend-*.whl .) && mkdir -p /tmp/llm.c/cudnn-frontend \
   && mv /tmp/cfe/include /tmp/llm.c/cudnn-frontend/include
 # CUDA 13's cudaMemAdvise takes a cudaMemLocation (llm.c's managed-memory fallback, unused when the GPU has room)
-[ "$(nvcc --version 2>/dev/null | sed -nE 's/.*release ([0-9]+)\..*/\1/p')" -ge 13 ] 2>/dev/null && sed -i 's/cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdviseSetPreferredLocation, cudaMemLocation{cudaMemLocationTypeHost, 0})/' \
+CUDA_MAJOR=$(nvcc --version 2>/dev/null | sed -nE 's/.*release ([0-9]+)\..*/\1/p')
+HOST='cudaMemLocation{cudaMemLocationTypeHost, 0}'
+[ "${CUDA_MAJOR:-0}" -ge 13 ] && sed -i "s/cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)/cudaMemAdviseSetPreferredLocation, $HOST)/" \
   /tmp/llm.c/llmc/cuda_utils.cuh
 # cudnn-frontend 1.32's headers compile NVRTC programs of their own: link NVRTC and the driver too
 sed -i 's/^NVCC_LDLIBS =$/NVCC_LDLIBS = -lnvrtc -lcuda/' /tmp/llm.c/Makefile
