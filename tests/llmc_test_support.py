@@ -178,6 +178,11 @@ def two_shard_dir(tmp_path: Path) -> str:
     return str(d)
 
 
+def train_tiny(data, *args, ok: bool = True):
+    """`llmc train` of the TINY model on `data` with ARGS, in process (see `run`)."""
+    return run(*TINY, "--data", data, *args, ok=ok)
+
+
 def local_http_server(answer: bytes) -> int:
     """The port of a local server giving every request `answer` (a connection that sends nothing, a reachability
     probe, gets nothing): downloads tested without the internet."""

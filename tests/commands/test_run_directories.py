@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from llmc_test_support import TINY, last_line_error, run, two_shard_dir
+from llmc_test_support import TINY, last_line_error, run
+from llmc_test_support import train_tiny as train
 
 from llmc_cli.parallel.comm import CommError, discover
 
@@ -20,15 +21,6 @@ LLMC = [sys.executable, "-m", "llmc_cli"]
 
 
 one_line_error = last_line_error
-
-
-@pytest.fixture
-def data(tmp_path):
-    return two_shard_dir(tmp_path)
-
-
-def train(data, *args, ok=True):
-    return run(*TINY, "--data", data, *args, ok=ok)
 
 
 def test_a_link_or_a_users_file_under_the_lock_name_is_never_written(tmp_path, data):

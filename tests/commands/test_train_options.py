@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 import pytest
-from llmc_test_support import TINY, last_line_error, run, two_shard_dir
+from llmc_test_support import TINY, last_line_error, run
+from llmc_test_support import train_tiny as train
 
 from llmc_cli.formats.shards import write_shard
 from llmc_cli.parallel.comm import CommError, discover
@@ -21,15 +22,6 @@ from llmc_cli.training.signals import StopSignals
 
 
 one_line_error = last_line_error
-
-
-@pytest.fixture
-def data(tmp_path):
-    return two_shard_dir(tmp_path)
-
-
-def train(data, *args, ok=True):
-    return run(*TINY, "--data", data, *args, ok=ok)
 
 
 TWO_TOGETHER = """
