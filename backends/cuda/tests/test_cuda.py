@@ -76,34 +76,32 @@ def test_probe_reports_device():
 # =============================================================================================================
 # NVRTC build and cache
 
-def test_nvrtc_build_and_disk_cache():
+def test_nvrtc_build_and_disk_cache(tmp_path):
     """The kernels compile through NVRTC for this device, the cubin lands in CuPy's on-disk cache, and a fresh
-    process loads it from there instead of compiling again."""
+    process loads it from there instead of compiling again. Both processes use a cache of this test's own: the
+    shared one gains other workers' kernels while the test looks."""
     import subprocess
     import sys
-    import time
-    import uuid
-    b = cuda(BFLOAT16)
-    for t in b._compiling.threads.values():  # (the backend's own modules, compiling on threads from its creation:
-        t.join()  # on a cold cache they land in it while this test looks, as if the second process had compiled)
-    import cupy as cp
     from llmc_cuda.backend import KERNEL_SOURCE
-    cache = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
-    src = KERNEL_SOURCE.read_text() + f"\n// cache probe {uuid.uuid4().hex}\n"
-    before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
-    t0 = time.perf_counter()
-    cp.RawModule(code=src, options=b.compile_options(True)).get_function("gelu_forward")
-    cold = time.perf_counter() - t0
-    after = set(os.listdir(cache))
-    assert after - before, f"NVRTC output was not cached in {cache}"
+    b = cuda(BFLOAT16)
+    cache = tmp_path / "kernel_cache"
+    probe = tmp_path / "llmc_cache_probe.cu"
+    probe.write_text(KERNEL_SOURCE.read_text())
     code = ("import sys, time, cupy as cp; src = open(sys.argv[1]).read(); t0 = time.perf_counter(); "
             "cp.RawModule(code=src, options=tuple(sys.argv[2:])).get_function('gelu_forward'); "
             "print(time.perf_counter() - t0)")
-    probe = os.path.join(cache, "..", "llmc_cache_probe.cu")
-    with open(probe, "w") as f:
-        f.write(src)
-    warm = float(subprocess.check_output([sys.executable, "-c", code, probe, *b.compile_options(True)]).split()[-1])
-    assert set(os.listdir(cache)) == after, "a second process compiled again instead of loading the cached cubin"
+    env = dict(os.environ, CUPY_CACHE_DIR=str(cache))
+
+    def build() -> float:
+        out = subprocess.check_output([sys.executable, "-c", code, str(probe), *b.compile_options(True)], env=env)
+        return float(out.split()[-1])
+
+    cold = build()
+    cached = {f.name: f.stat().st_mtime_ns for f in cache.iterdir()} if cache.is_dir() else {}
+    assert cached, f"NVRTC output was not cached in {cache}"
+    warm = build()
+    assert {f.name: f.stat().st_mtime_ns for f in cache.iterdir()} == cached, \
+        "a second process compiled again instead of loading the cached cubin"
     print(f"nvrtc: cold build {cold * 1e3:.0f} ms, another process from the disk cache {warm * 1e3:.1f} ms, "
           f"arch sm_{b.cc}")
 

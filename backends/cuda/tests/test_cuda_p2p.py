@@ -9,6 +9,7 @@ than two GPUs are visible."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,10 +138,12 @@ def test_two_gpus_through_peer_memory_train_the_bits_of_nccl(tmp_path, setup):
                             "--model", "d2", "--n-embd", "64", "-b", "4", "-t", "64", "--steps", "9", *SETUPS[setup],
                             "--gpus", "2", "--val-every", "0", "--sample-every", "0",
                             *[x for o in opts for x in ("--backend-opt", o)],
-                            "--data", str(tmp_path / "p2p_train_*.bin"), "--out", str(run)],
+                            "--data", str(tmp_path / "p2p_train_*.bin"), "--out", str(run),
+                            "--log", str(tmp_path / f"{mode}.jsonl")],
                            capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        lines[mode] = [ln.split("|")[1:3] for ln in r.stdout.splitlines() if ln.startswith("step ") and "loss" in ln]
+        recs = [json.loads(ln) for ln in (tmp_path / f"{mode}.jsonl").read_text().splitlines()]
+        lines[mode] = [(rec["loss"], rec["norm"]) for rec in recs if "loss" in rec]
         assert len(lines[mode]) == 9, r.stdout[-2000:]  # (steps 7-9 replay captured graphs where the run has them)
         out[mode] = r.stdout
         model = sorted(Path(run).rglob("model*.bin"))
