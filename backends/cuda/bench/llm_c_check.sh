@@ -6,7 +6,7 @@
 # datasets/shakespeare is `llmc tokenize shakespeare` (llm.c's shard format). Never random tokens: llm.c's encoder
 # backward slows with the number of distinct tokens in a batch.
 # From the environment: MODEL (d12), B (64 a GPU), T (1024), GPUS (1), STEPS (40), ROUNDS (2), RECOMPUTE (none, or
-# gelu: llm.c's -r 1), ZERO (1; llm.c's -z). Per run: median ms of the steps after the fifth, tok/s, and the peak
+# gelu: llm.c's -r 1), ZERO (1; llm.c's -z), VARIANT (backend options, e.g. "p2p=on": an extra llmc run a round). Per run: median ms of the steps after the fifth, tok/s, and the peak
 # device memory nvidia-smi saw on GPU 0; logs under $OUT (or ./llm_c_out).
 set -u
 export OUT=${OUT:-$PWD/llm_c_out}; mkdir -p "$OUT"
@@ -49,15 +49,15 @@ llm_c() {  # round
   echo "llm.c round $1: $(sed -nE 's/^step +([0-9]+)\/[0-9]+ .*\| ([0-9.]+) ms \|.*/\1 \2/p' "$OUT/llm_c_$1.log" \
     | summary) peak $(cat "$OUT/peak") MiB" | tee -a "$OUT/summary.log"
 }
-llmc() {  # round
-  (cd /tmp && peak timeout 600 $LLMC train --backend cuda --dtype bf16 --model "$MODEL" -b "$B" -t "$T" \
+llmc() {  # round [backend option]
+  (cd /tmp && peak timeout 600 $LLMC train ${2:+--backend-opt "$2"} --backend cuda --dtype bf16 --model "$MODEL" -b "$B" -t "$T" \
     --gpus "$GPUS" --zero "$ZERO" --recompute "$RECOMPUTE" --steps "$STEPS" --data "$TRAIN" --val-every 0 \
-    --sample-every 0 --log "$OUT/llmc_$1.jsonl") > "$OUT/llmc_$1.log" 2>&1 \
-    || { rc=1; echo "llmc round $1 failed"; tail -n 5 "$OUT/llmc_$1.log"; }
-  echo "llmc  round $1: $($PY -c "import json,sys
+    --sample-every 0 --log "$OUT/llmc_$1${2:-}.jsonl") > "$OUT/llmc_$1${2:-}.log" 2>&1 \
+    || { rc=1; echo "llmc round $1 failed"; tail -n 5 "$OUT/llmc_$1${2:-}.log"; }
+  echo "llmc ${2:-} round $1: $($PY -c "import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
-    if 'ms' in r and 'step' in r: print(r['step'], r['ms'])" "$OUT/llmc_$1.jsonl" | summary) peak $(cat "$OUT/peak") MiB" \
+    if 'ms' in r and 'step' in r: print(r['step'], r['ms'])" "$OUT/llmc_$1${2:-}.jsonl" | summary) peak $(cat "$OUT/peak") MiB" \
     | tee -a "$OUT/summary.log"
 }
 summary() {  # "step ms" lines -> the median ms after step 5 and tok/s
@@ -69,5 +69,6 @@ print(f'median {m:.1f} ms over {len(ms)} steps, {$B * $T * $GPUS / m * 1e3:,.0f}
 echo "$MODEL B=$B T=$T on $GPUS GPU(s), --recompute $RECOMPUTE, ZeRO-$ZERO, $STEPS steps" | tee "$OUT/summary.log"
 for r in $(seq "$ROUNDS"); do  # alternated: llm.c first in odd rounds, llmc first in even ones
   if [ $((r % 2)) = 1 ]; then llm_c "$r"; llmc "$r"; else llmc "$r"; llm_c "$r"; fi
+  [ -n "${VARIANT:-}" ] && llmc "$r" "$VARIANT"
 done
 exit $rc
