@@ -705,7 +705,8 @@ def _option_error(where: str, name: str, raw, expected: str) -> BackendUnavailab
     return BackendUnavailable(f"{where}={raw} (the environment variable for --backend-opt {name}): expected {expected}")
 
 
-def option_flag(options: dict[str, str] | None, name: str, default: bool, env: str | None = None) -> bool:
+def option_flag(options: dict[str, str] | None, name: str, default: bool | None,
+                env: str | None = None) -> bool | None:
     """An on/off backend option: `options[name]` if given, else the environment variable `env` (the older way
     to set it), else `default`. BackendUnavailable names the option (or the variable) on anything but on/off
     (1/0, true/false, yes/no)."""

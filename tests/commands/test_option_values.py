@@ -222,6 +222,21 @@ def test_planned_attention_workspace_is_cudnns_and_follows_the_cap():
     assert planned(1, 8192, 32, 8, 128, 0) == whole(1, 8192, 4, 1, 128)  # nothing fits: the smallest
 
 
+@pytest.mark.parametrize("ranks,p2p,expect", [(1, None, False), (2, None, True), (4, None, False), (8, None, False),
+                                               (4, True, True), (2, False, False), (1, True, False)])
+def test_peer_memory_is_for_two_ranks_unless_p2p_says(ranks, p2p, expect):
+    """Unset, `p2p` moves data through the peers' memory for two ranks only (more measured slower than NCCL's
+    all-gather); set, it holds for any number of ranks above one."""
+    pytest.importorskip("llmc_cuda", reason="llmc-cuda is not installed")
+    from types import SimpleNamespace
+
+    from llmc_cuda.nccl import NCCLCommunicator
+    comm = SimpleNamespace(world_size=ranks, backend=SimpleNamespace(p2p=p2p, p2p_reduce=True))
+    assert NCCLCommunicator.peer_memory.fget(comm) is expect
+    comm.peer_memory = expect
+    assert NCCLCommunicator.peer_reduce.fget(comm) is expect
+
+
 def test_gpus_refused_before_starting_ranks_that_cannot_reduce(shards):
     r = run(*TINY, "--data", shards, "--gpus", 2, ok=False)
     line = one_line_error(r, "--gpus 2: the cpu backend reduces through MPI", "--procs 2")

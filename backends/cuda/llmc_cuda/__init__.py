@@ -116,7 +116,7 @@ class CudaPlugin(BackendPlugin):
                      "projection) in FP8 too (default off: bf16, faster on GPT-2 d12 and d48; env LLMC_FP8_DGELU)",
         "p2p": "on|off: data parallel on GPUs that reach each other's memory (NVLink or PCIe peer access): ZeRO's "
                "update writes every rank's copy of the parameters it updates, in place of NCCL's all-gather after "
-               "it (default on; env LLMC_P2P)",
+               "it (default: on for two GPUs, off for more; env LLMC_P2P)",
         "p2p_reduce": "on|off: with p2p, ZeRO-1's reduce-scatter too: a kernel loads every rank's chunk from their "
                       "memory (default off: NCCL's; measured faster for GPT-2 d48 on two H200s, no faster for d12; "
                       "env LLMC_P2P_REDUCE)",

@@ -223,7 +223,8 @@ class CudaBackend(Backend):
         # separate pass it then needs lost more than FP8 saved (GPT-2 d48 on an H100: 1.18x bf16's speed without,
         # 1.06x with; docs/performance.md)
         self.fp8_dgelu = option_flag(options, "fp8_dgelu", False, env="LLMC_FP8_DGELU")
-        self.p2p = option_flag(options, "p2p", True, env="LLMC_P2P")  # read by the communicator (nccl.py, p2p.py)
+        # read by the communicator (nccl.py, p2p.py); None: unset, the communicator decides by its rank count
+        self.p2p = option_flag(options, "p2p", None, env="LLMC_P2P")
         self.p2p_reduce = option_flag(options, "p2p_reduce", False, env="LLMC_P2P_REDUCE")
         self.p2p_copies = option_flag(options, "p2p_copies", True, env="LLMC_P2P_COPIES")
 
