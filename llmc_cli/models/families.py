@@ -74,7 +74,7 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
     the tail of fewer than W that every rank keeps (parallel.zero.ShardedAdamW); with ZeRO-2 its gradients are such
     a shard, one layer's slot and the unstacked tensors (models.base.LayerSlotGrads). ZeRO-1 with `overlap` counts
     the inbox a communicator that copies the pieces to their owners takes (world_size - 1 chunks; the cuda plugin's
-    on GPUs with peer access: an upper bound elsewhere)."""
+    on two GPUs with peer access, or more with `--backend-opt p2p=on`: an upper bound elsewhere)."""
     fam = family_of(cfg)
     half = dtype in (BFLOAT16, FP8)  # fp8 keeps every buffer in bf16 (only the matmuls' operands are cast)
     act_bytes = 2 if half else 4
@@ -92,7 +92,7 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
         else:
             plan["gradients"] = n * act_bytes
             if zero == 1 and overlap and world_size > 1:
-                plan["gradient inbox (--overlap, where peers copy)"] = (world_size - 1) * (n // world_size) * act_bytes
+                plan["gradient inbox (--overlap; cuda: 2 GPUs, or p2p=on)"] = (world_size - 1) * (n // world_size) * act_bytes
         key = "optimizer (m, v" + (", fp32 master)" if half else ")")
         if held < n:
             key += f", ZeRO-{zero} shard 1/{world_size}"

@@ -60,13 +60,14 @@ def assert_close(a, b, rtol=RTOL):
 
 def test_dry_run_plans_the_gradient_inbox_of_an_overlapped_zero1_run(tmp_path):
     """--dry-run with --gpus 4 --zero 1 --overlap counts the inbox the cuda plugin takes where the GPUs reach each
-    other's memory (three chunks of a quarter of the gradients); without --overlap, or under --zero 0, none."""
+    other's memory with `p2p=on` (three chunks of a quarter of the gradients), an upper bound otherwise; without
+    --overlap, or under --zero 0, none."""
     from llmc_cli.models.families import family_of, memory_plan
     from llmc_cli.training.args import TrainArgs, model_config
     cfg = model_config(TrainArgs(data="", model="d12"))
     n = family_of(cfg).num_parameters(cfg)
     plan = memory_plan(cfg, 4, 64, "bfloat16", world_size=4, zero=1, overlap=True)
-    assert plan["gradient inbox (--overlap, where peers copy)"] == 3 * (n // 4) * 2
+    assert plan["gradient inbox (--overlap; cuda: 2 GPUs, or p2p=on)"] == 3 * (n // 4) * 2
     for kw in ({"zero": 1}, {"zero": 0, "overlap": True}, {"zero": 1, "overlap": True, "world_size": 1}):
         assert not any("inbox" in k for k in memory_plan(cfg, 4, 64, "bfloat16", **({"world_size": 4} | kw)))
     common = ["train", "--backend", "cpu", "--model", "d12", "-b", 4, "-t", 64, "--gpus", 4, "--zero", 1, "--dry-run"]

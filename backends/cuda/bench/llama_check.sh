@@ -88,7 +88,8 @@ write_shard('/tmp/l3_train_000.bin', np.random.default_rng(0).integers(0, 128256
   for cfg in ${CONFIGS:-1x8192:none 1x8192:gelu 1x8192:gelu+layernorm}; do
     B=${cfg%%x*}; rest=${cfg#*x}; T=${rest%%:*}; R=${cfg#*:}
     tag="8b_g${NG}_b${B}_t${T}_${R/+/_}_z${ZERO:-1}_${DTYPE:-bf16}${TAG:-}_r$round"
-    A="--backend cuda --dtype ${DTYPE:-bf16} --model llama3.1-8b -b $B -t $T --zero ${ZERO:-1} --recompute $R ${EXTRA:-}"
+    A="--backend cuda --dtype ${DTYPE:-bf16} --model llama3.1-8b -b $B -t $T --zero ${ZERO:-1} --recompute $R"
+    A="$A ${EXTRA:-}"
     [ "$round" = 1 ] && timeout 60 $LLMC train $A --gpus "$NG" --dry-run 2>&1 | tail -n 12 > "$OUT/${tag}_dry_run.log"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/${tag}_mem.csv" &
     SMI=$!

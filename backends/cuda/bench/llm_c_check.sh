@@ -6,7 +6,8 @@
 # datasets/shakespeare is `llmc tokenize shakespeare` (llm.c's shard format). Never random tokens: llm.c's encoder
 # backward slows with the number of distinct tokens in a batch.
 # From the environment: MODEL (d12), B (64 a GPU), T (1024), GPUS (1), STEPS (40), ROUNDS (2), RECOMPUTE (none, or
-# gelu: llm.c's -r 1), ZERO (1; llm.c's -z), VARIANT (backend options, e.g. "p2p=on": an extra llmc run a round). Per run: median ms of the steps after the fifth, tok/s, and the peak
+# gelu: llm.c's -r 1), ZERO (1; llm.c's -z), VARIANT (one backend option, e.g. "p2p=on": an extra llmc run
+# a round). Per run: median ms of the steps after the fifth, tok/s, and the peak
 # device memory nvidia-smi saw on GPU 0; logs under $OUT (or ./llm_c_out).
 set -u
 export OUT=${OUT:-$PWD/llm_c_out}; mkdir -p "$OUT"
@@ -50,14 +51,17 @@ llm_c() {  # round
     | summary) peak $(cat "$OUT/peak") MiB" | tee -a "$OUT/summary.log"
 }
 llmc() {  # round [backend option]
-  (cd /tmp && peak timeout 600 $LLMC train ${2:+--backend-opt "$2"} --backend cuda --dtype bf16 --model "$MODEL" -b "$B" -t "$T" \
+  local tag=${2:-}; tag=${tag//=/_}  # (file names without "=")
+  (cd /tmp && peak timeout 600 $LLMC train ${2:+--backend-opt "$2"} --backend cuda --dtype bf16 \
+    --model "$MODEL" -b "$B" -t "$T" \
     --gpus "$GPUS" --zero "$ZERO" --recompute "$RECOMPUTE" --steps "$STEPS" --data "$TRAIN" --val-every 0 \
-    --sample-every 0 --log "$OUT/llmc_$1${2:-}.jsonl") > "$OUT/llmc_$1${2:-}.log" 2>&1 \
-    || { rc=1; echo "llmc round $1 failed"; tail -n 5 "$OUT/llmc_$1${2:-}.log"; }
+    --sample-every 0 --log "$OUT/llmc_$1$tag.jsonl") > "$OUT/llmc_$1$tag.log" 2>&1 \
+    || { rc=1; echo "llmc round $1 failed"; tail -n 5 "$OUT/llmc_$1$tag.log"; }
   echo "llmc ${2:-} round $1: $($PY -c "import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
-    if 'ms' in r and 'step' in r: print(r['step'], r['ms'])" "$OUT/llmc_$1${2:-}.jsonl" | summary) peak $(cat "$OUT/peak") MiB" \
+    if 'ms' in r and 'step' in r: print(r['step'], r['ms'])" "$OUT/llmc_$1$tag.jsonl" | summary) \
+peak $(cat "$OUT/peak") MiB" \
     | tee -a "$OUT/summary.log"
 }
 summary() {  # "step ms" lines -> the median ms after step 5 and tok/s

@@ -69,23 +69,24 @@ PYEOF
   $PY "$HERE/bench/train_median.py" --skip 5 "$LOGS/$name.log" | tee -a "$OUT/medians.log"
 }
 losses() { grep -oE "step +[0-9]+/[0-9]+ \| loss [0-9.]+ \| norm [0-9.]+" "$1"; }
-# the N-GPU variants: overlap (--overlap), plain (--no-overlap, the default: ZeRO's collectives through the GPUs'
-# memory where they reach it), nccl (plain through NCCL: --backend-opt p2p=off), reduce (plain with the reduce-scatter
-# loading the peers' chunks too: --backend-opt p2p_reduce=on), overlap (--overlap: on GPUs that reach each other's
-# memory the pieces are copied to their owners by the copy engines), nccloverlap (--overlap through NCCL's reduce
-# on SMs: --backend-opt p2p_copies=off), shm (plain with no peer access at all: NCCL through host memory,
-# NCCL_P2P_DISABLE=1, and p2p=off), z0overlap / z0plain (--zero 0:
-# every piece all-reduced)
+# the N-GPU variants: plain (--no-overlap, the default: ZeRO's collectives through the GPUs' memory where two
+# reach each other's, through NCCL for more), peer (plain through the GPUs' memory whatever their number:
+# --backend-opt p2p=on), nccl (plain through NCCL: --backend-opt p2p=off), reduce (peer with the reduce-scatter
+# loading the peers' chunks too: p2p_reduce=on), overlap (--overlap: where the GPUs use each other's memory, the
+# pieces are copied to their owners by the copy engines; p2p=on), nccloverlap (--overlap through NCCL's reduce on
+# SMs: --backend-opt p2p_copies=off), shm (plain with no peer access at all: NCCL through host memory,
+# NCCL_P2P_DISABLE=1, and p2p=off), z0overlap / z0plain (--zero 0: every piece all-reduced)
 variant() {
   ENVS="LLMC_X=1"; V="--zero ${ZERO:-1}"
   case $1 in
-    overlap) V="$V --overlap" ;;
+    overlap) V="$V --overlap --backend-opt p2p=on" ;;
     nccloverlap) V="$V --overlap --backend-opt p2p_copies=off" ;;
     shm) ENVS="NCCL_P2P_DISABLE=1"; V="$V --no-overlap --backend-opt p2p=off" ;;
     plain) V="$V --no-overlap" ;;
     fresh) ENVS="LLMC_CACHE_DIR=$(mktemp -d)"; V="$V --no-overlap" ;;  # (the cuBLASLt race of its own, as a first run)
     nccl) V="$V --no-overlap --backend-opt p2p=off" ;;
-    reduce) V="$V --no-overlap --backend-opt p2p_reduce=on" ;;
+    peer) V="$V --no-overlap --backend-opt p2p=on" ;;
+    reduce) V="$V --no-overlap --backend-opt p2p=on --backend-opt p2p_reduce=on" ;;
     z0overlap) V="--zero 0 --overlap" ;;
     z0plain) V="--zero 0 --no-overlap" ;;
   esac

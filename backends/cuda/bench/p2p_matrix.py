@@ -101,8 +101,11 @@ def main() -> int:
             bufs.append((cp.ones(nbytes // 2, cp.uint16), cp.zeros(nbytes // 2, cp.uint16)))
             mod = cp.RawModule(code=SRC)
             kernels.append((mod.get_function("store_to"), mod.get_function("store_to_u16")))
-    print("peer access:", [[int(q == d or cp.cuda.runtime.deviceCanAccessPeer(d, q)) for q in range(n)]
-                           for d in range(n)])
+    access = [[int(q == d or cp.cuda.runtime.deviceCanAccessPeer(d, q)) for q in range(n)] for d in range(n)]
+    print("peer access:", access)
+    if not all(map(all, access)):
+        print("p2p_matrix: every pair of GPUs needs peer access (NVLink or PCIe); run it where they have it")
+        return 2
     for d in range(n):
         one_gpu(d, bufs, kernels, nbytes)
     all_at_once(bufs, kernels, nbytes)

@@ -117,13 +117,13 @@ class CudaPlugin(BackendPlugin):
         "p2p": "on|off: data parallel on GPUs that reach each other's memory (NVLink or PCIe peer access): ZeRO's "
                "update writes every rank's copy of the parameters it updates, in place of NCCL's all-gather after "
                "it (default: on for two GPUs, off for more; env LLMC_P2P)",
-        "p2p_reduce": "on|off: with p2p, ZeRO-1's reduce-scatter too: a kernel loads every rank's chunk from their "
-                      "memory (default off: NCCL's; measured faster for GPT-2 d48 on two H200s, no faster for d12; "
-                      "env LLMC_P2P_REDUCE)",
-        "p2p_copies": "on|off: with p2p and --overlap, ZeRO-1's gradient pieces are copied to the ranks that own "
-                      "them by the GPUs' copy engines as the backward pass makes them final, and each rank averages "
-                      "its chunk after it (default on; off: NCCL reduces each piece on SMs beside the backward; "
-                      "env LLMC_P2P_COPIES)",
+        "p2p_reduce": "on|off: with peer memory (p2p), ZeRO-1's reduce-scatter too: a kernel loads every rank's "
+                      "chunk from their memory (default off: NCCL's; measured faster for GPT-2 d48 on two H200s, no "
+                      "faster for d12; env LLMC_P2P_REDUCE)",
+        "p2p_copies": "on|off: with peer memory (p2p) and --overlap, ZeRO-1's gradient pieces are copied to the "
+                      "ranks that own them by the GPUs' copy engines as the backward pass makes them final, and "
+                      "each rank averages its chunk after it (default on; off: NCCL reduces each piece on SMs "
+                      "beside the backward; env LLMC_P2P_COPIES)",
         "fp8_fast_accum": "on|off: with --dtype fp8, cuBLASLt's fast accumulation in the forward matmuls (default on; "
                           "env LLMC_FP8_FAST_ACCUM)",
     }

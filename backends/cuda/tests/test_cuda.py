@@ -91,6 +91,7 @@ def test_nvrtc_build_and_disk_cache(tmp_path):
             "cp.RawModule(code=src, options=tuple(sys.argv[2:])).get_function('gelu_forward'); "
             "print(time.perf_counter() - t0)")
     env = dict(os.environ, CUPY_CACHE_DIR=str(cache))
+    env.pop("CUPY_CACHE_IN_MEMORY", None)  # (set, CuPy would keep the cubin off the disk)
 
     def build() -> float:
         out = subprocess.check_output([sys.executable, "-c", code, str(probe), *b.compile_options(True)], env=env)
