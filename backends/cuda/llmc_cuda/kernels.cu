@@ -1326,7 +1326,9 @@ extern "C" __global__ void attention_decode_part(float* part, const act_t* qkv, 
     long long hi = pos + t, lo = hi - S + 1 > 0 ? hi - S + 1 : 0;
     int n = (int)(hi - lo + 1), j0 = split * DECODE_SPLIT;
     float* out = part + (row * splits + split) * (long long)(hd + 2);
-    if (j0 >= n) {
+    if (j0 >= n) {  // a split past the row's keys: nothing, written in full (the combine multiplies its sums by 0,
+        // and stale scratch could hold NaN)
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) out[d] = 0.0f;
         if (threadIdx.x == 0) { out[hd] = -LLMC_INF; out[hd + 1] = 0.0f; }
         return;
     }

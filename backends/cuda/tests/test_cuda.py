@@ -302,6 +302,26 @@ def test_planned_attention_workspace_is_what_cudnn_asks_for(B, T, NH, NKV, hd):
         assert attention_backward_workspace(1, 8192, 32, 8, 128) <= b.cudnn_workspace
 
 
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+def test_attention_decode_ignores_what_its_scratch_held(dtype):
+    """The decode's key splits past a row's last key write their (empty) partial in full: a scratch that held NaN
+    from earlier work gives the bits of a clean one (a chunk of 64 queries at position 130 of a 300-slot ring:
+    the early rows see 3 of 5 splits)."""
+    b = cuda(dtype)
+    rng = np.random.default_rng(3)
+    B, NH, NKV, hd, S, pos, Tn = 1, 8, 2, 64, 300, 130, 64
+    qkv = rng.standard_normal((B, Tn, (NH + 2 * NKV) * hd)).astype(np.float32)
+    cache = rng.standard_normal((B, NKV, S, hd)).astype(np.float32)
+    outs = []
+    for stale in (0.0, math.nan):
+        b.fill(b.scratch("att_decode", B * NH * Tn * 5 * (hd + 2)), stale)
+        k, v, out = up(b, cache), up(b, cache[:, ::-1].copy()), b.alloc((B, Tn, NH * hd), b.dtype)
+        b.attention_decode(out, up(b, qkv), k, v, pos, NH, NKV)
+        outs.append(down(b, out))
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 # =============================================================================================================
 # bf16 kernels vs the CPU backend (fp32) within bf16 bounds
 
