@@ -5,9 +5,9 @@ over the same tokens (the captured step replayed and waited for, the logits down
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
+from host_timing import per_call_ms
 
 from llmc_cli.inference.decode import KVDecoder
 from llmc_cli.models.families import family_for
@@ -28,12 +28,7 @@ for _ in range(20):
 
 
 def per_token(fn, n=N) -> float:
-    be.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    be.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
+    return per_call_ms(be, fn, n)
 
 
 tok = np.array([[1]], np.int32)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+from host_timing import per_call_ms
 
 from llmc_cli.data.tokenizer import load_tokenizer
 from llmc_cli.formats.sources import load_config_any, tokenizer_for
@@ -68,12 +69,7 @@ rng = np.random.default_rng(0)
 
 
 def per_token(fn, n=200) -> float:
-    be.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    be.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
+    return per_call_ms(be, fn, n)
 
 
 one = np.array([5], np.int32)
