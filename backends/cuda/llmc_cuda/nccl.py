@@ -184,7 +184,7 @@ class NCCLCommunicator:
     @property
     def peer_memory(self) -> bool:
         """Whether the ranks move data through each other's memory (`--backend-opt p2p`). Unset, two ranks do and
-        more do not: on four H200s the update's writes into three peers made Llama 3.1 8B's step 35 % slower than
+        more do not: on four H200s the update's writes into three peers made Llama 3.1 8B's step a third slower than
         NCCL's all-gather, where GPT-2 d48 gained 0.5 % (docs/performance.md)."""
         p2p = getattr(self.backend, "p2p", None)
         return self.world_size > 1 and (self.world_size == 2 if p2p is None else bool(p2p))
