@@ -92,7 +92,8 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
         else:
             plan["gradients"] = n * act_bytes
             if zero == 1 and overlap and world_size > 1:
-                plan["gradient inbox (--overlap; cuda: 2 GPUs, or p2p=on)"] = (world_size - 1) * (n // world_size) * act_bytes
+                inbox = (world_size - 1) * (n // world_size) * act_bytes
+                plan["gradient inbox (--overlap; cuda: 2 GPUs, or p2p=on)"] = inbox
         key = "optimizer (m, v" + (", fp32 master)" if half else ")")
         if held < n:
             key += f", ZeRO-{zero} shard 1/{world_size}"
