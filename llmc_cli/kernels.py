@@ -230,7 +230,13 @@ class Backend(abc.ABC):
         product goes to `pre_gelu` and `out` = gelu(pre_gelu) (the fused GELU epilogue).
         A CAP_FP8 backend also takes `precise: bool = False` here and in matmul_backward: True (the engine passes
         it for the classifier, whose logits feed the loss directly) keeps that product in `dtype` unless the
-        backend's own options say otherwise."""
+        backend's own options say otherwise.
+        FP8 producers: a CAP_FP8 backend also takes `fp8_next: Buffer | None = None` in layernorm_forward,
+        fused_residual_layernorm_forward, rmsnorm_forward and swiglu_forward (the weight of the product that reads
+        `out` next as its `inp`) and in swiglu_backward (the weight of the product, without bias, that reads `dinp`
+        next as its `dout`). The kernel may then write that product's FP8 operand over `out` (`dinp`) instead of
+        act, so the product casts nothing; the engine reads such an output only through the products with that
+        weight (matmul_forward and matmul_backward) until the kernel writes it again."""
 
     @abc.abstractmethod
     def matmul_backward(self, dinp: Buffer | None, dweight: Buffer, dbias: Buffer | None, dout: Buffer,

@@ -319,6 +319,11 @@ class Model:
         directly), which keeps them in bf16 unless the backend is told otherwise."""
         return {"precise": True} if CAP_FP8 in backend_capabilities(self.backend) else {}
 
+    def fp8_next(self, weight) -> dict:
+        """Keywords of a kernel whose output the product with `weight` reads next (kernels.Backend's producers): on
+        a CAP_FP8 backend `fp8_next`, so the kernel may write that product's FP8 operand itself."""
+        return {"fp8_next": weight} if CAP_FP8 in backend_capabilities(self.backend) else {}
+
     def _alloc_parameters(self, stacked: set[str], training: bool, share_params: "Model | None",
                           layer_grads: bool = False) -> None:
         """`layer_grads`: gradients in one layer-sized slot plus the unstacked tensors (LayerSlotGrads, ZeRO-2)

@@ -266,7 +266,7 @@ class GPT2(Model):
             self.stage(inputs, targets)
         k.encoder_forward(a["encoded"], a["inputs"], p.wte, p.wpe)
         k.layernorm_forward(al["ln1"][0], al["ln1_mean"][0], al["ln1_rstd"][0], a["encoded"],
-                            p.layer("ln1w", 0), p.layer("ln1b", 0))
+                            p.layer("ln1w", 0), p.layer("ln1b", 0), **self.fp8_next(p.layer("qkvw", 0)))
         self._layers(a["encoded"], lambda name, l: al[name][l],
                      lambda l, atty, qkv: k.attention_forward(atty, al["att_lse"][l], qkv, NH, NH))
         if targets is None:
@@ -292,18 +292,20 @@ class GPT2(Model):
             k.matmul_forward(act("btc", l), act("atty", l), p.layer("attprojw", l), p.layer("attprojb", l))
             k.fused_residual_layernorm_forward(act("residual2", l), act("ln2", l), act("ln2_mean", l),
                                                act("ln2_rstd", l), residual, act("btc", l),
-                                               p.layer("ln2w", l), p.layer("ln2b", l))
+                                               p.layer("ln2w", l), p.layer("ln2b", l),
+                                               **self.fp8_next(p.layer("fcw", l)))
             # MLP block: fc with GELU fused, projection, then residual + next layer's ln1 (or lnf) fused
             k.matmul_forward(act("fch_gelu", l), act("ln2", l), p.layer("fcw", l), p.layer("fcb", l),
                              pre_gelu=act("fch", l))
             k.matmul_forward(act("btc", l), act("fch_gelu", l), p.layer("fcprojw", l), p.layer("fcprojb", l))
             if l + 1 < L:
                 out, mean, rstd = act("ln1", l + 1), act("ln1_mean", l + 1), act("ln1_rstd", l + 1)
-                w, b = p.layer("ln1w", l + 1), p.layer("ln1b", l + 1)
-            else:
+                w, b, kw = p.layer("ln1w", l + 1), p.layer("ln1b", l + 1), self.fp8_next(p.layer("qkvw", l + 1))
+            else:  # (the classifier's product stays in bf16: `precise`)
                 out, mean, rstd, w, b = act("lnf", l), act("lnf_mean", l), act("lnf_rstd", l), p.lnfw, p.lnfb
+                kw = {}
             k.fused_residual_layernorm_forward(act("residual3", l), out, mean, rstd, act("residual2", l),
-                                               act("btc", l), w, b)
+                                               act("btc", l), w, b, **kw)
 
     # ---- decoding over a key/value cache (inference.decode.KVDecoder drives it) -----------------------------
     # decode runs the same layer loop on (B, Tn) scratch: one buffer per role, shared by every layer
@@ -343,7 +345,8 @@ class GPT2(Model):
         k, p, cfg = self.backend, self.params, self.cfg
         C, NH, Tn = cfg.n_embd, cfg.n_head, v["inputs"].shape[1]
         k.encoder_forward(v["x"], v["inputs"], p.wte, k.view(v["pe"], 0, (Tn, C)))
-        k.layernorm_forward(v["ln"], v["mean"], v["rstd"], v["x"], p.layer("ln1w", 0), p.layer("ln1b", 0))
+        k.layernorm_forward(v["ln"], v["mean"], v["rstd"], v["x"], p.layer("ln1w", 0), p.layer("ln1b", 0),
+                            **self.fp8_next(p.layer("qkvw", 0)))
         shared = self._DECODE_SHARED
         self._layers(v["x"], lambda name, l: v[shared.get(name, name)],
                      lambda l, atty, qkv: k.attention_decode(atty, qkv, k_cache[l], v_cache[l], pos, NH, NH))
@@ -365,7 +368,7 @@ class GPT2(Model):
                 k.gelu_forward(al["fch_gelu"][l], al["fch"][l])
             if recompute_ln:
                 k.layernorm_forward(al["ln2"][l], al["ln2_mean"][l], al["ln2_rstd"][l], al["residual2"][l],
-                                    p.layer("ln2w", l), p.layer("ln2b", l))
+                                    p.layer("ln2w", l), p.layer("ln2b", l), **self.fp8_next(p.layer("fcw", l)))
             # MLP block: dresidual flows into the projection; GELU's backward is fused into its dinp
             k.matmul_backward(a["dfch"], g.layer("fcprojw", l), g.layer("fcprojb", l), dres, al["fch_gelu"][l],
                               p.layer("fcprojw", l), pre_gelu=al["fch"][l])
@@ -378,7 +381,7 @@ class GPT2(Model):
             k.attention_backward(a["dqkv"], dbtc, al["qkv"][l], al["atty"][l], al["att_lse"][l], NH, NH)
             if recompute_ln:
                 k.layernorm_forward(al["ln1"][l], al["ln1_mean"][l], al["ln1_rstd"][l], residual,
-                                    p.layer("ln1w", l), p.layer("ln1b", l))
+                                    p.layer("ln1w", l), p.layer("ln1b", l), **self.fp8_next(p.layer("qkvw", l)))
             k.matmul_backward(dbtc, g.layer("qkvw", l), g.layer("qkvb", l), a["dqkv"], al["ln1"][l],
                               p.layer("qkvw", l))
             k.layernorm_backward(dres, g.layer("ln1w", l), g.layer("ln1b", l), dbtc, residual,

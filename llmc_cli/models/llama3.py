@@ -328,16 +328,18 @@ class Llama3(Model):
         for l in range(L):
             residual = encoded if l == 0 else act("residual3", l - 1)
             # attention block: rmsnorm -> fused qkv -> rope -> GQA attention -> output projection -> residual
-            k.rmsnorm_forward(act("ln1", l), act("ln1_rstd", l), residual, p.layer("attn_norm", l), eps)
+            k.rmsnorm_forward(act("ln1", l), act("ln1_rstd", l), residual, p.layer("attn_norm", l), eps,
+                              **self.fp8_next(p.layer("wqkv", l)))
             k.matmul_forward(act("qkv", l), act("ln1", l), p.layer("wqkv", l))
             k.rope_forward(act("qkv", l), freqs, NH, NKV)
             attend(l, act("atty", l), act("qkv", l))
             k.matmul_forward(act("btc", l), act("atty", l), p.layer("wo", l))
             k.residual_forward(act("residual2", l), residual, act("btc", l))
             # MLP block: rmsnorm -> fused gate/up -> swiglu -> down projection -> residual
-            k.rmsnorm_forward(act("ln2", l), act("ln2_rstd", l), act("residual2", l), p.layer("ffn_norm", l), eps)
+            k.rmsnorm_forward(act("ln2", l), act("ln2_rstd", l), act("residual2", l), p.layer("ffn_norm", l), eps,
+                              **self.fp8_next(p.layer("w13", l)))
             k.matmul_forward(act("h13", l), act("ln2", l), p.layer("w13", l))
-            k.swiglu_forward(act("hs", l), act("h13", l))
+            k.swiglu_forward(act("hs", l), act("h13", l), **self.fp8_next(p.layer("w2", l)))
             k.matmul_forward(act("btc", l), act("hs", l), p.layer("w2", l))
             k.residual_forward(act("residual3", l), act("residual2", l), act("btc", l))
         k.rmsnorm_forward(act("lnf", L - 1), act("lnf_rstd", L - 1), act("residual3", L - 1), p.norm, eps)
@@ -397,13 +399,13 @@ class Llama3(Model):
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
             if recompute_act:  # the SwiGLU output (and/or the rmsnorm outputs) were not kept: recompute them
-                k.swiglu_forward(al["hs"][l], al["h13"][l])
+                k.swiglu_forward(al["hs"][l], al["h13"][l], **self.fp8_next(p.layer("w2", l)))
             if recompute_norm:  # (rstd is rewritten with the value it had: the same kernel on the same input)
                 k.rmsnorm_forward(al["ln2"][l], al["ln2_rstd"][l], al["residual2"][l], p.layer("ffn_norm", l),
-                                  cfg.norm_eps)
+                                  cfg.norm_eps, **self.fp8_next(p.layer("w13", l)))
             # MLP block
             k.matmul_backward(a["dhs"], g.layer("w2", l), None, dres, al["hs"][l], p.layer("w2", l))
-            k.swiglu_backward(a["dh13"], a["dhs"], al["h13"][l])
+            k.swiglu_backward(a["dh13"], a["dhs"], al["h13"][l], **self.fp8_next(p.layer("w13", l)))
             k.matmul_backward(dbtc, g.layer("w13", l), None, a["dh13"], al["ln2"][l], p.layer("w13", l))
             k.rmsnorm_backward(dres, g.layer("ffn_norm", l), dbtc, al["residual2"][l], p.layer("ffn_norm", l),
                                al["ln2_rstd"][l])
@@ -412,7 +414,8 @@ class Llama3(Model):
             k.attention_backward(a["dqkv"], dbtc, al["qkv"][l], al["atty"][l], al["att_lse"][l], NH, NKV)
             k.rope_backward(a["dqkv"], self.freqs, NH, NKV)
             if recompute_norm:
-                k.rmsnorm_forward(al["ln1"][l], al["ln1_rstd"][l], residual, p.layer("attn_norm", l), cfg.norm_eps)
+                k.rmsnorm_forward(al["ln1"][l], al["ln1_rstd"][l], residual, p.layer("attn_norm", l), cfg.norm_eps,
+                                  **self.fp8_next(p.layer("wqkv", l)))
             k.matmul_backward(dbtc, g.layer("wqkv", l), None, a["dqkv"], al["ln1"][l], p.layer("wqkv", l))
             k.rmsnorm_backward(dres, g.layer("attn_norm", l), dbtc, residual, p.layer("attn_norm", l),
                                al["ln1_rstd"][l])

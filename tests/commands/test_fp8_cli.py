@@ -4,7 +4,6 @@ conformance kit (fp8_backend) and backends/cuda/tests on a GPU."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from llmc_test_support import one_line_error, run
 
@@ -43,40 +42,3 @@ def test_bench_runs_each_backend_once_per_dtype(tmp_path):
             "-t", 16, "--only", "matmul_fwd qkv", "--repeat", 1, "--warmup", 0, "--json")
     res = json.loads(r.output[r.output.index("{"):])
     assert sorted({x["backend"] for x in res["results"]}) == ["cpu auto", "cpu fp32"]
-
-
-def test_classifier_products_are_precise_only_on_fp8_backends():
-    """The engine passes precise=True to the classifier's matmuls on a CAP_FP8 backend (and nothing new to the
-    others, whose matmul signatures need not know the keyword)."""
-    from llmc_cli.kernels import CAP_FP8
-    from llmc_cli.models.gpt2 import GPT2, GPT2Config, init_parameters
-    from llmc_cli.registry import create_backend
-    be = create_backend("cpu")
-    seen = []
-
-    class Spy(type(be)):
-        capabilities = be.capabilities | {CAP_FP8}
-
-        def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None, precise=False):
-            seen.append(("fwd", weight.shape, precise))
-            super().matmul_forward(out, inp, weight, bias, pre_gelu)
-
-        def matmul_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu=None, precise=False):
-            seen.append(("bwd", weight.shape, precise))
-            super().matmul_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu)
-
-    spy = Spy()
-    cfg = GPT2Config(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=48)
-    m = GPT2(cfg, spy, 2, 8)
-    m.load_parameters(init_parameters(cfg, 1))
-    x = np.arange(16, dtype=np.int32).reshape(2, 8)
-    m.zero_grad()
-    m.forward(x, x, dloss=1 / 16)
-    m.backward()
-    head = [(k, p) for k, shape, p in seen if shape == (cfg.padded_vocab_size, 48)]
-    layers = [p for k, shape, p in seen if shape != (cfg.padded_vocab_size, 48)]
-    assert head == [("fwd", True), ("bwd", True)] and layers and not any(layers)
-    seen.clear()
-    plain = GPT2(cfg, be, 2, 8)  # a backend without CAP_FP8 is called as before
-    plain.load_parameters(init_parameters(cfg, 1))
-    plain.forward(x, x, dloss=1 / 16)

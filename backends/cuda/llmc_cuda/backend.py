@@ -6,7 +6,7 @@ import json
 import math
 import re
 import threading
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -223,6 +223,7 @@ class CudaBackend(Backend):
         # separate pass it then needs lost more than FP8 saved (GPT-2 d48 on an H100: 1.18x bf16's speed without,
         # 1.06x with; docs/performance.md)
         self.fp8_dgelu = option_flag(options, "fp8_dgelu", False, env="LLMC_FP8_DGELU")
+        self.fp8_fuse = option_flag(options, "fp8_fuse", True, env="LLMC_FP8_FUSE")
         # read by the communicator (nccl.py, p2p.py); None: unset, the communicator decides by its rank count
         self.p2p = option_flag(options, "p2p", None, env="LLMC_P2P")
         self.p2p_reduce = option_flag(options, "p2p_reduce", False, env="LLMC_P2P_REDUCE")
@@ -243,6 +244,14 @@ class CudaBackend(Backend):
         self._fp8_next = 0  # the next site's number
         self._fp8_fresh: set[int] = set()  # sites with no history yet: no step ended since they were first cast
         self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
+        # producers (fp8_next): they need the scale before the tensor exists (delayed scaling), and the weight
+        # gradient's product in FP8 (no bf16 copy of their output is left for a bf16 one)
+        self._fp8_fusing = self._fp8_hist is not None and self.fp8_fuse and self.fp8_wgrad
+        # a producer's inverse scale per site, 256-byte aligned as the slots' (read by the product it feeds)
+        self._fp8_site_inv = cp.zeros(64 * FP8_SITES, dtype=np.float32) if self._fp8_fusing else None
+        self._fp8_held: dict[int, tuple[int, int]] = {}  # buffer pointer -> (site, elements) a producer wrote there
+        # producer calls that wrote FP8, by role (uncaptured ones: a replayed graph runs no Python)
+        self.fp8_produced: Counter[str] = Counter()
 
     # ---- compilation -----------------------------------------------------------------------------------------
     def compile_options(self, bf16: bool) -> tuple[str, ...]:
@@ -559,7 +568,7 @@ class CudaBackend(Backend):
             raise VariantUnsupported(f"{packs} packs a row need 8 warps a block and at most 8 packs a lane")
         return p, 8
 
-    def _norm_forward(self, kernel, out, mean, rstd, residual, inp1, inp2, weight, bias, eps, rms):
+    def _norm_forward(self, kernel, out, mean, rstd, residual, inp1, inp2, weight, bias, eps, rms, fp8_next):
         C = inp1.shape[-1]
         N = inp1.size // C
         warps = 8
@@ -569,20 +578,25 @@ class CudaBackend(Backend):
         k = self._kk("norm_forward_naive" if impl == "naive" else f"norm_forward_vec{P}" if P else "norm_forward", out)
         _, block = self._cfg(kernel, k, 0, 32 * warps)
         rows = block if impl == "naive" else block // 32  # rows a block: a thread each, or a warp each
-        self._launch(k, (N + rows - 1) // rows, block,
-                     (out, mean if mean is not None else null, rstd, residual if residual is not None else null,
-                      inp1, inp2 if inp2 is not None else null, weight, bias if bias is not None else null,
-                      np.int32(N), np.int32(C), np.float32(eps), np.int32(rms)))
+        args = (out, mean if mean is not None else null, rstd, residual if residual is not None else null,
+                inp1, inp2 if inp2 is not None else null, weight, bias if bias is not None else null,
+                np.int32(N), np.int32(C), np.float32(eps), np.int32(rms))
+        if P:  # (the vectorised kernels write the FP8 operand where fp8_next asks and FP8 allows)
+            f8 = self._fp8_producer(out, fp8_next, "x", able=self._is_bf16(out))
+            args += f8 or (null, null, null, np.int32(0), np.int32(0), null)
+        else:
+            self._fp8_producer(out, None, "x")
+        self._launch(k, (N + rows - 1) // rows, block, args)
 
-    def layernorm_forward(self, out, mean, rstd, inp, weight, bias):
-        self._norm_forward("layernorm_forward", out, mean, rstd, None, inp, None, weight, bias, 1e-5, 0)
+    def layernorm_forward(self, out, mean, rstd, inp, weight, bias, fp8_next=None):
+        self._norm_forward("layernorm_forward", out, mean, rstd, None, inp, None, weight, bias, 1e-5, 0, fp8_next)
 
-    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias):
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias, fp8_next=None):
         self._norm_forward("fused_residual_layernorm_forward", out, mean, rstd, residual, inp1, inp2, weight, bias,
-                           1e-5, 0)
+                           1e-5, 0, fp8_next)
 
-    def rmsnorm_forward(self, out, rstd, inp, weight, eps):
-        self._norm_forward("rmsnorm_forward", out, None, rstd, None, inp, None, weight, None, eps, 1)
+    def rmsnorm_forward(self, out, rstd, inp, weight, eps, fp8_next=None):
+        self._norm_forward("rmsnorm_forward", out, None, rstd, None, inp, None, weight, None, eps, 1, fp8_next)
 
     def _norm_backward(self, kernel, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rms):
         C = inp.shape[-1]
@@ -660,6 +674,7 @@ class CudaBackend(Backend):
         if self._fp8_serves(N, C, OC, precise, inp, weight, out) \
                 and self._fp8_forward(out, inp, weight, bias, pre_gelu, N, C, OC):
             return
+        self._fp8_no_held(inp)
         if N <= _GEMV_MAX_N and self._vec(C, out, inp, weight, *(b for b in (bias, pre_gelu) if b is not None)):
             self._launch(self._kk("matmul_forward_gemv", out), -(-OC // 8), 256,
                          (out, pre_gelu if pre_gelu is not None else np.uint64(0), inp, weight,
@@ -696,6 +711,7 @@ class CudaBackend(Backend):
         if (pre_gelu is None or self.fp8_dgelu) and self._fp8_serves(N, C, OC, precise, *bufs) \
                 and self._fp8_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC):
             return
+        self._fp8_no_held(inp, dout)
         dt = self._lt_dtype(inp)
         s = self.stream.ptr
         if dinp is not None:
@@ -765,6 +781,8 @@ class CudaBackend(Backend):
         must not scale whatever is multiplied there next (tests, benchmarks: models made one after another)."""
         for key in [k for k in self._fp8_sites if ptr <= k[0] < ptr + nbytes]:
             del self._fp8_sites[key]  # (its number is not given out again; carried_state keeps numbering alike)
+        for p in [p for p in self._fp8_held if ptr <= p < ptr + nbytes]:
+            del self._fp8_held[p]
 
     def _fp8_cast(self, src, slot, rows, cols, out=None, out_t=None, e5m2=False, site=None, sums=False):
         """src -> out (rows, cols) and/or out_t (cols, rows) in FP8, its inverse scale into `slot`: scaled by the
@@ -839,6 +857,7 @@ class CudaBackend(Backend):
         full[1:, :len(rows)] = h.T
         self.upload(self._fp8_hist, full.reshape(-1))
         self._fp8_sites.clear()  # (sites are numbered again, in the same order, as the steps first cast them)
+        self._fp8_held.clear()
         self._fp8_next, self._fp8_fresh, self._fp8_loaded = 0, set(), len(rows)
 
     def _fp8_zero(self):
@@ -853,15 +872,84 @@ class CudaBackend(Backend):
             at += n
         return out
 
+    # Producers (fp8_next; kernels.cu's FP8 section): a kernel whose output the product with `weight` reads next
+    # writes that operand in FP8 itself, over the first bytes of its own output buffer, where the scale is known
+    # before the tensor exists (delayed scaling, a site with a history). The product then reads it in place, and
+    # its backward transposes it into the buffer's second half (an FP8 copy takes half of act's bytes). The bytes
+    # and scales are those the product's own cast would have made, so either way trains the same bits.
+    def _fp8_producer(self, out, weight, role: str, able: bool = True):
+        """The FP8 output arguments (out8, inv8, amax8, hist_n, stride, observe8) for a kernel writing `out`, which
+        the product with `weight` reads next as its `role` operand ("x" its input, "dout" its gradient), where
+        the kernel is `able` and the product runs in FP8 from a site with a history; else None (the kernel writes
+        act, and the product casts it). Either way `out` no longer holds an older producer's FP8 bytes."""
+        if self._fp8_held:
+            self._fp8_held.pop(out.data.ptr, None)
+        if weight is None or not (able and self._fp8_fusing):
+            return None
+        OC, C = weight.shape
+        N = out.size // (C if role == "x" else OC)
+        if not self._fp8_serves(N, C, OC, False, out, weight):
+            return None
+        site = self._fp8_site(weight, role)
+        if site is None or site in self._fp8_fresh:
+            return None
+        self._fp8_held[out.data.ptr] = (site, out.size)
+        self.fp8_produced[role] += 1
+        base = self._fp8_hist.data.ptr
+        return (out, np.uint64(self._fp8_inv_of(site)), np.uint64(base + 4 * (FP8_SITES + site)),
+                np.int32(FP8_HISTORY), np.int32(FP8_SITES), np.uint64(base + 4 * site))
+
+    def _fp8_inv_of(self, site: int) -> int:
+        """Where a producer left site's inverse scale."""
+        return self._fp8_site_inv.data.ptr + 256 * site
+
+    def _fp8_take_held(self, site: int, slot: int) -> int:
+        """The slot's inverse scale, set to the one site's producer left: the products' cuBLASLt plans hold the
+        slots' addresses (one plan, and one tuning race, a shape, not a site)."""
+        inv = self._fp8_slot(slot)[1]
+        cp.cuda.runtime.memcpyAsync(inv, self._fp8_inv_of(site), 4, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    self.stream.ptr)
+        return inv
+
+    def _fp8_held_site(self, buf, weight, role: str) -> int | None:
+        """The site whose FP8 bytes a producer wrote over `buf` for this product, or None where buf holds act."""
+        held = self._fp8_held.get(buf.data.ptr) if self._fp8_held else None
+        if held is None:
+            return None
+        site = self._fp8_sites.get((weight.data.ptr, role))
+        if held != (site, buf.size):
+            raise RuntimeError(f"a product met the FP8 {role} written for another one (site {held[0]}, not {site}): "
+                               f"fp8_next must name the product that reads a tensor next")
+        return site
+
+    def _fp8_no_held(self, *bufs) -> None:
+        """A product about to run in bf16 must not meet FP8 bytes (cuBLASLt refused the FP8 product, or the engine
+        passed fp8_next for a product that does not run in FP8)."""
+        if self._fp8_held and any(b is not None and b.data.ptr in self._fp8_held for b in bufs):
+            raise RuntimeError("a bf16 product met an operand its producer wrote in FP8 (fp8_next); run with "
+                               "--backend-opt fp8_fuse=off")
+
+    def _fp8_transposed(self, buf, rows, cols) -> int:
+        """The transposed copy (cols, rows) of the FP8 bytes a producer wrote over `buf`, made in its second half."""
+        t = buf.data.ptr + rows * cols
+        self._launch(self._k("fp8_transpose", True), ((cols + 63) // 64, (rows + 63) // 64), 256,
+                     (np.uint64(t), buf, np.int32(rows), np.int32(cols)))
+        return t
+
     def _fp8_forward(self, out, inp, weight, bias, pre_gelu, N, C, OC) -> bool:
         from nvmath.bindings.cublasLt import Epilogue as E
-        x8, w8 = self._fp8_arena(N * C, OC * C)
+        held = self._fp8_held_site(inp, weight, "x")
+        x8, w8 = self._fp8_arena(N * C if held is None else 0, OC * C)
         self._fp8_zero()
-        self._fp8_cast(inp, 0, N, C, out=x8, site=self._fp8_site(weight, "x"))
+        if held is None:
+            self._fp8_cast(inp, 0, N, C, out=x8, site=self._fp8_site(weight, "x"))
+            x8, x_inv = x8.data.ptr, self._fp8_slot(0)[1]
+        else:
+            x8, x_inv = inp.data.ptr, self._fp8_take_held(held, 0)
         self._fp8_cast(weight, 1, OC, C, out=w8, site=self._fp8_site(weight, "w"))
-        scales = (self._fp8_slot(1)[1], self._fp8_slot(0)[1])
+        scales = (self._fp8_slot(1)[1], x_inv)
         b = bias.data.ptr if bias is not None else 0
-        args = (x8.data.ptr, w8.data.ptr, N, C, OC, self.stream.ptr, scales)
+        args = (x8, w8.data.ptr, N, C, OC, self.stream.ptr, scales)
         fast = self.fp8_fast_accum
         if pre_gelu is not None:
             if self.use_epilogues and self.lt.forward_fp8(out.data.ptr, *args, bias=b, aux=pre_gelu.data.ptr,
@@ -877,20 +965,32 @@ class CudaBackend(Backend):
     def _fp8_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
         if not self.fp8_wgrad:
             return self._fp8_backward_dinp(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
-        one_pass = N * OC + max(N * OC + OC * C, N * C)
+        held = self._fp8_held_site(dout, weight, "dout")
+        if held is not None:
+            if dbias is not None:  # (its sums are taken from act values, which the producer did not write)
+                raise RuntimeError("fp8_next named a product with a bias as the reader of its gradient")
+            w8t, = self._fp8_arena(OC * C if dinp is not None else 0)
+            self._fp8_zero()
+            grad = (dout.data.ptr, self._fp8_take_held(held, 2))
+            if dinp is not None and not self._fp8_dinp(dinp, grad, w8t, weight, pre_gelu, N, C, OC):
+                return False
+            return self._fp8_dweight(dweight, None, (self._fp8_transposed(dout, N, OC), grad[1]), inp, weight,
+                                     N, C, OC)
+        x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
+        one_pass = N * OC + max(N * OC + OC * C, x_cast)
         if dinp is not None and one_pass > self.cudnn_workspace:
             return self._fp8_backward_two_pass(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
         # the transposed gradient first; after it, the gradient and the weight for dinp, then (over them) the
         # transposed input for dweight
-        d8t, rest = self._fp8_arena(N * OC, max(N * OC + OC * C, N * C))
+        d8t, rest = self._fp8_arena(N * OC, max(N * OC + OC * C, x_cast))
         d8, w8t = rest[:N * OC], rest[N * OC:N * OC + OC * C]
-        x8t = rest[:N * C]
         self._fp8_zero()
         self._fp8_cast(dout, 2, N, OC, out=d8 if dinp is not None else None, out_t=d8t, e5m2=True,
                        site=self._fp8_site(weight, "dout"), sums=dbias is not None)
-        if dinp is not None and not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
+        inv = self._fp8_slot(2)[1]
+        if dinp is not None and not self._fp8_dinp(dinp, (d8.data.ptr, inv), w8t, weight, pre_gelu, N, C, OC):
             return False  # (nothing accumulated yet: the bf16 path redoes the product)
-        return self._fp8_dweight(dweight, dbias, d8t, x8t, inp, weight, N, C, OC)
+        return self._fp8_dweight(dweight, dbias, (d8t.data.ptr, inv), inp, weight, N, C, OC, x8t=rest)
 
     def _fp8_backward_two_pass(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
         """The backward of a product whose one-pass casts (the gradient normal and transposed at once) would need
@@ -901,33 +1001,40 @@ class CudaBackend(Backend):
         d8, w8t = self._fp8_arena(N * OC, OC * C)
         self._fp8_zero()
         self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True, site=site)
-        if not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
+        inv = self._fp8_slot(2)[1]
+        if not self._fp8_dinp(dinp, (d8.data.ptr, inv), w8t, weight, pre_gelu, N, C, OC):
             return False  # (nothing accumulated yet: the bf16 path redoes the product)
         d8t, x8t = self._fp8_arena(N * OC, N * C)
         self._fp8_cast(dout, 2, N, OC, out_t=d8t, e5m2=True, site=site, sums=dbias is not None)
-        return self._fp8_dweight(dweight, dbias, d8t, x8t, inp, weight, N, C, OC)
+        return self._fp8_dweight(dweight, dbias, (d8t.data.ptr, inv), inp, weight, N, C, OC, x8t=x8t)
 
-    def _fp8_dweight(self, dweight, dbias, d8t, x8t, inp, weight, N, C, OC) -> bool:
-        """dweight += the cast gradient d8t (transposed, slot 2) times inp, cast transposed into x8t here; then
-        dbias += the sums d8t's cast took. False, with neither touched, if cuBLASLt has no FP8 algorithm."""
-        self._fp8_cast(inp, 0, N, C, out_t=x8t, site=self._fp8_site(weight, "x"))
-        if not self.lt.backward_weight_fp8(dweight.data.ptr, d8t.data.ptr, x8t.data.ptr, N, C, OC, self.stream.ptr,
-                                           (self._fp8_slot(0)[1], self._fp8_slot(2)[1])):
+    def _fp8_dweight(self, dweight, dbias, grad_t, inp, weight, N, C, OC, x8t=None) -> bool:
+        """dweight += the FP8 gradient grad_t = (transposed bytes, inverse scale) times inp, cast transposed into
+        x8t here (or transposed from a producer's FP8 bytes); then dbias += the sums the gradient's cast took.
+        False, with neither touched, if cuBLASLt has no FP8 algorithm."""
+        held = self._fp8_held_site(inp, weight, "x")
+        if held is None:
+            self._fp8_cast(inp, 0, N, C, out_t=x8t, site=self._fp8_site(weight, "x"))
+            x = (x8t.data.ptr, self._fp8_slot(0)[1])
+        else:
+            x = (self._fp8_transposed(inp, N, C), self._fp8_take_held(held, 0))
+        if not self.lt.backward_weight_fp8(dweight.data.ptr, grad_t[0], x[0], N, C, OC, self.stream.ptr,
+                                           (x[1], grad_t[1])):
             return False  # (dinp is overwritten by the bf16 path; dweight and dbias untouched so far)
         if dbias is not None:
             self._fp8_add_sums(dbias, N, OC)
         return True
 
-    def _fp8_dinp(self, dinp, d8, w8t, weight, pre_gelu, N, C, OC) -> bool:
-        """dinp from the cast gradient d8 (slot 2) and the weight cast transposed into w8t here; False if
-        cuBLASLt has no FP8 algorithm for it."""
+    def _fp8_dinp(self, dinp, grad, w8t, weight, pre_gelu, N, C, OC) -> bool:
+        """dinp from the FP8 gradient grad = (bytes, inverse scale) and the weight cast transposed into w8t here;
+        False if cuBLASLt has no FP8 algorithm for it."""
         s = self.stream.ptr
         self._fp8_cast(weight, 1, OC, C, out_t=w8t, site=self._fp8_site(weight, "w"))
-        scales = (self._fp8_slot(1)[1], self._fp8_slot(2)[1])
+        scales = (self._fp8_slot(1)[1], grad[1])
         if pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
-                dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr):
+                dinp.data.ptr, grad[0], w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr):
             return True
-        if not self.lt.backward_input_fp8(dinp.data.ptr, d8.data.ptr, w8t.data.ptr, N, C, OC, s, scales):
+        if not self.lt.backward_input_fp8(dinp.data.ptr, grad[0], w8t.data.ptr, N, C, OC, s, scales):
             return False
         if pre_gelu is not None:
             self.gelu_backward(dinp, pre_gelu, dinp)
@@ -939,7 +1046,7 @@ class CudaBackend(Backend):
             d8, w8t = self._fp8_arena(N * OC, OC * C)
             self._fp8_zero()
             self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True, site=self._fp8_site(weight, "dout"))
-            if not self._fp8_dinp(dinp, d8, w8t, weight, pre_gelu, N, C, OC):
+            if not self._fp8_dinp(dinp, (d8.data.ptr, self._fp8_slot(2)[1]), w8t, weight, pre_gelu, N, C, OC):
                 return False
         self._dweight(dweight, dbias, dout, inp, N, C, OC)
         return True
@@ -968,19 +1075,27 @@ class CudaBackend(Backend):
         self._launch(k, self._grid(n, 16 // dinp.dtype.itemsize if vec else 1, block), block,
                      (dinp, inp, dout, np.int64(n), np.int32(vec)))
 
-    def swiglu_forward(self, out, inp):
+    def swiglu_forward(self, out, inp, fp8_next=None):
         H = out.shape[-1]
         N = out.size // H
         k = self._kk("swiglu_forward", out)
         vec, block = self._cfg("swiglu_forward", k, self._vec(H, out, inp))
+        if f8 := self._fp8_producer(out, fp8_next, "x", able=vec and self._is_bf16(out)):
+            self._launch(self._k("swiglu_forward_fp8", True), self._grid(N * H, 8, block), block,
+                         (*f8, inp, np.int64(N), np.int32(H)))
+            return
         self._launch(k, self._grid(N * H, 16 // out.dtype.itemsize if vec else 1, block), block,
                      (out, inp, np.int64(N), np.int32(H), np.int32(vec)))
 
-    def swiglu_backward(self, dinp, dout, inp):
+    def swiglu_backward(self, dinp, dout, inp, fp8_next=None):
         H = dout.shape[-1]
         N = dout.size // H
         k = self._kk("swiglu_backward", dinp)
         vec, block = self._cfg("swiglu_backward", k, self._vec(H, dinp, dout, inp))
+        if f8 := self._fp8_producer(dinp, fp8_next, "dout", able=vec and self._is_bf16(dinp)):
+            self._launch(self._k("swiglu_backward_fp8", True), self._grid(N * H, 8, block), block,
+                         (*f8, dout, inp, np.int64(N), np.int32(H)))
+            return
         self._launch(k, self._grid(N * H, 16 // dinp.dtype.itemsize if vec else 1, block), block,
                      (dinp, dout, inp, np.int64(N), np.int32(H), np.int32(vec)))
 

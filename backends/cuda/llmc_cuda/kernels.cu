@@ -43,6 +43,58 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// FP8 helpers (--dtype fp8), used by the casts of the FP8 section below and by the producers that write a matmul's
+// FP8 operand themselves (the norms and SwiGLU: see the FP8 section's comment).
+#ifdef ACT_BF16
+__device__ __forceinline__ float fp8_scale(const unsigned int* amax, int hist_n, int stride, float fmax) {
+    unsigned int bits = 0;
+    for (int k = 0; k < hist_n; k++) bits = max(bits, amax[(long long)k * stride]);
+    float a = __uint_as_float(bits);
+    // all zeros: 1; a tiny amax must not overflow the scale (0 * inf would be NaN); NaN stays NaN
+    return a > 0.0f ? fminf(fmax / a, 3.0e38f) : (a == 0.0f ? 1.0f : a);
+}
+// the block's largest m into *observe with one atomic (every thread of the block calls it, once a kernel)
+__device__ __forceinline__ void fp8_observe(unsigned int* observe, unsigned int m) {
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __shared__ unsigned int wm[32];
+    if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (blockDim.x + 31) / 32; w++) m = max(m, wm[w]);
+        if (observe) atomicMax(observe, m);
+    }
+}
+__device__ __forceinline__ unsigned int pack_amax(const pack_t& p, unsigned int m) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) m = max(m, __float_as_uint(fabsf(to_f(p.v[j]))));
+    return m;
+}
+// two floats to two fp8 bytes (lo in the low byte), round to nearest even, saturating at the largest finite
+__device__ __forceinline__ unsigned int fp8x2(float lo, float hi, int e5m2) {
+    unsigned short r = 0;
+#if LLMC_CC >= 89
+    if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+#endif  // (below 8.9 the backend never launches these: --dtype fp8 is refused there)
+    return r;
+}
+// the scale from `hist_n` amax words `stride` apart (fp8_scale); block 0's first thread writes its inverse, which the
+// matmul dequantizes with
+__device__ __forceinline__ float fp8_block_scale(float* inv_scale, const unsigned int* amax, int hist_n, int stride,
+                                                 int e5m2) {
+    float s = fp8_scale(amax, hist_n, stride, e5m2 ? 57344.0f : 448.0f);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
+    return s;
+}
+struct __align__(8) fp8x8_t { unsigned int x, y; };  // 8 fp8 bytes (no headers: not CUDA's uint2)
+__device__ __forceinline__ fp8x8_t fp8_pack8(const pack_t& p, float s, int e5m2) {
+    fp8x8_t q;
+    q.x = fp8x2(to_f(p.v[0]) * s, to_f(p.v[1]) * s, e5m2) | (fp8x2(to_f(p.v[2]) * s, to_f(p.v[3]) * s, e5m2) << 16);
+    q.y = fp8x2(to_f(p.v[4]) * s, to_f(p.v[5]) * s, e5m2) | (fp8x2(to_f(p.v[6]) * s, to_f(p.v[7]) * s, e5m2) << 16);
+    return q;
+}
+#endif
+
 #define GELU_SCALE 0.7978845608028654f
 #define LLMC_INF __int_as_float(0x7f800000)
 #define LLMC_NAN __int_as_float(0x7fffffff)
@@ -419,10 +471,12 @@ extern "C" __global__ void norm_backward_reduce(act_t* dweight, act_t* dbias, co
 // Vectorised layernorm / rmsnorm (C % PACK == 0, 16-byte aligned rows, C <= 32 * P * PACK): each lane keeps its
 // P packs of a row in registers, so every row is read once and written once with 128-bit accesses.
 // Forward: one warp per row (same arithmetic as norm_forward: the residual is rounded to act before the stats).
+// one warp's row of norm_forward_vec_impl (out8: its e4m3 copy scaled by s8, the amax of its bf16 values into *m8)
 template <int P>
-__device__ __forceinline__ void norm_forward_vec_impl(act_t* out, float* mean, float* rstd, act_t* residual,
-                                                      const act_t* inp1, const act_t* inp2, const act_t* weight,
-                                                      const act_t* bias, int N, int C, float eps, int rms) {
+__device__ __forceinline__ void norm_forward_row(act_t* out, float* mean, float* rstd, act_t* residual,
+                                                 const act_t* inp1, const act_t* inp2, const act_t* weight,
+                                                 const act_t* bias, int N, int C, float eps, int rms,
+                                                 unsigned char* out8, float s8, unsigned int* m8) {
     int warps = blockDim.x / 32;
     int row = blockIdx.x * warps + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -481,6 +535,13 @@ __device__ __forceinline__ void norm_forward_vec_impl(act_t* out, float* mean, f
                 if (!rms) n += to_f(b.v[j]);
                 o.v[j] = from_f(n);
             }
+#ifdef ACT_BF16
+            if (out8) {
+                *m8 = pack_amax(o, *m8);
+                *reinterpret_cast<fp8x8_t*>(out8 + base + pk * PACK) = fp8_pack8(o, s8, 0);
+                continue;
+            }
+#endif
             store_pack(out + base + pk * PACK, o);
         }
     }
@@ -488,6 +549,26 @@ __device__ __forceinline__ void norm_forward_vec_impl(act_t* out, float* mean, f
         if (!rms) mean[row] = m;
         rstd[row] = r;
     }
+}
+
+// With out8 (bf16 only), the output row goes to out8 in e4m3 instead of to `out`: a matmul's FP8 operand, scaled
+// by the history at amax8 (fp8_block_scale), this call's amax recorded into observe8 (the FP8 section's producers).
+template <int P>
+__device__ __forceinline__ void norm_forward_vec_impl(act_t* out, float* mean, float* rstd, act_t* residual,
+                                                      const act_t* inp1, const act_t* inp2, const act_t* weight,
+                                                      const act_t* bias, int N, int C, float eps, int rms,
+                                                      unsigned char* out8, float* inv8, const unsigned int* amax8,
+                                                      int hist_n, int stride, unsigned int* observe8) {
+#ifdef ACT_BF16
+    if (out8) {  // (every thread of the block reaches the amax's block reduction)
+        float s8 = fp8_block_scale(inv8, amax8, hist_n, stride, 0);
+        unsigned int m8 = 0;
+        norm_forward_row<P>(out, mean, rstd, residual, inp1, inp2, weight, bias, N, C, eps, rms, out8, s8, &m8);
+        fp8_observe(observe8, m8);
+        return;
+    }
+#endif
+    norm_forward_row<P>(out, mean, rstd, residual, inp1, inp2, weight, bias, N, C, eps, rms, 0, 1.0f, 0);
 }
 
 // One pack of a row's backward once its two sums are known, shared by the warp-a-row and the grouped kernels below:
@@ -605,8 +686,10 @@ __device__ __forceinline__ void norm_backward_vec_impl(act_t* dinp, float* parti
 #define NORM_VEC(P)                                                                                               \
 extern "C" __global__ void norm_forward_vec##P(act_t* out, float* mean, float* rstd, act_t* residual,            \
         const act_t* inp1, const act_t* inp2, const act_t* weight, const act_t* bias, int N, int C, float eps,    \
-        int rms) {                                                                                                \
-    norm_forward_vec_impl<P>(out, mean, rstd, residual, inp1, inp2, weight, bias, N, C, eps, rms);               \
+        int rms, unsigned char* out8, float* inv8, const unsigned int* amax8, int hist_n, int stride,            \
+        unsigned int* observe8) {                                                                                 \
+    norm_forward_vec_impl<P>(out, mean, rstd, residual, inp1, inp2, weight, bias, N, C, eps, rms, out8, inv8,    \
+                             amax8, hist_n, stride, observe8);                                                    \
 }                                                                                                                 \
 extern "C" __global__ void __launch_bounds__(256) norm_backward_vec##P(act_t* dinp, float* partial,              \
         const act_t* dout, const act_t* inp, const act_t* weight, const float* mean, const float* rstd, int N,   \
@@ -824,46 +907,11 @@ extern "C" __global__ void accumulate_act(act_t* dst, const act_t* src, int n) {
 // or a tensor's history of earlier steps (delayed scaling: no pass before the cast; the cast itself records this
 // call's amax into `observe` for fp8_roll). amax is a max over the float's bits (|x| >= 0 orders like its bits,
 // NaN above infinity): order-free, so deterministic, and a NaN or infinity reaches the loss instead of vanishing.
+// Producers: under delayed scaling the scale is known before a tensor exists, so the norms and SwiGLU write the
+// operand of the matmul that reads their output next in FP8 themselves, in place of their bf16 output (the
+// engine's fp8_next), the same bytes a cast of that output would write; fp8_transpose gives the backward's
+// products their transposed copies of those.
 #ifdef ACT_BF16
-__device__ __forceinline__ float fp8_scale(const unsigned int* amax, int hist_n, int stride, float fmax) {
-    unsigned int bits = 0;
-    for (int k = 0; k < hist_n; k++) bits = max(bits, amax[(long long)k * stride]);
-    float a = __uint_as_float(bits);
-    // all zeros: 1; a tiny amax must not overflow the scale (0 * inf would be NaN); NaN stays NaN
-    return a > 0.0f ? fminf(fmax / a, 3.0e38f) : (a == 0.0f ? 1.0f : a);
-}
-// the block's largest m into *observe with one atomic (every thread of the block calls it, once a kernel)
-__device__ __forceinline__ void fp8_observe(unsigned int* observe, unsigned int m) {
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-    __shared__ unsigned int wm[32];
-    if ((threadIdx.x & 31) == 0) wm[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (blockDim.x + 31) / 32; w++) m = max(m, wm[w]);
-        if (observe) atomicMax(observe, m);
-    }
-}
-__device__ __forceinline__ unsigned int pack_amax(const pack_t& p, unsigned int m) {
-#pragma unroll
-    for (int j = 0; j < 8; j++) m = max(m, __float_as_uint(fabsf(to_f(p.v[j]))));
-    return m;
-}
-// two floats to two fp8 bytes (lo in the low byte), round to nearest even, saturating at the largest finite
-__device__ __forceinline__ unsigned int fp8x2(float lo, float hi, int e5m2) {
-    unsigned short r = 0;
-#if LLMC_CC >= 89
-    if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-#endif  // (below 8.9 the backend never launches these: --dtype fp8 is refused there)
-    return r;
-}
-struct __align__(8) fp8x8_t { unsigned int x, y; };  // 8 fp8 bytes (no headers: not CUDA's uint2)
-__device__ __forceinline__ fp8x8_t fp8_pack8(const pack_t& p, float s, int e5m2) {
-    fp8x8_t q;
-    q.x = fp8x2(to_f(p.v[0]) * s, to_f(p.v[1]) * s, e5m2) | (fp8x2(to_f(p.v[2]) * s, to_f(p.v[3]) * s, e5m2) << 16);
-    q.y = fp8x2(to_f(p.v[4]) * s, to_f(p.v[5]) * s, e5m2) | (fp8x2(to_f(p.v[6]) * s, to_f(p.v[7]) * s, e5m2) << 16);
-    return q;
-}
 // amax |= max |x| over n elements (n % 8 == 0, 16-byte aligned); amax zeroed by the caller
 extern "C" __global__ void fp8_amax(unsigned int* amax, const act_t* x, long long n) {
     unsigned int m = 0;
@@ -876,8 +924,7 @@ extern "C" __global__ void fp8_amax(unsigned int* amax, const act_t* x, long lon
 extern "C" __global__ void fp8_quantize(unsigned char* out, float* inv_scale, const unsigned int* amax,
                                         int hist_n, int stride, unsigned int* observe, const act_t* x, long long n,
                                         int e5m2) {
-    float s = fp8_scale(amax, hist_n, stride, e5m2 ? 57344.0f : 448.0f);
-    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
+    float s = fp8_block_scale(inv_scale, amax, hist_n, stride, e5m2);
     unsigned int m = 0;
     for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 8; i < n;
          i += (long long)gridDim.x * blockDim.x * 8) {
@@ -892,13 +939,25 @@ extern "C" __global__ void fp8_quantize(unsigned char* out, float* inv_scale, co
 // packs are rows r and r + 32 of the same 8 columns). With colsum (the gradient's bias sums, GPT-2), each tile's
 // column sums of x in float32 go to colsum[tile row][col], summed in a fixed order (column_sums_reduce after).
 #define FP8_TILE 64
+// a 64x64 tile of FP8 bytes (tile[r][c] = element (r0 + r, c0 + c)) written transposed into out_t (cols, rows)
+__device__ __forceinline__ void fp8_tile_store_t(unsigned char* out_t, const unsigned char (*tile)[FP8_TILE + 8],
+                                                 int r0, int c0, int rows, int cols) {
+    for (int i = threadIdx.x; i < FP8_TILE * FP8_TILE / 8; i += blockDim.x) {
+        int c = i / (FP8_TILE / 8), r = (i % (FP8_TILE / 8)) * 8;
+        if (c0 + c < cols && r0 + r < rows) {
+            fp8x8_t q;
+            q.x = tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) | ((unsigned int)tile[r + 3][c] << 24);
+            q.y = tile[r + 4][c] | (tile[r + 5][c] << 8) | (tile[r + 6][c] << 16) | ((unsigned int)tile[r + 7][c] << 24);
+            *reinterpret_cast<fp8x8_t*>(out_t + (long long)(c0 + c) * rows + r0 + r) = q;
+        }
+    }
+}
 extern "C" __global__ void __launch_bounds__(256) fp8_quantize_t(unsigned char* out, unsigned char* out_t,
         float* inv_scale, const unsigned int* amax, int hist_n, int stride, unsigned int* observe, const act_t* x,
         int rows, int cols, int e5m2, float* colsum) {
     __shared__ __align__(8) unsigned char tile[FP8_TILE][FP8_TILE + 8];
     __shared__ float csum[FP8_TILE / 2][FP8_TILE + 1];
-    float s = fp8_scale(amax, hist_n, stride, e5m2 ? 57344.0f : 448.0f);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
+    float s = fp8_block_scale(inv_scale, amax, hist_n, stride, e5m2);
     int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
     unsigned int m = 0;
     float sums[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -932,15 +991,67 @@ extern "C" __global__ void __launch_bounds__(256) fp8_quantize_t(unsigned char* 
     }
     if (!out_t) return;
     __syncthreads();
+    fp8_tile_store_t(out_t, tile, r0, c0, rows, cols);
+}
+// out_t (cols, rows) = the FP8 bytes in (rows, cols), transposed: where a producer wrote a matmul's operand (the
+// rows) and the backward's product takes it transposed (rows % 8 == 0, cols % 8 == 0; 64x64 tiles as above)
+extern "C" __global__ void __launch_bounds__(256) fp8_transpose(unsigned char* out_t, const unsigned char* in,
+                                                                 int rows, int cols) {
+    __shared__ __align__(8) unsigned char tile[FP8_TILE][FP8_TILE + 8];
+    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
     for (int i = threadIdx.x; i < FP8_TILE * FP8_TILE / 8; i += blockDim.x) {
-        int c = i / (FP8_TILE / 8), r = (i % (FP8_TILE / 8)) * 8;
-        if (c0 + c < cols && r0 + r < rows) {
-            fp8x8_t q;
-            q.x = tile[r][c] | (tile[r + 1][c] << 8) | (tile[r + 2][c] << 16) | ((unsigned int)tile[r + 3][c] << 24);
-            q.y = tile[r + 4][c] | (tile[r + 5][c] << 8) | (tile[r + 6][c] << 16) | ((unsigned int)tile[r + 7][c] << 24);
-            *reinterpret_cast<fp8x8_t*>(out_t + (long long)(c0 + c) * rows + r0 + r) = q;
-        }
+        int r = i / (FP8_TILE / 8), c = (i % (FP8_TILE / 8)) * 8;
+        fp8x8_t q = {0u, 0u};
+        if (r0 + r < rows && c0 + c < cols) q = *reinterpret_cast<const fp8x8_t*>(in + (long long)(r0 + r) * cols + c0 + c);
+        *reinterpret_cast<fp8x8_t*>(&tile[r][c]) = q;
     }
+    __syncthreads();
+    fp8_tile_store_t(out_t, tile, r0, c0, rows, cols);
+}
+// SwiGLU as FP8 producers (vec layout only: H % 8 == 0, 16-byte aligned): the forward's output in e4m3 for the down
+// projection, the backward's [dgate | dup] in e5m2 for the gate/up projection's backward, each scaled by the
+// history at amax (fp8_block_scale) with this call's amax into observe; the values are swiglu_forward's and
+// swiglu_backward's bf16 ones, so the bytes are what the cast of those would write
+extern "C" __global__ void swiglu_forward_fp8(unsigned char* out8, float* inv8, const unsigned int* amax, int hist_n,
+                                              int stride, unsigned int* observe, const act_t* inp, long long N,
+                                              int H) {
+    float s = fp8_block_scale(inv8, amax, hist_n, stride, 0);
+    unsigned int m = 0;
+    int hp = H / PACK;
+    long long n = N * hp;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / hp; int h = (int)(i - r * hp) * PACK;
+        pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h), o;
+#pragma unroll
+        for (int k = 0; k < PACK; k++) o.v[k] = from_f(silu_f(to_f(g.v[k])) * to_f(u.v[k]));
+        m = pack_amax(o, m);
+        *reinterpret_cast<fp8x8_t*>(out8 + r * H + h) = fp8_pack8(o, s, 0);
+    }
+    fp8_observe(observe, m);
+}
+extern "C" __global__ void swiglu_backward_fp8(unsigned char* dinp8, float* inv8, const unsigned int* amax, int hist_n,
+                                               int stride, unsigned int* observe, const act_t* dout, const act_t* inp,
+                                               long long N, int H) {
+    float s = fp8_block_scale(inv8, amax, hist_n, stride, 1);
+    unsigned int m = 0;
+    int hp = H / PACK;
+    long long n = N * hp;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / hp; int h = (int)(i - r * hp) * PACK;
+        pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h);
+        pack_t d = load_pack(dout + r * H + h), dg, du;
+#pragma unroll
+        for (int k = 0; k < PACK; k++) {
+            float a, b;
+            swiglu_grad(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), &a, &b);
+            dg.v[k] = from_f(a);
+            du.v[k] = from_f(b);
+        }
+        m = pack_amax(du, pack_amax(dg, m));
+        *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + h) = fp8_pack8(dg, s, 1);
+        *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + H + h) = fp8_pack8(du, s, 1);
+    }
+    fp8_observe(observe, m);
 }
 // delayed scaling, once a step: each of `sites` histories (hist[k * sites + site], k = 1..hist_n; k = 0 is the
 // step's amax so far) moves one step older and takes the step's amax, which restarts at zero. A non-finite amax

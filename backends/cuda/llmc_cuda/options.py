@@ -16,6 +16,7 @@ CUBLASLT_WORKSPACE_BYTES = 32 << 20  # every cuBLASLt matmul's workspace (cublas
 _FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
           ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
           ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"),
+          ("fp8_fuse", "LLMC_FP8_FUSE"),
           ("p2p", "LLMC_P2P"), ("p2p_reduce", "LLMC_P2P_REDUCE"),
           ("p2p_copies", "LLMC_P2P_COPIES"))
 

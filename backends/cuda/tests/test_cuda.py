@@ -756,6 +756,65 @@ def test_fp8_backward_in_two_passes_computes_the_same_bits():
             assert np.array_equal(one, two), scaling
 
 
+@pytest.mark.parametrize("model,recompute", [("d2", "none"), ("d2", "gelu+layernorm"), ("llama3-tiny", "none"),
+                                             ("llama3-tiny", "gelu+layernorm")])
+def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute):
+    """fp8_fuse (the default): from a site's second step the norms and SwiGLU write the FP8 operands their next
+    products read, which then cast nothing; the losses are fp8_fuse=off's, where every product casts, bit for
+    bit, over uncaptured steps and replayed graphs (with a recompute, the backward's producers too)."""
+    from llmc_cli.formats.shards import write_shard
+    from llmc_cli.training.args import TrainArgs
+    from llmc_cli.training.steps import GRAPH_AFTER
+    from llmc_cli.training.trainer import Trainer
+    cuda("fp8")
+    llama = model.startswith("llama")
+    write_shard(tmp_path / "p_train_000001.bin", np.random.default_rng(0).integers(0, 1000, 40_000))
+    runs, produced = {}, {}
+    for fuse in ("on", "off"):
+        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse})
+        a = TrainArgs(data=str(tmp_path / "p_train_*.bin"), model=model, batch_size=4, seq_len=64,
+                      steps=GRAPH_AFTER + 3, val_every=0, sample_every=0, recompute=recompute,
+                      **({} if llama else {"n_embd": 128}))
+        tr = Trainer(a, b, say=lambda m: None)
+        runs[fuse] = [tr.train_step(s)["loss"] for s in range(a.steps)]
+        produced[fuse] = dict(b.fp8_produced)
+        tr.close()
+    print(model, recompute, produced, runs["on"])
+    # the norms' and SwiGLU's forward outputs, and (Llama) SwiGLU's gradient
+    assert produced["on"].get("x") and bool(produced["on"].get("dout")) == llama and not produced["off"]
+    assert runs["on"] == runs["off"]
+
+
+def test_fp8_producer_output_reaches_only_its_product():
+    """A producer's FP8 bytes stand in for its output only before the product fp8_next named: another product
+    meeting them is refused, as is a bf16 product (cuBLASLt's refusal, or the classifier); writing the buffer
+    again without fp8_next leaves act there."""
+    cuda("fp8")
+    b = _INFO.plugin.create(dtype="fp8")
+    rng = np.random.default_rng(7)
+    N, C, OC = 256, 128, 192
+    x, g = up(b, rng.standard_normal((N, C))), up(b, np.ones(C))
+    w, w2 = (up(b, rng.standard_normal((OC, C)) / math.sqrt(C)) for _ in range(2))
+    ln, rstd, out = poisoned(b, (N, C)), b.alloc(N), poisoned(b, (N, OC))
+    b.begin_step()
+    b.rmsnorm_forward(ln, rstd, x, g, 1e-5, fp8_next=w)  # (first step: the site has no history, act written)
+    b.matmul_forward(out, ln, w)
+    b.end_step()
+    first = down(b, out)
+    b.begin_step()
+    b.rmsnorm_forward(ln, rstd, x, g, 1e-5, fp8_next=w)
+    assert b.fp8_produced == {"x": 1}
+    b.matmul_forward(out, ln, w)
+    assert np.array_equal(down(b, out), first), "the producer's bytes are the cast's"
+    with pytest.raises(RuntimeError, match="another one"):
+        b.matmul_forward(out, ln, w2)
+    with pytest.raises(RuntimeError, match="bf16 product"):
+        b.matmul_forward(out, ln, w, precise=True)
+    b.rmsnorm_forward(ln, rstd, x, g, 1e-5)
+    b.matmul_forward(out, ln, w, precise=True)
+    b.end_step()
+
+
 def test_fp8_wgrad_off_keeps_the_weight_gradient_in_bf16():
     b = cuda("fp8")
     rng = np.random.default_rng(4)
