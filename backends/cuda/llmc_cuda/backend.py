@@ -581,7 +581,7 @@ class CudaBackend(Backend):
         args = (out, mean if mean is not None else null, rstd, residual if residual is not None else null,
                 inp1, inp2 if inp2 is not None else null, weight, bias if bias is not None else null,
                 np.int32(N), np.int32(C), np.float32(eps), np.int32(rms))
-        if P:  # (the vectorised kernels write the FP8 operand where fp8_next asks and FP8 allows)
+        if impl != "naive":  # (these kernels write the FP8 operand where fp8_next asks and FP8 allows)
             f8 = self._fp8_producer(out, fp8_next, "x", able=self._is_bf16(out))
             args += f8 or (null, null, null, np.int32(0), np.int32(0), null)
         else:
@@ -969,13 +969,14 @@ class CudaBackend(Backend):
         if held is not None:
             if dbias is not None:  # (its sums are taken from act values, which the producer did not write)
                 raise RuntimeError("fp8_next named a product with a bias as the reader of its gradient")
-            w8t, = self._fp8_arena(OC * C if dinp is not None else 0)
+            x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
+            w8t, x8t = self._fp8_arena(OC * C if dinp is not None else 0, x_cast)
             self._fp8_zero()
             grad = (dout.data.ptr, self._fp8_take_held(held, 2))
             if dinp is not None and not self._fp8_dinp(dinp, grad, w8t, weight, pre_gelu, N, C, OC):
                 return False
             return self._fp8_dweight(dweight, None, (self._fp8_transposed(dout, N, OC), grad[1]), inp, weight,
-                                     N, C, OC)
+                                     N, C, OC, x8t=x8t)
         x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
         one_pass = N * OC + max(N * OC + OC * C, x_cast)
         if dinp is not None and one_pass > self.cudnn_workspace:

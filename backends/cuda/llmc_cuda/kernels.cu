@@ -347,15 +347,11 @@ extern "C" __global__ void encoder_backward_wpe(act_t* dwpe, const act_t* dout, 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// layernorm / rmsnorm forward: one warp per row. With `residual`, the row is inp1 + inp2 (rounded to act and
-// stored in residual) -- the fused residual + layernorm. rms != 0: rmsnorm (no mean, no bias).
-extern "C" __global__ void norm_forward(act_t* out, float* mean, float* rstd, act_t* residual, const act_t* inp1,
-                                        const act_t* inp2, const act_t* weight, const act_t* bias, int N, int C,
-                                        float eps, int rms) {
-    int warps = blockDim.x / 32;
-    int row = blockIdx.x * warps + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (row >= N) return;
+// one warp's row of norm_forward (out8: its e4m3 copy scaled by s8, the amax of its act values into *m8)
+__device__ __forceinline__ void norm_forward_row_scalar(act_t* out, float* mean, float* rstd, act_t* residual,
+                                                        const act_t* inp1, const act_t* inp2, const act_t* weight,
+                                                        const act_t* bias, int C, float eps, int rms, int row,
+                                                        int lane, unsigned char* out8, float s8, unsigned int* m8) {
     const act_t* x = inp1 + (long long)row * C;
     if (residual != 0) {
         const act_t* y = inp2 + (long long)row * C;
@@ -378,12 +374,43 @@ extern "C" __global__ void norm_forward(act_t* out, float* mean, float* rstd, ac
     for (int c = lane; c < C; c += 32) {
         float n = (to_f(x[c]) - m) * r * to_f(weight[c]);
         if (!rms) n += to_f(bias[c]);
+#ifdef ACT_BF16
+        if (out8) {
+            act_t a = from_f(n);
+            *m8 = max(*m8, __float_as_uint(fabsf(to_f(a))));
+            out8[(long long)row * C + c] = (unsigned char)fp8x2(to_f(a) * s8, 0.0f, 0);
+            continue;
+        }
+#endif
         o[c] = from_f(n);
     }
     if (lane == 0) {
         if (!rms) mean[row] = m;
         rstd[row] = r;
     }
+}
+// layernorm / rmsnorm forward: one warp per row. With `residual`, the row is inp1 + inp2 (rounded to act and
+// stored in residual) -- the fused residual + layernorm. rms != 0: rmsnorm (no mean, no bias). out8: the output
+// in e4m3 there instead, as norm_forward_vec's (rows too wide for those: Llama 3.1 8B's C = 4096).
+extern "C" __global__ void norm_forward(act_t* out, float* mean, float* rstd, act_t* residual, const act_t* inp1,
+                                        const act_t* inp2, const act_t* weight, const act_t* bias, int N, int C,
+                                        float eps, int rms, unsigned char* out8, float* inv8,
+                                        const unsigned int* amax8, int hist_n, int stride, unsigned int* observe8) {
+    int warps = blockDim.x / 32;
+    int row = blockIdx.x * warps + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+#ifdef ACT_BF16
+    if (out8) {  // (every thread of the block reaches the amax's block reduction)
+        float s8 = fp8_block_scale(inv8, amax8, hist_n, stride, 0);
+        unsigned int m8 = 0;
+        if (row < N) norm_forward_row_scalar(out, mean, rstd, residual, inp1, inp2, weight, bias, C, eps, rms, row,
+                                             lane, out8, s8, &m8);
+        fp8_observe(observe8, m8);
+        return;
+    }
+#endif
+    if (row < N) norm_forward_row_scalar(out, mean, rstd, residual, inp1, inp2, weight, bias, C, eps, rms, row, lane,
+                                         0, 1.0f, 0);
 }
 
 // norm_forward's naive variant, for `llmc bench kernels --variants` (llm.c's dev/cuda layernorm_forward1): one

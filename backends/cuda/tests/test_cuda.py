@@ -785,6 +785,39 @@ def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute):
     assert runs["on"] == runs["off"]
 
 
+@pytest.mark.parametrize("x_held,d_held,C", [(True, False, 128), (False, True, 128), (True, True, 128),
+                                             (True, True, 4096)])  # (C = 4096: the norm's kernel for wide rows)
+def test_fp8_backward_takes_produced_operands_in_any_mix(x_held, d_held, C):
+    """A product's backward where a producer wrote its input (rmsnorm), its gradient (SwiGLU's backward), both
+    or neither: dinp and dweight are fp8_fuse=off's bits, each step."""
+    cuda("fp8")
+    rng = np.random.default_rng(8)
+    N, H = 256, 96
+    host = {"res": rng.standard_normal((N, C)), "g": 1 + rng.standard_normal(C) / 4,
+            "w": rng.standard_normal((2 * H, C)) / math.sqrt(C), "h13": rng.standard_normal((N, 2 * H)),
+            "dhs": rng.standard_normal((N, H)) * 1e-2}
+    got = {}
+    for fuse in ("on", "off"):
+        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse})
+        d = {k: up(b, v) for k, v in host.items()}
+        ln, rstd, h, dh13 = poisoned(b, (N, C)), b.alloc(N), poisoned(b, (N, 2 * H)), poisoned(b, (N, 2 * H))
+        outs = []
+        for step in range(2):  # (the first step's sites have no history: nothing is produced then)
+            b.begin_step()
+            b.rmsnorm_forward(ln, rstd, d["res"], d["g"], 1e-5, **({"fp8_next": d["w"]} if x_held else {}))
+            b.matmul_forward(h, ln, d["w"])
+            b.swiglu_backward(dh13, d["dhs"], d["h13"], **({"fp8_next": d["w"]} if d_held else {}))
+            dinp, dw = poisoned(b, (N, C)), up(b, np.zeros((2 * H, C)))
+            b.matmul_backward(dinp, dw, None, dh13, ln, d["w"])
+            b.end_step()
+            outs += [down(b, h), down(b, dinp), down(b, dw)]
+        got[fuse] = outs
+        if fuse == "on":
+            assert b.fp8_produced == {k: 1 for k, held in (("x", x_held), ("dout", d_held)) if held}
+    for one, two in zip(got["on"], got["off"]):
+        assert np.isfinite(one).all() and np.array_equal(one, two)
+
+
 def test_fp8_producer_output_reaches_only_its_product():
     """A producer's FP8 bytes stand in for its output only before the product fp8_next named: another product
     meeting them is refused, as is a bf16 product (cuBLASLt's refusal, or the classifier); writing the buffer
