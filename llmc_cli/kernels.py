@@ -203,10 +203,12 @@ class Backend(abc.ABC):
         """dinp (N,C) += d/dinp (accumulates: dinp is the residual stream's gradient); dweight, dbias (C,) +=."""
 
     def fused_residual_layernorm_forward(self, residual: Buffer, out: Buffer, mean: Buffer, rstd: Buffer,
-                                         inp1: Buffer, inp2: Buffer, weight: Buffer, bias: Buffer) -> None:
-        """residual (N,C) = inp1 + inp2, then out = layernorm(residual). Backends override to fuse."""
+                                         inp1: Buffer, inp2: Buffer, weight: Buffer, bias: Buffer,
+                                         **fp8_next) -> None:
+        """residual (N,C) = inp1 + inp2, then out = layernorm(residual). Backends override to fuse. (`fp8_next`, a
+        CAP_FP8 backend's: see matmul_forward, goes on to its layernorm_forward.)"""
         self.residual_forward(residual, inp1, inp2)
-        self.layernorm_forward(out, mean, rstd, residual, weight, bias)
+        self.layernorm_forward(out, mean, rstd, residual, weight, bias, **fp8_next)
 
     @abc.abstractmethod
     def residual_forward(self, out: Buffer, inp1: Buffer, inp2: Buffer) -> None:
@@ -235,8 +237,9 @@ class Backend(abc.ABC):
         fused_residual_layernorm_forward, rmsnorm_forward and swiglu_forward (the weight of the product that reads
         `out` next as its `inp`) and in swiglu_backward (the weight of the product, without bias, that reads `dinp`
         next as its `dout`). The kernel may then write that product's FP8 operand over `out` (`dinp`) instead of
-        act, so the product casts nothing; the engine reads such an output only through the products with that
-        weight (matmul_forward and matmul_backward) until the kernel writes it again."""
+        act, so the product does not cast that operand. The engine then passes that same buffer only to the
+        products with that weight (matmul_forward and matmul_backward, whose backward may use the rest of its
+        bytes), and no other kernel reads or writes it until a producer writes it again."""
 
     @abc.abstractmethod
     def matmul_backward(self, dinp: Buffer | None, dweight: Buffer, dbias: Buffer | None, dout: Buffer,

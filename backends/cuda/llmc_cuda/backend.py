@@ -241,14 +241,11 @@ class CudaBackend(Backend):
         self._fp8_hist = (cp.zeros((FP8_HISTORY + 1) * FP8_SITES, dtype=np.float32)
                           if self.fp8 and self.fp8_scaling == "delayed" else None)
         self._fp8_sites: dict[tuple[int, str], int] = {}  # (weight pointer, role) -> site, in order of first use
-        self._fp8_next = 0  # the next site's number
+        self._fp8_next_site = 0  # the next site's number
         self._fp8_fresh: set[int] = set()  # sites with no history yet: no step ended since they were first cast
         self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
-        # producers (fp8_next): they need the scale before the tensor exists (delayed scaling), and the weight
-        # gradient's product in FP8 (no bf16 copy of their output is left for a bf16 one)
-        self._fp8_fusing = self._fp8_hist is not None and self.fp8_fuse and self.fp8_wgrad
         # a producer's inverse scale per site, 256-byte aligned as the slots' (read by the product it feeds)
-        self._fp8_site_inv = cp.zeros(64 * FP8_SITES, dtype=np.float32) if self._fp8_fusing else None
+        self._fp8_site_inv = cp.zeros(64 * FP8_SITES, dtype=np.float32) if self._fp8_hist is not None else None
         self._fp8_held: dict[int, tuple[int, int]] = {}  # buffer pointer -> (site, elements) a producer wrote there
         # producer calls that wrote FP8, by role (uncaptured ones: a replayed graph runs no Python)
         self.fp8_produced: Counter[str] = Counter()
@@ -383,7 +380,7 @@ class CudaBackend(Backend):
             raise BackendUnavailable(f"cuda backend has no dtype {dtype}")
         a = cp.empty(shape, dtype=self._np[dtype])
         self._allocated[tag] += a.nbytes
-        if self._fp8_sites:
+        if self._fp8_sites or self._fp8_held:
             self._fp8_forget(a.data.ptr, a.nbytes)
         return a
 
@@ -674,7 +671,7 @@ class CudaBackend(Backend):
         if self._fp8_serves(N, C, OC, precise, inp, weight, out) \
                 and self._fp8_forward(out, inp, weight, bias, pre_gelu, N, C, OC):
             return
-        self._fp8_no_held(inp)
+        self._fp8_restore(inp)
         if N <= _GEMV_MAX_N and self._vec(C, out, inp, weight, *(b for b in (bias, pre_gelu) if b is not None)):
             self._launch(self._kk("matmul_forward_gemv", out), -(-OC // 8), 256,
                          (out, pre_gelu if pre_gelu is not None else np.uint64(0), inp, weight,
@@ -711,7 +708,7 @@ class CudaBackend(Backend):
         if (pre_gelu is None or self.fp8_dgelu) and self._fp8_serves(N, C, OC, precise, *bufs) \
                 and self._fp8_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC):
             return
-        self._fp8_no_held(inp, dout)
+        self._fp8_restore(inp, dout)
         dt = self._lt_dtype(inp)
         s = self.stream.ptr
         if dinp is not None:
@@ -742,9 +739,9 @@ class CudaBackend(Backend):
             self._column_sums(dbias, dout, N, OC)
 
     # ---- FP8 matmuls (--dtype fp8) ---------------------------------------------------------------------------
-    # Each product casts its operands just before it runs: x and w to e4m3, dout to e5m2, each tensor with its own
-    # scale (kernels.cu's FP8 section), into scratch that every matmul shares. The backward products take
-    # transposed copies (Hopper's FP8 matmuls are "TN" only) made by the same cast.
+    # Each product casts the operands no producer wrote (below) just before it runs: x and w to e4m3, dout to
+    # e5m2, each tensor with its own scale (kernels.cu's FP8 section), into scratch that every matmul shares. The
+    # backward products take transposed copies (Hopper's FP8 matmuls are "TN" only) made by the same cast.
     # Delayed scaling (the default; measured faster, and as good, in docs/performance.md) scales by the largest
     # amax of the tensor's last FP8_HISTORY steps and records this one's in the cast itself: one pass. Current
     # scaling (fp8_scaling=current) scales by the tensor's amax now: a pass to find it, then the cast. Delayed
@@ -769,12 +766,18 @@ class CudaBackend(Backend):
             return None
         key = (weight.data.ptr, role)
         site = self._fp8_sites.get(key)
-        if site is None and self._fp8_next < FP8_SITES:
-            site = self._fp8_sites[key] = self._fp8_next
-            self._fp8_next += 1
+        if site is None and self._fp8_next_site < FP8_SITES:
+            site = self._fp8_sites[key] = self._fp8_next_site
+            self._fp8_next_site += 1
             if site >= self._fp8_loaded:
                 self._fp8_fresh.add(site)
         return site
+
+    def _fp8_history(self, site: int) -> tuple:
+        """(amax history, its length, stride, this step's amax) of a site: the scale's arguments of every cast
+        and producer kernel under delayed scaling."""
+        base = self._fp8_hist.data.ptr
+        return base + 4 * (FP8_SITES + site), FP8_HISTORY, FP8_SITES, base + 4 * site
 
     def _fp8_forget(self, ptr: int, nbytes: int) -> None:
         """A new buffer at [ptr, ptr + nbytes): weights that lived there were freed, and their sites' histories
@@ -792,11 +795,10 @@ class CudaBackend(Backend):
         n = rows * cols
         hist_n, stride, observe = 1, 0, 0
         if site is not None:
-            base = self._fp8_hist.data.ptr
             if site not in self._fp8_fresh:
-                amax, hist_n, stride, observe = base + 4 * (FP8_SITES + site), FP8_HISTORY, FP8_SITES, base + 4 * site
+                amax, hist_n, stride, observe = self._fp8_history(site)
             else:
-                amax = base + 4 * site  # (the step's amax so far: at least this tensor's)
+                amax = self._fp8_hist.data.ptr + 4 * site  # (the step's amax so far: at least this tensor's)
         if observe == 0:
             self._launch(self._k("fp8_amax", True), self._grid(n, 8), _BLOCK, (np.uint64(amax), src, np.int64(n)))
         scale = (np.uint64(inv), np.uint64(amax), np.int32(hist_n), np.int32(stride), np.uint64(observe), src)
@@ -832,7 +834,7 @@ class CudaBackend(Backend):
 
     def carried_state(self) -> dict:
         # (the fresh sites are the newest: the ones below have a history)
-        known = max(self._fp8_loaded, self._fp8_next - len(self._fp8_fresh)) if self._fp8_hist is not None else 0
+        known = max(self._fp8_loaded, self._fp8_next_site - len(self._fp8_fresh)) if self._fp8_hist is not None else 0
         if not known:
             return {}
         with self.stream:
@@ -858,7 +860,7 @@ class CudaBackend(Backend):
         self.upload(self._fp8_hist, full.reshape(-1))
         self._fp8_sites.clear()  # (sites are numbered again, in the same order, as the steps first cast them)
         self._fp8_held.clear()
-        self._fp8_next, self._fp8_fresh, self._fp8_loaded = 0, set(), len(rows)
+        self._fp8_next_site, self._fp8_fresh, self._fp8_loaded = 0, set(), len(rows)
 
     def _fp8_zero(self):
         cp.cuda.runtime.memsetAsync(self._fp8_slots.data.ptr, 0, 16, self.stream.ptr)
@@ -884,7 +886,8 @@ class CudaBackend(Backend):
         act, and the product casts it). Either way `out` no longer holds an older producer's FP8 bytes."""
         if self._fp8_held:
             self._fp8_held.pop(out.data.ptr, None)
-        if weight is None or not (able and self._fp8_fusing):
+        # (it needs the scale before the tensor exists, delayed scaling, and the weight gradient's product in FP8)
+        if weight is None or not (able and self.fp8_fuse and self.fp8_wgrad and self._fp8_hist is not None):
             return None
         OC, C = weight.shape
         N = out.size // (C if role == "x" else OC)
@@ -893,11 +896,11 @@ class CudaBackend(Backend):
         site = self._fp8_site(weight, role)
         if site is None or site in self._fp8_fresh:
             return None
-        self._fp8_held[out.data.ptr] = (site, out.size)
+        self._fp8_held[out.data.ptr] = (site, out.size, role == "dout")
         self.fp8_produced[role] += 1
-        base = self._fp8_hist.data.ptr
-        return (out, np.uint64(self._fp8_inv_of(site)), np.uint64(base + 4 * (FP8_SITES + site)),
-                np.int32(FP8_HISTORY), np.int32(FP8_SITES), np.uint64(base + 4 * site))
+        amax, hist_n, stride, observe = self._fp8_history(site)
+        return (out, np.uint64(self._fp8_inv_of(site)), np.uint64(amax), np.int32(hist_n), np.int32(stride),
+                np.uint64(observe))
 
     def _fp8_inv_of(self, site: int) -> int:
         """Where a producer left site's inverse scale."""
@@ -917,17 +920,22 @@ class CudaBackend(Backend):
         if held is None:
             return None
         site = self._fp8_sites.get((weight.data.ptr, role))
-        if held != (site, buf.size):
+        if held[:2] != (site, buf.size):
             raise RuntimeError(f"a product met the FP8 {role} written for another one (site {held[0]}, not {site}): "
                                f"fp8_next must name the product that reads a tensor next")
         return site
 
-    def _fp8_no_held(self, *bufs) -> None:
-        """A product about to run in bf16 must not meet FP8 bytes (cuBLASLt refused the FP8 product, or the engine
-        passed fp8_next for a product that does not run in FP8)."""
-        if self._fp8_held and any(b is not None and b.data.ptr in self._fp8_held for b in bufs):
-            raise RuntimeError("a bf16 product met an operand its producer wrote in FP8 (fp8_next); run with "
-                               "--backend-opt fp8_fuse=off")
+    def _fp8_restore(self, *bufs) -> None:
+        """A product about to run in bf16 (cuBLASLt refused its FP8 product, or a shape or option keeps it in bf16)
+        reads act: FP8 bytes a producer wrote over one of `bufs` become act again, the values they stand for."""
+        for buf in bufs:
+            held = self._fp8_held.pop(buf.data.ptr, None) if buf is not None and self._fp8_held else None
+            if held is not None:
+                src, = self._fp8_arena(buf.size)  # (a copy: act's elements are wider than the bytes they replace)
+                cp.cuda.runtime.memcpyAsync(src.data.ptr, buf.data.ptr, buf.size,
+                                            cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+                self._launch(self._k("fp8_dequantize", True), self._grid(buf.size, 8), _BLOCK,
+                             (buf, src, np.uint64(self._fp8_inv_of(held[0])), np.int64(buf.size), np.int32(held[2])))
 
     def _fp8_transposed(self, buf, rows, cols) -> int:
         """The transposed copy (cols, rows) of the FP8 bytes a producer wrote over `buf`, made in its second half."""
@@ -1043,6 +1051,7 @@ class CudaBackend(Backend):
 
     def _fp8_backward_dinp(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
         """fp8_wgrad=off: dinp in FP8 (no transposed gradient needed), the weight gradient in bf16."""
+        self._fp8_restore(inp, dout)  # (produced while fp8_wgrad was on: the option changed in between)
         if dinp is not None:
             d8, w8t = self._fp8_arena(N * OC, OC * C)
             self._fp8_zero()

@@ -1080,6 +1080,35 @@ extern "C" __global__ void swiglu_backward_fp8(unsigned char* dinp8, float* inv8
     }
     fp8_observe(observe, m);
 }
+// out (n act) = the values of the FP8 bytes `in` (e4m3, or e5m2) times inv_scale[0]: a producer's operand made act
+// again for a product that runs in bf16 after all (n % 8 == 0, 16-byte aligned)
+extern "C" __global__ void fp8_dequantize(act_t* out, const unsigned char* in, const float* inv_scale, long long n,
+                                          int e5m2) {
+    float inv = inv_scale[0];
+    for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * 8; i < n;
+         i += (long long)gridDim.x * blockDim.x * 8) {
+        fp8x8_t q = *reinterpret_cast<const fp8x8_t*>(in + i);
+        unsigned int words[2] = {q.x, q.y};
+        pack_t o;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            unsigned short pair = (unsigned short)(words[j / 2] >> (16 * (j % 2))), lo, hi;
+            unsigned int h2 = 0;
+#if LLMC_CC >= 89
+            if (e5m2) asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(pair));
+            else asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+#endif
+            lo = (unsigned short)(h2 & 0xffffu);
+            hi = (unsigned short)(h2 >> 16);
+            float a, b;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
+            asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
+            o.v[2 * j] = from_f(a * inv);
+            o.v[2 * j + 1] = from_f(b * inv);
+        }
+        store_pack(out + i, o);
+    }
+}
 // delayed scaling, once a step: each of `sites` histories (hist[k * sites + site], k = 1..hist_n; k = 0 is the
 // step's amax so far) moves one step older and takes the step's amax, which restarts at zero. A non-finite amax
 // is not kept: that step's update was skipped (step_guard), and it must not spoil the next hist_n steps' scales.
