@@ -196,6 +196,13 @@ extern "C" __global__ void gelu_backward(act_t* dinp, const act_t* inp, const ac
 // swiglu: out (N,H) = silu(gate) * up with inp (N,2H) = [gate | up] per row. vec: H a multiple of PACK and the
 // buffers 16-byte aligned, PACK elements per thread in 16-byte loads and stores (these kernels are pure bandwidth)
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
+// one pack of a row's output from its gate and up packs (the FP8 producer's kernel takes the same values)
+__device__ __forceinline__ pack_t swiglu_pack(const pack_t& g, const pack_t& u) {
+    pack_t o;
+#pragma unroll
+    for (int k = 0; k < PACK; k++) o.v[k] = from_f(silu_f(to_f(g.v[k])) * to_f(u.v[k]));
+    return o;
+}
 extern "C" __global__ void swiglu_forward(act_t* out, const act_t* inp, long long N, int H, int vec) {
     long long stride = (long long)gridDim.x * blockDim.x;
     if (vec) {
@@ -203,10 +210,8 @@ extern "C" __global__ void swiglu_forward(act_t* out, const act_t* inp, long lon
         long long n = N * hp;
         for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
             long long r = i / hp; int h = (int)(i - r * hp) * PACK;
-            pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h), o;
-#pragma unroll
-            for (int k = 0; k < PACK; k++) o.v[k] = from_f(silu_f(to_f(g.v[k])) * to_f(u.v[k]));
-            store_pack(out + r * H + h, o);
+            const act_t* row = inp + r * 2 * H;
+            store_pack(out + r * H + h, swiglu_pack(load_pack(row + h), load_pack(row + H + h)));
         }
         return;
     }
@@ -223,6 +228,18 @@ __device__ __forceinline__ void swiglu_grad(float g, float u, float d, float* dg
     *du = d * silu;
     *dg = d * u * (sig + silu * (1.0f - sig));
 }
+// one pack of a row's [dgate | dup] at (r, h): from inp's gate and up packs and dout's (shared with the FP8 producer)
+__device__ __forceinline__ void swiglu_grad_packs(const act_t* dout, const act_t* inp, long long r, int h, int H,
+                                                  pack_t& dg, pack_t& du) {
+    pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h), d = load_pack(dout + r * H + h);
+#pragma unroll
+    for (int k = 0; k < PACK; k++) {
+        float a, b;
+        swiglu_grad(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), &a, &b);
+        dg.v[k] = from_f(a);
+        du.v[k] = from_f(b);
+    }
+}
 extern "C" __global__ void swiglu_backward(act_t* dinp, const act_t* dout, const act_t* inp, long long N, int H,
                                            int vec) {
     long long stride = (long long)gridDim.x * blockDim.x;
@@ -231,15 +248,8 @@ extern "C" __global__ void swiglu_backward(act_t* dinp, const act_t* dout, const
         long long n = N * hp;
         for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
             long long r = i / hp; int h = (int)(i - r * hp) * PACK;
-            pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h);
-            pack_t d = load_pack(dout + r * H + h), dg, du;
-#pragma unroll
-            for (int k = 0; k < PACK; k++) {
-                float a, b;
-                swiglu_grad(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), &a, &b);
-                dg.v[k] = from_f(a);
-                du.v[k] = from_f(b);
-            }
+            pack_t dg, du;
+            swiglu_grad_packs(dout, inp, r, h, H, dg, du);
             store_pack(dinp + r * 2 * H + h, dg);
             store_pack(dinp + r * 2 * H + H + h, du);
         }
@@ -1029,7 +1039,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_transpose(unsigned char* o
     for (int i = threadIdx.x; i < FP8_TILE * FP8_TILE / 8; i += blockDim.x) {
         int r = i / (FP8_TILE / 8), c = (i % (FP8_TILE / 8)) * 8;
         fp8x8_t q = {0u, 0u};
-        if (r0 + r < rows && c0 + c < cols) q = *reinterpret_cast<const fp8x8_t*>(in + (long long)(r0 + r) * cols + c0 + c);
+        if (r0 + r < rows && c0 + c < cols)
+            q = *reinterpret_cast<const fp8x8_t*>(in + (long long)(r0 + r) * cols + c0 + c);
         *reinterpret_cast<fp8x8_t*>(&tile[r][c]) = q;
     }
     __syncthreads();
@@ -1046,11 +1057,10 @@ extern "C" __global__ void swiglu_forward_fp8(unsigned char* out8, float* inv8, 
     unsigned int m = 0;
     int hp = H / PACK;
     long long n = N * hp;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
         long long r = i / hp; int h = (int)(i - r * hp) * PACK;
-        pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h), o;
-#pragma unroll
-        for (int k = 0; k < PACK; k++) o.v[k] = from_f(silu_f(to_f(g.v[k])) * to_f(u.v[k]));
+        pack_t o = swiglu_pack(load_pack(inp + r * 2 * H + h), load_pack(inp + r * 2 * H + H + h));
         m = pack_amax(o, m);
         *reinterpret_cast<fp8x8_t*>(out8 + r * H + h) = fp8_pack8(o, s, 0);
     }
@@ -1063,17 +1073,11 @@ extern "C" __global__ void swiglu_backward_fp8(unsigned char* dinp8, float* inv8
     unsigned int m = 0;
     int hp = H / PACK;
     long long n = N * hp;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
         long long r = i / hp; int h = (int)(i - r * hp) * PACK;
-        pack_t g = load_pack(inp + r * 2 * H + h), u = load_pack(inp + r * 2 * H + H + h);
-        pack_t d = load_pack(dout + r * H + h), dg, du;
-#pragma unroll
-        for (int k = 0; k < PACK; k++) {
-            float a, b;
-            swiglu_grad(to_f(g.v[k]), to_f(u.v[k]), to_f(d.v[k]), &a, &b);
-            dg.v[k] = from_f(a);
-            du.v[k] = from_f(b);
-        }
+        pack_t dg, du;
+        swiglu_grad_packs(dout, inp, r, h, H, dg, du);
         m = pack_amax(du, pack_amax(dg, m));
         *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + h) = fp8_pack8(dg, s, 1);
         *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + H + h) = fp8_pack8(du, s, 1);
