@@ -530,6 +530,72 @@ def test_fp8_precise_products_stay_in_the_compute_dtype(fp8_backend, rng):
     check_accumulated(k, dw, dw0, np64(wt.grad), tol(k, "reduction"), "dweight")
 
 
+def _norm_ref(x, w, b=None, eps=1e-5):
+    """(out, mean, rstd) of layernorm (with b) or rmsnorm (without), float64."""
+    mean = x.mean(-1, keepdims=True) if b is not None else np.zeros(x.shape[:-1] + (1,))
+    rstd = 1 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps)
+    out = (x - mean) * rstd * w + (b if b is not None else 0)
+    return out, mean[..., 0], rstd[..., 0]
+
+
+@pytest.mark.parametrize("producer", ["layernorm", "fused_residual_layernorm", "rmsnorm", "swiglu_forward",
+                                      "swiglu_backward"])
+def test_fp8_producer_outputs_reach_their_product(fp8_backend, rng, producer):
+    """fp8_next (Backend.matmul_forward's FP8 producers): a producer told which product reads its output next, then
+    that product (forward and backward; for swiglu_backward, the backward its gradient feeds), over two training
+    steps, since a delayed-scaling backend writes the operand itself only once a step gave the tensor a history.
+    The product's outputs stay within FP8's bounds of the float64 layer, the producer's others as ever."""
+    k = fp8_backend
+    N, C, H, OC = 128, 128, 96, 192
+    x, xh = to_device(k, randn(rng, N, C))
+    g, gh = to_device(k, 1 + randn(rng, C, scale=0.2))
+    b, bh = to_device(k, randn(rng, C, scale=0.2))
+    h13, h13h = to_device(k, randn(rng, N, 2 * H))
+    dhs, dhsh = to_device(k, randn(rng, N, H, scale=1e-2))
+    dy, dyh = to_device(k, randn(rng, N, OC, scale=1e-2))
+    stats = (empty(k, (N,), FLOAT32), empty(k, (N,), FLOAT32))
+    if producer == "swiglu_backward":  # the gate/up projection's backward reads the gradient SwiGLU writes
+        w, wh = to_device(k, randn(rng, 2 * H, C, scale=1 / math.sqrt(C)))
+        sig = 1 / (1 + np.exp(-h13h[:, :H]))
+        dref = np.concatenate([dhsh * h13h[:, H:] * sig * (1 + h13h[:, :H] * (1 - sig)),
+                               dhsh * h13h[:, :H] * sig], axis=1)
+        out = empty(k, (N, 2 * H))
+        for step in range(2):
+            k.begin_step()
+            k.swiglu_backward(out, dhs, h13, fp8_next=w)
+            dx, dw = empty(k, (N, C)), to_device(k, np.zeros((2 * H, C)))[0]
+            k.matmul_backward(dx, dw, None, out, x, w)
+            k.end_step()
+        assert_close(from_device(k, dx), dref @ wh, FP8_TOL["backward"], "dinp")
+        assert_close(from_device(k, dw), dref.T @ xh, FP8_TOL["backward"], "dweight")
+        return
+    width = H if producer == "swiglu_forward" else C
+    w, wh = to_device(k, randn(rng, OC, width, scale=1 / math.sqrt(width)))
+    res, out = empty(k, (N, C)), empty(k, (N, width))
+    run = {"layernorm": lambda: k.layernorm_forward(out, *stats, x, g, b, fp8_next=w),
+           "fused_residual_layernorm": lambda: k.fused_residual_layernorm_forward(res, out, *stats, x, x, g, b,
+                                                                                  fp8_next=w),
+           "rmsnorm": lambda: k.rmsnorm_forward(out, stats[1], x, g, 1e-5, fp8_next=w),
+           "swiglu_forward": lambda: k.swiglu_forward(out, h13, fp8_next=w)}[producer]
+    if producer == "swiglu_forward":
+        ref = h13h[:, :H] / (1 + np.exp(-h13h[:, :H])) * h13h[:, H:]
+    else:
+        ref, mean, rstd = _norm_ref(2 * xh if producer.startswith("fused") else xh, gh,
+                                    None if producer == "rmsnorm" else bh)
+    for step in range(2):
+        k.begin_step()
+        run()
+        y, dp, dw = empty(k, (N, OC)), empty(k, (N, width)), to_device(k, np.zeros((OC, width)))[0]
+        k.matmul_forward(y, out, w)
+        k.matmul_backward(dp, dw, None, dy, out, w)
+        k.end_step()
+    assert_close(from_device(k, y), ref @ wh.T, FP8_TOL["forward"], "out")
+    assert_close(from_device(k, dp), dyh @ wh, FP8_TOL["backward"], "dinp")
+    assert_close(from_device(k, dw), dyh.T @ ref, FP8_TOL["backward"], "dweight")
+    if producer != "swiglu_forward":
+        assert_close(from_device(k, stats[1]), rstd, tol(k, "reduction"), "rstd")
+
+
 # =============================================================================================================
 # gelu, swiglu
 
