@@ -6,6 +6,9 @@
 #   PART=train    `llmc bench train`, bf16 and fp8 alternated ROUNDS times (default 2), one process each:
 #                 d12 B=64 T=1024, d48 B=16 T=1024 --recompute gelu, Llama 3.2-1B B=8 T=2048
 #   PART=variants `llmc bench train` once per VARIANTS entry ("MODEL OPTIONS; ..."), e.g. FP8 backend options
+#   PART=fuse     the producers (fp8_fuse): the CUDA FP8 tests (the delayed-scaling history test also alone, three
+#                 times), then bf16, fp8 and fp8 with fp8_fuse=off alternated ROUNDS times (default 2) on MODELS
+#                 (default: d12 B=64, Llama 3.2-1B B=8 T=2048)
 #   PART=profile  cuda_profile.py per kernel, bf16 then fp8 (MODEL, B, T from the environment; default d12 64 1024)
 #   PART=quality  GPT-2 d12 on Shakespeare from the same init, 1,000 steps (B=16, T=1024, lr 6e-4, 100 warmup),
 #                 once per QUALITY entry (default "bf16;fp8"), validating every 100 steps; logs for `llmc plot`
@@ -32,6 +35,27 @@ tests)
     2>&1 | tail -n 25 | tee "$OUT/tests_kit.log"
   timeout 300 $PY -m pytest -q -s -p no:cacheprovider backends/cuda/tests -k "fp8 or cublaslt or tiny" 2>&1 \
     | grep -E "vs cast|bf16 |fp8 |passed|failed|Error|error" | tail -n 40 | tee "$OUT/tests_cuda.log"
+  ;;
+fuse)
+  timeout 200 $PY -m pytest -q -p no:cacheprovider --tb=short backends/cuda/tests -k "fp8 or graph or zero2" 2>&1 \
+    | grep -E "^FAILED|^E |passed|failed" | tail -n 30 | tee "$OUT/tests_fuse.log"
+  for i in 1 2 3; do
+    timeout 60 $PY -m pytest -q -n 0 -p no:cacheprovider --tb=line backends/cuda/tests/test_cuda.py \
+      -k "delayed_scaling_casts" 2>&1 | tail -n 1 | tee -a "$OUT/tests_fuse.log"
+  done
+  cd /tmp
+  IFS=';' read -ra MS <<< "${MODELS:-d12 -b 64 -t 1024;llama3.2-1b -b 8 -t 2048}"
+  for round in $(seq "${ROUNDS:-2}"); do
+    for m in "${MS[@]}"; do
+      for v in "--dtype bf16" "--dtype fp8" "--dtype fp8 --backend-opt fp8_fuse=off"; do
+        f="$OUT/fuse_$round.json"
+        timeout 300 $LLMC bench train --backend cuda --model $m $v --steps 10 --warmup 3 --json > "$f" 2> "$f.err" \
+          || { rc=1; tail -n 3 "$f.err"; }
+        echo "[$m $v] $(summary "$f")" | tee -a "$OUT/fuse_summary.log"
+        rm -f "$f" "$f.err"
+      done
+    done
+  done
   ;;
 kernels)
   cd /tmp
