@@ -246,7 +246,8 @@ class CudaBackend(Backend):
         self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
         # a producer's inverse scale per site, 256-byte aligned as the slots' (read by the product it feeds)
         self._fp8_site_inv = cp.zeros(64 * FP8_SITES, dtype=np.float32) if self._fp8_hist is not None else None
-        self._fp8_held: dict[int, tuple[int, int]] = {}  # buffer pointer -> (site, elements) a producer wrote there
+        # buffer pointer -> (site, elements, e5m2) of the FP8 bytes a producer wrote there
+        self._fp8_held: dict[int, tuple[int, int, bool]] = {}
         # producer calls that wrote FP8, by role (uncaptured ones: a replayed graph runs no Python)
         self.fp8_produced: Counter[str] = Counter()
 
