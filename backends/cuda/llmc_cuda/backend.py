@@ -975,10 +975,10 @@ class CudaBackend(Backend):
         if not self.fp8_wgrad:
             return self._fp8_backward_dinp(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
         held = self._fp8_held_site(dout, weight, "dout")
+        x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C  # (bytes for the input's cast)
         if held is not None:
             if dbias is not None:  # (its sums are taken from act values, which the producer did not write)
                 raise RuntimeError("fp8_next named a product with a bias as the reader of its gradient")
-            x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
             w8t, x8t = self._fp8_arena(OC * C if dinp is not None else 0, x_cast)
             self._fp8_zero()
             grad = (dout.data.ptr, self._fp8_take_held(held, 2))
@@ -986,7 +986,6 @@ class CudaBackend(Backend):
                 return False
             return self._fp8_dweight(dweight, None, (self._fp8_transposed(dout, N, OC), grad[1]), inp, weight,
                                      N, C, OC, x8t=x8t)
-        x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
         one_pass = N * OC + max(N * OC + OC * C, x_cast)
         if dinp is not None and one_pass > self.cudnn_workspace:
             return self._fp8_backward_two_pass(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
