@@ -64,7 +64,7 @@ _NORM_BWD = ("layernorm_backward", "rmsnorm_backward")  # packed kernels: __laun
 _IMPLS = {**{k: ("", "scalar", "naive") for k in _NORM_FWD}, **{k: ("", "warp", "scalar") for k in _NORM_BWD},
           **{k: ("", "scalar") for k in ("residual_forward", "gelu_forward", "gelu_backward", "swiglu_forward",
                                           "swiglu_backward", "classifier_forward_backward")},
-          "adamw_update": ("",)}
+          "adamw_update": ("", "scalar")}
 
 
 def compile_options(cc: str, bf16: bool) -> tuple[str, ...]:
@@ -1332,15 +1332,19 @@ class CudaBackend(Backend):
         if master is None and self._is_bf16(param):
             raise ValueError("adamw_update on bfloat16 params needs float32 master weights")
         k = self._kk("adamw_kernel", param)
-        _, block = self._cfg("adamw_update", k)
-        self._launch(k, self._grid(n, 1, block), block,
+        # four elements a thread where every buffer allows it (fp32 state in 16-byte packs, act_t in 4-element ones)
+        quad = 4 * param.dtype.itemsize
+        packed = int(n % 4 == 0 and param.data.ptr % quad == 0 and grad.data.ptr % quad == 0
+                     and self._aligned(m, v, *([master] if master is not None else [])))
+        vec, block = self._cfg("adamw_update", k, packed)
+        self._launch(k, self._grid(n, 4 if vec else 1, block), block,
                      (param, grad, m, v, master if master is not None else np.uint64(0), np.int64(n),
                       np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(decay),
                       np.int32(weight_decay != 0.0), np.float32(c1), np.float32(c2), np.float32(step_size),
                       np.float32(rbc2), np.uint32(seed & 0xFFFFFFFF), guard if guard is not None else np.uint64(0),
                       np.float64(1.0 - beta1), np.float64(1.0 - beta2),
                       mirrors if mirrors is not None else np.uint64(0),
-                      np.int32(0 if mirrors is None else mirrors.size)))
+                      np.int32(0 if mirrors is None else mirrors.size), np.int32(vec)))
 
     def peer_mean(self, out, srcs, nsrc: int, off: int):
         """out[i] = the mean over nsrc ranks' copies of element off + i (srcs: a device array of their pointers,

@@ -1280,38 +1280,76 @@ __device__ __forceinline__ act_t stochastic_round(float f, unsigned int rnd) {
     return f;
 #endif
 }
+// one element's update (the scalar and the packed loops share it, so both give the same bits)
+__device__ __forceinline__ float adamw_value(float p, float g, float& mi, float& vi, float beta1, float beta2, float eps,
+                                             float decay, int has_decay, float c1, float c2, float step_size,
+                                             float rbc2) {
+    if (has_decay) p *= decay;
+    mi = mi * beta1 + g * c1;
+    vi = vi * beta2 + (g * g) * c2;
+    float den = sqrtf(vi) * rbc2 + eps;
+    return p - (mi / den) * step_size;
+}
+__device__ __forceinline__ act_t adamw_out(float p, long long i, unsigned int seed, int has_master) {
+    if (!has_master) return from_f(p);
+    return stochastic_round(p, hash_u32(seed ^ hash_u32((unsigned int)i ^ (unsigned int)(i >> 32) * 0x9e3779b9u)));
+}
+// four elements a thread: float4 for m, v and master, four act_t (8 or 16 bytes) for grad, param and the mirrors
+struct __align__(4 * sizeof(act_t)) act4_t { act_t v[4]; };
+// vec != 0: n % 4 == 0, m, v and master 16-byte aligned, param and grad aligned to 4 elements (the mirrors, at the
+// same offsets of allocations laid out alike, with them)
 extern "C" __global__ void adamw_kernel(act_t* param, const act_t* grad, float* m, float* v, float* master,
                                         long long n, float lr, float beta1, float beta2, float eps, float decay,
                                         int has_decay, float c1, float c2, float step_size, float rbc2,
                                         unsigned int seed, const float* guard, double omb1, double omb2,
-                                        const unsigned long long* mirrors, int n_mirrors) {
+                                        const unsigned long long* mirrors, int n_mirrors, int vec) {
     if (guard != 0) {  // scale and verdict from step_guard, read when the update runs
         if (guard[3] == 0.0f) return;
         double s = (double)guard[2];
         c1 = (float)(omb1 * s);
         c2 = (float)(omb2 * s * s);
     }
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        float p = master != 0 ? master[i] : to_f(param[i]);
-        float g = to_f(grad[i]);
-        if (has_decay) p *= decay;
-        float mi = m[i] * beta1 + g * c1;
-        float vi = v[i] * beta2 + (g * g) * c2;
-        m[i] = mi; v[i] = vi;
-        float den = sqrtf(vi) * rbc2 + eps;
-        p -= (mi / den) * step_size;
-        act_t out;
-        if (master != 0) {
-            master[i] = p;
-            unsigned int r = hash_u32(seed ^ hash_u32((unsigned int)i ^ (unsigned int)(i >> 32) * 0x9e3779b9u));
-            out = stochastic_round(p, r);
-        } else {
-            out = from_f(p);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const int has_master = master != 0;
+    if (vec) {
+        for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < n / 4; j += stride) {
+            float4 m4 = reinterpret_cast<float4*>(m)[j], v4 = reinterpret_cast<float4*>(v)[j];
+            act4_t g4 = reinterpret_cast<const act4_t*>(grad)[j], o;
+            float p4[4];
+            if (has_master) {
+                float4 w = reinterpret_cast<float4*>(master)[j];
+                p4[0] = w.x; p4[1] = w.y; p4[2] = w.z; p4[3] = w.w;
+            } else {
+                act4_t w = reinterpret_cast<act4_t*>(param)[j];
+                for (int k = 0; k < 4; k++) p4[k] = to_f(w.v[k]);
+            }
+            float* mk = reinterpret_cast<float*>(&m4);
+            float* vk = reinterpret_cast<float*>(&v4);
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                p4[k] = adamw_value(p4[k], to_f(g4.v[k]), mk[k], vk[k], beta1, beta2, eps, decay, has_decay, c1, c2,
+                                    step_size, rbc2);
+                o.v[k] = adamw_out(p4[k], j * 4 + k, seed, has_master);
+            }
+            reinterpret_cast<float4*>(m)[j] = m4;
+            reinterpret_cast<float4*>(v)[j] = v4;
+            if (has_master) reinterpret_cast<float4*>(master)[j] = make_float4(p4[0], p4[1], p4[2], p4[3]);
+            reinterpret_cast<act4_t*>(param)[j] = o;
+            // data parallel over peer memory (p2p.py): the other ranks' copies of this chunk, written here in place
+            // of an all-gather after the update
+            for (int d = 0; d < n_mirrors; d++) reinterpret_cast<act4_t*>((act_t*)mirrors[d])[j] = o;
         }
-        param[i] = out;
-        // data parallel over peer memory (p2p.py): the other ranks' copies of this chunk, written here in place of
-        // an all-gather after the update
-        for (int k = 0; k < n_mirrors; k++) ((act_t*)mirrors[k])[i] = out;
+    } else {
+        for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+            float mi = m[i], vi = v[i];
+            float p = adamw_value(has_master ? master[i] : to_f(param[i]), to_f(grad[i]), mi, vi, beta1, beta2, eps,
+                                  decay, has_decay, c1, c2, step_size, rbc2);
+            m[i] = mi; v[i] = vi;
+            if (has_master) master[i] = p;
+            act_t out = adamw_out(p, i, seed, has_master);
+            param[i] = out;
+            for (int d = 0; d < n_mirrors; d++) ((act_t*)mirrors[d])[i] = out;
+        }
     }
     if (n_mirrors) __threadfence_system();
 }

@@ -81,8 +81,9 @@ def test_variant_names_and_the_block_they_run_in():
     b = cuda(BFLOAT16)
     assert b.variants("layernorm_forward")[:2] == ["b32", "b64"] and "naive-b1024" in b.variants("layernorm_forward")
     assert "b512" not in b.variants("layernorm_backward") and "scalar-b512" in b.variants("layernorm_backward")
-    assert b.variants("matmul_forward") == [] and b.variants("adamw_update") == [f"b{n}" for n in (32, 64, 128, 256,
-                                                                                                    512, 1024)]
+    blocks = (32, 64, 128, 256, 512, 1024)
+    assert b.variants("matmul_forward") == []
+    assert b.variants("adamw_update") == [f"b{n}" for n in blocks] + [f"scalar-b{n}" for n in blocks]
     if b._cudnn_ready():
         assert b.variants("attention_forward") == ["own"]
     assert cuda(FLOAT32).variants("attention_forward") == []  # fp32 attention is the own kernels already
@@ -98,7 +99,8 @@ def test_variant_names_and_the_block_they_run_in():
 
 
 def test_default_launches_are_unchanged(monkeypatch):
-    """Outside a variant every kernel launches as before variants existed (grid and block by the same formulas)."""
+    """Outside a variant every kernel launches with the grid and block of its own formula (AdamW's packed loop:
+    four elements a thread)."""
     b = cuda(BFLOAT16)
     seen = []
     real = b._launch
@@ -127,7 +129,7 @@ def test_default_launches_are_unchanged(monkeypatch):
                         [((N + 7) // 8, 256)]),
                        (lambda: b.adamw_update(o, x, m, v, master, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
                                                weight_decay=0.0, step=1, grad_scale=1.0, seed=0),
-                        [(grid(N * C, 1), 256)]),
+                        [(grid(N * C, 4), 256)]),  # (four elements a thread)
                        (lambda: b.classifier_forward_backward(up((64, 1024)), b.alloc(64, FLOAT32), targets, 1000,
                                                               None), [(64, 512)])):
         seen.clear()
