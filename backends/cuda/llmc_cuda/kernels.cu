@@ -1284,11 +1284,13 @@ __device__ __forceinline__ act_t stochastic_round(float f, unsigned int rnd) {
 __device__ __forceinline__ float adamw_value(float p, float g, float& mi, float& vi, float beta1, float beta2, float eps,
                                              float decay, int has_decay, float c1, float c2, float step_size,
                                              float rbc2) {
-    if (has_decay) p *= decay;
-    mi = mi * beta1 + g * c1;
-    vi = vi * beta2 + (g * g) * c2;
-    float den = sqrtf(vi) * rbc2 + eps;
-    return p - (mi / den) * step_size;
+    // every rounding spelled out: "a * b + c * d" lets the compiler fuse either product into an FMA, and it may
+    // choose differently in the packed loop than in the scalar one (float32's params showed other bits)
+    if (has_decay) p = __fmul_rn(p, decay);
+    mi = __fmaf_rn(mi, beta1, __fmul_rn(g, c1));
+    vi = __fmaf_rn(vi, beta2, __fmul_rn(__fmul_rn(g, g), c2));
+    float den = __fmaf_rn(sqrtf(vi), rbc2, eps);
+    return __fmaf_rn(-__fdiv_rn(mi, den), step_size, p);
 }
 __device__ __forceinline__ act_t adamw_out(float p, long long i, unsigned int seed, int has_master) {
     if (!has_master) return from_f(p);
