@@ -234,12 +234,13 @@ class Backend(abc.ABC):
         it for the classifier, whose logits feed the loss directly) keeps that product in `dtype` unless the
         backend's own options say otherwise.
         FP8 producers: a CAP_FP8 backend also takes `fp8_next: Buffer | None = None` in layernorm_forward,
-        fused_residual_layernorm_forward, rmsnorm_forward and swiglu_forward (the weight of the product that reads
-        `out` next as its `inp`) and in swiglu_backward (the weight of the product, without bias, that reads `dinp`
-        next as its `dout`). The kernel may then write that product's FP8 operand over `out` (`dinp`) instead of
-        act, so the product does not cast that operand. The engine then passes that same buffer only to the
-        products with that weight (matmul_forward and matmul_backward, whose backward may use the rest of its
-        bytes), and no other kernel reads or writes it until a producer writes it again."""
+        fused_residual_layernorm_forward, rmsnorm_forward, swiglu_forward, gelu_forward and matmul_forward with
+        `pre_gelu` (the weight of the product that reads `out` next as its `inp`) and in swiglu_backward (the
+        weight of the product, without bias, that reads `dinp` next as its `dout`). The kernel may then write
+        that product's FP8 operand over `out` (`dinp`) instead of act, so the product does not cast that operand.
+        The engine then passes that same buffer only to the products with that weight (matmul_forward and
+        matmul_backward, whose backward may use the rest of its bytes), and no other kernel reads or writes it
+        until a producer writes it again."""
 
     @abc.abstractmethod
     def matmul_backward(self, dinp: Buffer | None, dweight: Buffer, dbias: Buffer | None, dout: Buffer,

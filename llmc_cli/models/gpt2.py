@@ -296,7 +296,7 @@ class GPT2(Model):
                                                **self.fp8_next(p.layer("fcw", l)))
             # MLP block: fc with GELU fused, projection, then residual + next layer's ln1 (or lnf) fused
             k.matmul_forward(act("fch_gelu", l), act("ln2", l), p.layer("fcw", l), p.layer("fcb", l),
-                             pre_gelu=act("fch", l))
+                             pre_gelu=act("fch", l), **self.fp8_next(p.layer("fcprojw", l)))
             k.matmul_forward(act("btc", l), act("fch_gelu", l), p.layer("fcprojw", l), p.layer("fcprojb", l))
             if l + 1 < L:
                 out, mean, rstd = act("ln1", l + 1), act("ln1_mean", l + 1), act("ln1_rstd", l + 1)
@@ -365,7 +365,7 @@ class GPT2(Model):
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else al["residual3"][l - 1]
             if recompute_gelu:  # the GELU output (and/or the layernorm outputs) were not kept: recompute them
-                k.gelu_forward(al["fch_gelu"][l], al["fch"][l])
+                k.gelu_forward(al["fch_gelu"][l], al["fch"][l], **self.fp8_next(p.layer("fcprojw", l)))
             if recompute_ln:
                 k.layernorm_forward(al["ln2"][l], al["ln2_mean"][l], al["ln2_rstd"][l], al["residual2"][l],
                                     p.layer("ln2w", l), p.layer("ln2b", l), **self.fp8_next(p.layer("fcw", l)))

@@ -17,7 +17,7 @@ from llmc_cli.registry import create_backend
 
 # producer -> the argument it writes
 PRODUCERS = {"layernorm_forward": "out", "fused_residual_layernorm_forward": "out", "rmsnorm_forward": "out",
-             "swiglu_forward": "out", "swiglu_backward": "dinp"}
+             "swiglu_forward": "out", "swiglu_backward": "dinp", "gelu_forward": "out", "matmul_forward": "out"}
 NOT_KERNELS = {"alloc", "view", "memory_report", "describe", "variants", "variant", "capture", "timer"}
 
 GPT2_CFG = GPT2Config(block_size=16, vocab_size=100, n_layer=2, n_head=2, n_embd=48)
@@ -57,6 +57,8 @@ def spy_backend():
                 for arg, v in bound.items():
                     if arg not in ("self", PRODUCERS.get(name)) and key(v) in log.pending:
                         log.bad.append((name, arg, "read by a kernel other than its product"))
+            if name == "matmul_forward" and nxt is not None and bound.get("pre_gelu") is None:
+                log.bad.append((name, "fp8_next on a product without GELU"))
             if name in PRODUCERS:
                 k = key(bound[PRODUCERS[name]])
                 if k in log.pending and k not in log.read:
@@ -109,7 +111,8 @@ def test_fp8_next_names_the_product_that_reads_the_output_next(family, recompute
     assert not log.bad, log.bad
     assert all(k in log.read for k in log.pending), "an output written for a product that never read it"
     L, again = 2, recompute != "none"
-    want = ({"layernorm_forward": 1 + again * 2 * L, "fused_residual_layernorm_forward": 2 * L - 1}
+    want = ({"layernorm_forward": 1 + again * 2 * L, "fused_residual_layernorm_forward": 2 * L - 1,
+             "matmul_forward": L, **({"gelu_forward": L} if again else {})}
             if family == "gpt2" else
             {"rmsnorm_forward": 2 * L * (1 + again), "swiglu_forward": L * (1 + again), "swiglu_backward": L})
     assert {n: log.produced.count(n) for n in set(log.produced)} == want

@@ -112,11 +112,12 @@ class CudaPlugin(BackendPlugin):
                        "(a pass over it first; env LLMC_FP8_SCALING)",
         "fp8_wgrad": "on|off: with --dtype fp8, the weight gradients' matmuls in FP8 too (default on; off: bf16, "
                      "which skips the transposed casts; env LLMC_FP8_WGRAD)",
-        "fp8_fuse": "on|off: with --dtype fp8 (delayed scaling, fp8_wgrad on), the norms and SwiGLU write the FP8 "
-                    "operand of the matmul that reads their output next themselves, in place of their bf16 output "
+        "fp8_fuse": "on|off: with --dtype fp8 (delayed scaling, fp8_wgrad on), the norms, SwiGLU and GELU write the "
+                    "FP8 operand of the matmul that reads their output next themselves, in place of their bf16 output "
                     "and that matmul's cast of it; the same bits either way (default on; env LLMC_FP8_FUSE)",
-        "fp8_dgelu": "on|off: with --dtype fp8, the backward fused with GELU's derivative (GPT-2's MLP output "
-                     "projection) in FP8 too (default off: bf16, faster on GPT-2 d12 and d48; env LLMC_FP8_DGELU)",
+        "fp8_dgelu": "on|off: with --dtype fp8, the input gradient fused with GELU's derivative (GPT-2's MLP "
+                     "output projection) in FP8 too (default off: bf16, faster on GPT-2 d12 and d48; env "
+                     "LLMC_FP8_DGELU)",
         "p2p": "on|off: data parallel on GPUs that reach each other's memory (NVLink or PCIe peer access): ZeRO's "
                "update writes every rank's copy of the parameters it updates, in place of NCCL's all-gather after "
                "it (default: on for two GPUs, off for more; env LLMC_P2P)",

@@ -246,8 +246,10 @@ class CudaBackend(Backend):
         self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
         # a producer's inverse scale per site, 256-byte aligned as the slots' (read by the product it feeds)
         self._fp8_site_inv = cp.zeros(64 * FP8_SITES, dtype=np.float32) if self._fp8_hist is not None else None
-        # buffer pointer -> (site, elements, e5m2) of the FP8 bytes a producer wrote there
-        self._fp8_held: dict[int, tuple[int, int, bool]] = {}
+        # (pointer, elements) of a buffer -> (site, e5m2) of the FP8 bytes a producer wrote over it. A buffer, not
+        # its memory: the engine may place another buffer over the same memory once the product has read it (GPT-2's
+        # shared GELU output inside the logits), and that one holds act
+        self._fp8_held: dict[tuple[int, int], tuple[int, bool]] = {}
         # producer calls that wrote FP8, by role (uncaptured ones: a replayed graph runs no Python)
         self.fp8_produced: Counter[str] = Counter()
 
@@ -665,10 +667,18 @@ class CudaBackend(Backend):
         from .cublaslt import CUDA_R_16BF, CUDA_R_32F  # (imports nvmath, heavy: see __init__)
         return CUDA_R_16BF if self._is_bf16(buf) else CUDA_R_32F
 
-    def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None, precise=False):
+    def matmul_forward(self, out, inp, weight, bias=None, pre_gelu=None, precise=False, fp8_next=None):
         from nvmath.bindings.cublasLt import Epilogue as E
         OC, C = weight.shape
         N = inp.size // C
+        if self._fp8_held:  # (what this writes holds act)
+            self._fp8_held.pop((out.data.ptr, out.size), None)
+        if pre_gelu is not None and self._fp8_gelu_feeds(out, fp8_next):
+            # (GELU as the FP8 producer of the product after it: the product here, GELU in its own kernel, which
+            # writes that product's operand; with fp8_fuse=off it writes act, which that product casts: same bits)
+            self.matmul_forward(pre_gelu, inp, weight, bias, precise=precise)
+            self.gelu_forward(out, pre_gelu, fp8_next=fp8_next)
+            return
         if self._fp8_serves(N, C, OC, precise, inp, weight, out) \
                 and self._fp8_forward(out, inp, weight, bias, pre_gelu, N, C, OC):
             return
@@ -709,20 +719,27 @@ class CudaBackend(Backend):
         if (pre_gelu is None or self.fp8_dgelu) and self._fp8_serves(N, C, OC, precise, *bufs) \
                 and self._fp8_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC):
             return
-        self._fp8_restore(inp, dout)
-        dt = self._lt_dtype(inp)
-        s = self.stream.ptr
-        if dinp is not None:
-            done = False
-            if pre_gelu is not None and self.use_epilogues:
-                done = self.lt.backward_input(dinp.data.ptr, dout.data.ptr, weight.data.ptr, N, C, OC, dt, s,
-                                              pre_gelu=pre_gelu.data.ptr)
-            if not done:
-                if not self.lt.backward_input(dinp.data.ptr, dout.data.ptr, weight.data.ptr, N, C, OC, dt, s):
-                    raise RuntimeError(f"cuBLASLt found no algorithm for dinp ({N}x{OC}) @ ({OC}x{C})")
-                if pre_gelu is not None:
-                    self.gelu_backward(dinp, pre_gelu, dinp)
+        self._fp8_restore(dout)  # (what follows reads the gradient as act)
+        if pre_gelu is not None and self.fp8_wgrad and self._fp8_serves(N, C, OC, precise, *bufs) \
+                and self._fp8_backward_wgrad(dweight, dbias, dout, inp, weight, N, C, OC):
+            self._dinp(dinp, dout, weight, pre_gelu, N, C, OC)  # (its GELU derivative fused, in bf16)
+            return
+        self._fp8_restore(inp)
+        self._dinp(dinp, dout, weight, pre_gelu, N, C, OC)
         self._dweight(dweight, dbias, dout, inp, N, C, OC)
+
+    def _dinp(self, dinp, dout, weight, pre_gelu, N, C, OC):
+        """dinp = dout @ weight [* gelu'(pre_gelu)] in the buffers' dtype (DGELU epilogue where cuBLASLt has it)."""
+        if dinp is None:
+            return
+        dt, s = self._lt_dtype(dout), self.stream.ptr
+        if pre_gelu is not None and self.use_epilogues and self.lt.backward_input(
+                dinp.data.ptr, dout.data.ptr, weight.data.ptr, N, C, OC, dt, s, pre_gelu=pre_gelu.data.ptr):
+            return
+        if not self.lt.backward_input(dinp.data.ptr, dout.data.ptr, weight.data.ptr, N, C, OC, dt, s):
+            raise RuntimeError(f"cuBLASLt found no algorithm for dinp ({N}x{OC}) @ ({OC}x{C})")
+        if pre_gelu is not None:
+            self.gelu_backward(dinp, pre_gelu, dinp)
 
     def _dweight(self, dweight, dbias, dout, inp, N, C, OC):
         """dweight += dout^T @ inp and dbias += column sums of dout, in the buffers' dtype (BGRADB epilogue
@@ -785,8 +802,8 @@ class CudaBackend(Backend):
         must not scale whatever is multiplied there next (tests, benchmarks: models made one after another)."""
         for key in [k for k in self._fp8_sites if ptr <= k[0] < ptr + nbytes]:
             del self._fp8_sites[key]  # (its number is not given out again; carried_state keeps numbering alike)
-        for p in [p for p in self._fp8_held if ptr <= p < ptr + nbytes]:
-            del self._fp8_held[p]
+        for key in [k for k in self._fp8_held if ptr <= k[0] < ptr + nbytes]:
+            del self._fp8_held[key]
 
     def _fp8_cast(self, src, slot, rows, cols, out=None, out_t=None, e5m2=False, site=None, sums=False):
         """src -> out (rows, cols) and/or out_t (cols, rows) in FP8, its inverse scale into `slot`: scaled by the
@@ -886,7 +903,7 @@ class CudaBackend(Backend):
         the kernel is `able` and the product runs in FP8 from a site with a history; else None (the kernel writes
         act, and the product casts it). Either way `out` no longer holds an older producer's FP8 bytes."""
         if self._fp8_held:
-            self._fp8_held.pop(out.data.ptr, None)
+            self._fp8_held.pop((out.data.ptr, out.size), None)
         # (it needs the scale before the tensor exists, delayed scaling, and the weight gradient's product in FP8)
         if weight is None or not (able and self.fp8_fuse and self.fp8_wgrad and self._fp8_hist is not None):
             return None
@@ -897,11 +914,19 @@ class CudaBackend(Backend):
         site = self._fp8_site(weight, role)
         if site is None or site in self._fp8_fresh:
             return None
-        self._fp8_held[out.data.ptr] = (site, out.size, role == "dout")
+        self._fp8_held[(out.data.ptr, out.size)] = (site, role == "dout")
         self.fp8_produced[role] += 1
         amax, hist_n, stride, observe = self._fp8_history(site)
         return (out, np.uint64(self._fp8_inv_of(site)), np.uint64(amax), np.int32(hist_n), np.int32(stride),
                 np.uint64(observe))
+
+    def _fp8_gelu_feeds(self, out, weight) -> bool:
+        """Whether GELU's output `out` is the FP8 input of the product with `weight` (fp8_next) under delayed
+        scaling, where GELU runs apart from the product before it, to be that product's producer."""
+        if weight is None or self._fp8_hist is None or not self.fp8_wgrad:
+            return False
+        OC, C = weight.shape
+        return self._fp8_serves(out.size // C, C, OC, False, out, weight)
 
     def _fp8_inv_of(self, site: int) -> int:
         """Where a producer left site's inverse scale."""
@@ -917,11 +942,11 @@ class CudaBackend(Backend):
 
     def _fp8_held_site(self, buf, weight, role: str) -> int | None:
         """The site whose FP8 bytes a producer wrote over `buf` for this product, or None where buf holds act."""
-        held = self._fp8_held.get(buf.data.ptr) if self._fp8_held else None
+        held = self._fp8_held.get((buf.data.ptr, buf.size)) if self._fp8_held else None
         if held is None:
             return None
         site = self._fp8_sites.get((weight.data.ptr, role))
-        if held[:2] != (site, buf.size):
+        if held[0] != site:
             raise RuntimeError(f"a product met the FP8 {role} written for another one (site {held[0]}, not {site}): "
                                f"fp8_next must name the product that reads a tensor next")
         return site
@@ -930,13 +955,13 @@ class CudaBackend(Backend):
         """A product about to run in bf16 (cuBLASLt refused its FP8 product, or a shape or option keeps it in bf16)
         reads act: FP8 bytes a producer wrote over one of `bufs` become act again, the values they stand for."""
         for buf in bufs:
-            held = self._fp8_held.pop(buf.data.ptr, None) if buf is not None and self._fp8_held else None
+            held = self._fp8_held.pop((buf.data.ptr, buf.size), None) if buf is not None and self._fp8_held else None
             if held is not None:
                 src, = self._fp8_arena(buf.size)  # (a copy: act's elements are wider than the bytes they replace)
                 cp.cuda.runtime.memcpyAsync(src.data.ptr, buf.data.ptr, buf.size,
                                             cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
                 self._launch(self._k("fp8_dequantize", True), self._grid(buf.size, 8), _BLOCK,
-                             (buf, src, np.uint64(self._fp8_inv_of(held[0])), np.int64(buf.size), np.int32(held[2])))
+                             (buf, src, np.uint64(self._fp8_inv_of(held[0])), np.int64(buf.size), np.int32(held[1])))
 
     def _fp8_transposed(self, buf, rows, cols) -> int:
         """The transposed copy (cols, rows) of the FP8 bytes a producer wrote over `buf`, made in its second half."""
@@ -1049,6 +1074,18 @@ class CudaBackend(Backend):
             self.gelu_backward(dinp, pre_gelu, dinp)
         return True
 
+    def _fp8_backward_wgrad(self, dweight, dbias, dout, inp, weight, N, C, OC) -> bool:
+        """fp8_dgelu=off: the weight gradient of a product whose dinp takes GELU's derivative in FP8 (its input,
+        GELU's output, is often a producer's FP8 bytes), the gradient cast transposed here; dinp stays the
+        caller's, in bf16 (cuBLASLt's FP8 products have no DGELU epilogue)."""
+        x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
+        d8t, x8t = self._fp8_arena(N * OC, x_cast)
+        self._fp8_zero()
+        self._fp8_cast(dout, 2, N, OC, out_t=d8t, e5m2=True, site=self._fp8_site(weight, "dout"),
+                       sums=dbias is not None)
+        return self._fp8_dweight(dweight, dbias, (d8t.data.ptr, self._fp8_slot(2)[1]), inp, weight, N, C, OC,
+                                 x8t=x8t)
+
     def _fp8_backward_dinp(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
         """fp8_wgrad=off: dinp in FP8 (no transposed gradient needed), the weight gradient in bf16."""
         self._fp8_restore(inp, dout)  # (produced while fp8_wgrad was on: the option changed in between)
@@ -1071,10 +1108,13 @@ class CudaBackend(Backend):
                      (dbias, part, np.int32(P), np.int32(OC)))
 
     # ---- elementwise -----------------------------------------------------------------------------------------
-    def gelu_forward(self, out, inp):
+    def gelu_forward(self, out, inp, fp8_next=None):
         n = out.size
         k = self._kk("gelu_forward", out)
         vec, block = self._cfg("gelu_forward", k, self._vec(n, out, inp))
+        if f8 := self._fp8_producer(out, fp8_next, "x", able=vec and self._is_bf16(out)):
+            self._launch(self._k("gelu_forward_fp8", True), self._grid(n, 8, block), block, (*f8, inp, np.int64(n)))
+            return
         self._launch(k, self._grid(n, 16 // out.dtype.itemsize if vec else 1, block), block,
                      (out, inp, np.int64(n), np.int32(vec)))
 

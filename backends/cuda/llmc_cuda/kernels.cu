@@ -44,7 +44,7 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // FP8 helpers (--dtype fp8), used by the casts of the FP8 section below and by the producers that write a matmul's
-// FP8 operand themselves (the norms and SwiGLU: see the FP8 section's comment).
+// FP8 operand themselves (the norms, SwiGLU and GELU: see the FP8 section's comment).
 #ifdef ACT_BF16
 __device__ __forceinline__ float fp8_scale(const unsigned int* amax, int hist_n, int stride, float fmax) {
     unsigned int bits = 0;
@@ -162,16 +162,17 @@ extern "C" __global__ void scale_act(act_t* buf, float factor, long long n, int 
     }
 }
 
+__device__ __forceinline__ pack_t gelu_pack(const pack_t& x) {
+    pack_t o;
+    #pragma unroll
+    for (int k = 0; k < PACK; k++) o.v[k] = from_f(gelu_f(to_f(x.v[k])));
+    return o;
+}
 extern "C" __global__ void gelu_forward(act_t* out, const act_t* inp, long long n, int vec) {
     long long stride = (long long)gridDim.x * blockDim.x;
     long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (vec) {
-        for (long long i = i0 * PACK; i < n; i += stride * PACK) {
-            pack_t x = load_pack(inp + i), o;
-            #pragma unroll
-            for (int k = 0; k < PACK; k++) o.v[k] = from_f(gelu_f(to_f(x.v[k])));
-            store_pack(out + i, o);
-        }
+        for (long long i = i0 * PACK; i < n; i += stride * PACK) store_pack(out + i, gelu_pack(load_pack(inp + i)));
     } else {
         for (long long i = i0; i < n; i += stride) out[i] = from_f(gelu_f(to_f(inp[i])));
     }
@@ -944,8 +945,8 @@ extern "C" __global__ void accumulate_act(act_t* dst, const act_t* src, int n) {
 // or a tensor's history of earlier steps (delayed scaling: no pass before the cast; the cast itself records this
 // call's amax into `observe` for fp8_roll). amax is a max over the float's bits (|x| >= 0 orders like its bits,
 // NaN above infinity): order-free, so deterministic, and a NaN or infinity reaches the loss instead of vanishing.
-// Producers: under delayed scaling the scale is known before a tensor exists, so the norms and SwiGLU write the
-// operand of the matmul that reads their output next in FP8 themselves, in place of their bf16 output (the
+// Producers: under delayed scaling the scale is known before a tensor exists, so the norms, SwiGLU and GELU write
+// the operand of the matmul that reads their output next in FP8 themselves, in place of their bf16 output (the
 // engine's fp8_next), the same bytes a cast of that output would write; fp8_transpose gives the backward's
 // products their transposed copies of those.
 #ifdef ACT_BF16
@@ -1081,6 +1082,20 @@ extern "C" __global__ void swiglu_backward_fp8(unsigned char* dinp8, float* inv8
         m = pack_amax(du, pack_amax(dg, m));
         *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + h) = fp8_pack8(dg, s, 1);
         *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + H + h) = fp8_pack8(du, s, 1);
+    }
+    fp8_observe(observe, m);
+}
+// GELU as an FP8 producer (GPT-2's MLP: the output projection's e4m3 input), from the pre-activation (n % 8 == 0,
+// 16-byte aligned), scaled and observed as swiglu_forward_fp8; the values are gelu_forward's bf16 ones
+extern "C" __global__ void gelu_forward_fp8(unsigned char* out8, float* inv8, const unsigned int* amax, int hist_n,
+                                            int stride, unsigned int* observe, const act_t* inp, long long n) {
+    float s = fp8_block_scale(inv8, amax, hist_n, stride, 0);
+    unsigned int m = 0;
+    for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) * PACK; i < n;
+         i += (long long)gridDim.x * blockDim.x * PACK) {
+        pack_t o = gelu_pack(load_pack(inp + i));
+        m = pack_amax(o, m);
+        *reinterpret_cast<fp8x8_t*>(out8 + i) = fp8_pack8(o, s, 0);
     }
     fp8_observe(observe, m);
 }
