@@ -35,21 +35,24 @@ class Fp8Matmuls:
 
     def _init_fp8_scaling(self, options: dict[str, str] | None) -> None:
         """FP8's scales: per matmul call's cast tensors, and (delayed scaling) each tensor's amax history."""
-        # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
-        # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
-        # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
-        self._fp8_slots = cp.zeros(256, dtype=np.uint32) if self.fp8 else None
         self.fp8_scaling = option_choice(options, "fp8_scaling", FP8_SCALINGS, "delayed", env="LLMC_FP8_SCALING")
-        # delayed scaling: row 0 the step's amax so far, rows 1..FP8_HISTORY the earlier steps' (newest first), one
-        # column a tensor ("site"); float32 for the ranks' MAX all-reduce, read as bits by the kernels
-        self._fp8_hist = (cp.zeros((FP8_HISTORY + 1) * FP8_SITES, dtype=np.float32)
-                          if self.fp8 and self.fp8_scaling == "delayed" else None)
+        delayed = self.fp8 and self.fp8_scaling == "delayed"
+        # (zeroed on the backend's stream: a memset on CuPy's default stream is not ordered before the work of this
+        # non-blocking one, and could land after load_carried_state's upload of the histories)
+        with self.stream:
+            # amax (uint32 bits) and inverse scale (float32) of the <= 3 tensors one matmul call casts: x, w, dout.
+            # Fixed addresses, so cuBLASLt plans hold them and a captured graph replays them; each scale 256-byte
+            # aligned (cuBLASLt refuses to run a 4-byte aligned scale pointer, though its heuristic accepts it).
+            self._fp8_slots = cp.zeros(256, dtype=np.uint32) if self.fp8 else None
+            # delayed scaling: row 0 the step's amax so far, rows 1..FP8_HISTORY the earlier steps' (newest first),
+            # one column a tensor ("site"); float32 for the ranks' MAX all-reduce, read as bits by the kernels
+            self._fp8_hist = cp.zeros((FP8_HISTORY + 1) * FP8_SITES, dtype=np.float32) if delayed else None
+            # a producer's inverse scale per site, 256-byte aligned as the slots' (read by the product it feeds)
+            self._fp8_site_inv = cp.zeros(64 * FP8_SITES, dtype=np.float32) if delayed else None
         self._fp8_sites: dict[tuple[int, str], int] = {}  # (weight pointer, role) -> site, in order of first use
         self._fp8_next_site = 0  # the next site's number
         self._fp8_fresh: set[int] = set()  # sites with no history yet: no step ended since they were first cast
         self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
-        # a producer's inverse scale per site, 256-byte aligned as the slots' (read by the product it feeds)
-        self._fp8_site_inv = cp.zeros(64 * FP8_SITES, dtype=np.float32) if self._fp8_hist is not None else None
         # (pointer, elements) of a buffer -> (site, e5m2) of the FP8 bytes a producer wrote over it. A buffer, not
         # its memory: the engine may place another buffer over the same memory once the product has read it (GPT-2's
         # shared GELU output inside the logits), and that one holds act
