@@ -240,7 +240,9 @@ class Backend(abc.ABC):
         that product's FP8 operand over `out` (`dinp`) instead of act, so the product does not cast that operand.
         The engine then passes that same buffer only to the products with that weight (matmul_forward and
         matmul_backward, whose backward may use the rest of its bytes), and no other kernel reads or writes it
-        until a producer writes it again."""
+        until a producer writes it again. Once those products have read it, the engine may place another buffer over
+        the same memory (GPT-2's shared GELU output lies in the logits): that one holds act, so a backend keeps its
+        record of FP8 bytes by buffer, not by address."""
 
     @abc.abstractmethod
     def matmul_backward(self, dinp: Buffer | None, dweight: Buffer, dbias: Buffer | None, dout: Buffer,

@@ -599,14 +599,16 @@ def test_fp8_producer_outputs_reach_their_product(fp8_backend, rng, producer):
 @pytest.mark.parametrize("producer", ["gelu", "matmul_gelu"])
 def test_fp8_gelu_outputs_reach_their_product(fp8_backend, rng, producer):
     """GELU as an FP8 producer (GPT-2's MLP): gelu_forward, or matmul_forward with pre_gelu, told which product
-    reads its output next; then that product forward, and backward with GELU's derivative, as in the engine, over
-    two steps (see test_fp8_producer_outputs_reach_their_product). Within FP8's bounds of the float64 layer."""
+    reads its output next; then that product (with a bias) forward, and backward with GELU's derivative, as in the
+    engine, over two steps (see test_fp8_producer_outputs_reach_their_product). Within FP8's bounds of the float64
+    layer; dweight and dbias accumulate once."""
     k = fp8_backend
     N, C, H, OC = 128, 128, 96, 192
     x, xh = to_device(k, randn(rng, N, C))
     w1, w1h = to_device(k, randn(rng, H, C, scale=1 / math.sqrt(C)))
     b1, b1h = to_device(k, randn(rng, H, scale=0.2))
     w, wh = to_device(k, randn(rng, OC, H, scale=1 / math.sqrt(H)))
+    b, bh = to_device(k, randn(rng, OC, scale=0.2))
     dy, dyh = to_device(k, randn(rng, N, OC, scale=1e-2))
     pre, out = (to_device(k, randn(rng, N, H))[0] if producer == "gelu" else empty(k, (N, H))), empty(k, (N, H))
     for step in range(2):
@@ -615,9 +617,10 @@ def test_fp8_gelu_outputs_reach_their_product(fp8_backend, rng, producer):
             k.gelu_forward(out, pre, fp8_next=w)
         else:
             k.matmul_forward(out, x, w1, b1, pre_gelu=pre, fp8_next=w)
-        y, dp, dw = empty(k, (N, OC)), empty(k, (N, H)), to_device(k, np.zeros((OC, H)))[0]
-        k.matmul_forward(y, out, w)
-        k.matmul_backward(dp, dw, None, dy, out, w, pre_gelu=pre)
+        y, dp = empty(k, (N, OC)), empty(k, (N, H))
+        (dw, dw0), (db, db0) = prefill(k, rng, (OC, H), scale=1e-3), prefill(k, rng, (OC,), scale=1e-3)
+        k.matmul_forward(y, out, w, b)
+        k.matmul_backward(dp, dw, db, dy, out, w, pre_gelu=pre)
         k.end_step()
     preh = from_device(k, pre).astype(np.float64)
     if producer == "matmul_gelu":
@@ -625,9 +628,10 @@ def test_fp8_gelu_outputs_reach_their_product(fp8_backend, rng, producer):
     pt = t64(preh, True)
     ref = F.gelu(pt, approximate="tanh")
     ref.backward(t64(dyh @ wh))
-    assert_close(from_device(k, y), np64(ref) @ wh.T, FP8_TOL["forward"], "out")
+    assert_close(from_device(k, y), np64(ref) @ wh.T + bh, FP8_TOL["forward"], "out")
     assert_close(from_device(k, dp), np64(pt.grad), FP8_TOL["backward"], "dinp")
-    assert_close(from_device(k, dw), dyh.T @ np64(ref), FP8_TOL["backward"], "dweight")
+    check_accumulated(k, dw, dw0, dyh.T @ np64(ref), FP8_TOL["backward"], "dweight")
+    check_accumulated(k, db, db0, dyh.sum(0), tol(k, "reduction"), "dbias")
 
 
 # =============================================================================================================

@@ -111,7 +111,7 @@ class CudaPlugin(BackendPlugin):
                        "the last 16 steps (default; one pass; the history is kept in checkpoints) or by its amax now "
                        "(a pass over it first; env LLMC_FP8_SCALING)",
         "fp8_wgrad": "on|off: with --dtype fp8, the weight gradients' matmuls in FP8 too (default on; off: bf16, "
-                     "which skips the transposed casts; env LLMC_FP8_WGRAD)",
+                     "which skips the transposed casts, and GELU stays in its matmul's epilogue; env LLMC_FP8_WGRAD)",
         "fp8_fuse": "on|off: with --dtype fp8 (delayed scaling, fp8_wgrad on), the norms, SwiGLU and GELU write the "
                     "FP8 operand of the matmul that reads their output next themselves, in place of their bf16 output "
                     "and that matmul's cast of it; the same bits either way (default on; env LLMC_FP8_FUSE)",

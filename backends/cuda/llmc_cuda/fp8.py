@@ -369,9 +369,9 @@ class Fp8Matmuls:
         return True
 
     def _fp8_backward_wgrad(self, dweight, dbias, dout, inp, weight, N, C, OC) -> bool:
-        """fp8_dgelu=off: the weight gradient of a product whose dinp takes GELU's derivative in FP8 (its input,
-        GELU's output, is often a producer's FP8 bytes), the gradient cast transposed here; dinp stays the
-        caller's, in bf16 (cuBLASLt's FP8 products have no DGELU epilogue)."""
+        """fp8_dgelu=off: the weight gradient in FP8 of a product whose dinp takes GELU's derivative (its input,
+        GELU's output, is often a producer's FP8 bytes), the gradient cast transposed here; dinp stays the caller's,
+        in bf16 with the derivative in cuBLASLt's epilogue (its FP8 products have none)."""
         x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
         d8t, x8t = self._fp8_arena(N * OC, x_cast)
         self._fp8_zero()

@@ -755,12 +755,14 @@ def test_fp8_backward_in_two_passes_computes_the_same_bits():
             assert np.array_equal(one, two), scaling
 
 
-@pytest.mark.parametrize("model,recompute", [("d2", "none"), ("d2", "gelu+layernorm"), ("llama3-tiny", "none"),
-                                             ("llama3-tiny", "gelu+layernorm")])
-def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute):
-    """fp8_fuse (the default): from a site's second step the norms and SwiGLU write the FP8 operands their next
-    products read, which then cast nothing; the losses are fp8_fuse=off's, where every product casts, bit for
-    bit, over uncaptured steps and replayed graphs (with a recompute, the backward's producers too)."""
+@pytest.mark.parametrize("model,recompute,dgelu", [("d2", "none", "off"), ("d2", "gelu+layernorm", "off"),
+                                                   ("d2", "none", "on"), ("llama3-tiny", "none", "off"),
+                                                   ("llama3-tiny", "gelu+layernorm", "off")])
+def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute, dgelu):
+    """fp8_fuse (the default): from a site's second step the norms, SwiGLU and GELU write the FP8 operands their
+    next products read, which then cast nothing; the losses are fp8_fuse=off's, where every product casts, bit for
+    bit, over uncaptured steps and replayed graphs (with a recompute, the backward's producers too; with
+    fp8_dgelu=on, GELU's output feeds an FP8 backward with GELU's derivative)."""
     from llmc_cli.formats.shards import write_shard
     from llmc_cli.training.args import TrainArgs
     from llmc_cli.training.steps import GRAPH_AFTER
@@ -770,7 +772,7 @@ def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute):
     write_shard(tmp_path / "p_train_000001.bin", np.random.default_rng(0).integers(0, 1000, 40_000))
     runs, produced = {}, {}
     for fuse in ("on", "off"):
-        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse})
+        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse, "fp8_dgelu": dgelu})
         a = TrainArgs(data=str(tmp_path / "p_train_*.bin"), model=model, batch_size=4, seq_len=64,
                       steps=GRAPH_AFTER + 3, val_every=0, sample_every=0, recompute=recompute,
                       **({} if llama else {"n_embd": 128}))
@@ -815,6 +817,44 @@ def test_fp8_backward_takes_produced_operands_in_any_mix(x_held, d_held, C):
             assert b.fp8_produced == {k: 1 for k, held in (("x", x_held), ("dout", d_held)) if held}
     for one, two in zip(got["on"], got["off"]):
         assert np.isfinite(one).all() and np.array_equal(one, two)
+
+
+@pytest.mark.parametrize("refuse", ["none", "weight"])
+def test_fp8_gelu_output_is_its_products_operand(refuse, monkeypatch):
+    """GELU as a producer (GPT-2's MLP, with biases): the input projection with pre_gelu and fp8_next writes the
+    output projection's FP8 input, which that product reads forward and, transposed, for its FP8 weight gradient
+    (its input gradient bf16, GELU's derivative fused): every output is fp8_fuse=off's, bit for bit. Where cuBLASLt
+    refuses the FP8 weight gradient, the bf16 one runs on the values the bytes stand for, dbias added once."""
+    cuda("fp8")
+    rng = np.random.default_rng(9)
+    N, C, H = 256, 128, 512
+    host = {"x": rng.standard_normal((N, C)), "w1": rng.standard_normal((H, C)) / math.sqrt(C),
+            "b1": rng.standard_normal(H) / 4, "w2": rng.standard_normal((C, H)) / math.sqrt(H),
+            "b2": rng.standard_normal(C) / 4, "dy": rng.standard_normal((N, C)) * 1e-2}
+    got = {}
+    for fuse in ("on", "off"):
+        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse})
+        d = {k: up(b, v) for k, v in host.items()}
+        pre, h = poisoned(b, (N, H)), poisoned(b, (N, H))
+        for step in range(2):  # (the first step's sites have no history: nothing is produced then)
+            if step == 1 and refuse == "weight":
+                monkeypatch.setattr(b.lt, "backward_weight_fp8", lambda *a, **k: False)
+            b.begin_step()
+            b.matmul_forward(h, d["x"], d["w1"], d["b1"], pre_gelu=pre, fp8_next=d["w2"])
+            y, dh = poisoned(b, (N, C)), poisoned(b, (N, H))
+            b.matmul_forward(y, h, d["w2"], d["b2"])
+            dw, db = up(b, np.zeros((C, H))), up(b, np.full(C, 0.25))
+            b.matmul_backward(dh, dw, db, d["dy"], h, d["w2"], pre_gelu=pre)
+            b.end_step()
+        got[fuse] = [down(b, t) for t in (y, dh, db, dw)]
+        assert b.fp8_produced == ({"x": 1} if fuse == "on" else {})
+    for name, one, two in zip(("y", "dinp", "dbias", "dweight"), got["on"], got["off"]):
+        assert np.isfinite(one).all(), name
+        if refuse == "none" or name != "dweight":
+            assert np.array_equal(one, two), name
+        else:  # (bf16 on the FP8 bytes' values against bf16 on GELU's: e4m3's rounding, a few %)
+            assert 0 < rel(one, two) < 0.1, rel(one, two)
+    assert rel(got["on"][2], 0.25 + host["dy"].sum(0)) < 1e-2, "dbias: the column sums of dy, added once"
 
 
 @pytest.mark.parametrize("refuse", ["none", "forward", "backward"])
