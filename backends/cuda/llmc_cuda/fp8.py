@@ -332,9 +332,7 @@ class Fp8Matmuls:
         inv = self._fp8_slot(2)[1]
         if not self._fp8_dinp(dinp, (d8.data.ptr, inv), w8t, weight, pre_gelu, N, C, OC):
             return False  # (nothing accumulated yet: the bf16 path redoes the product)
-        d8t, x8t = self._fp8_arena(N * OC, N * C)
-        self._fp8_cast(dout, 2, N, OC, out_t=d8t, e5m2=True, site=site, sums=dbias is not None)
-        return self._fp8_dweight(dweight, dbias, (d8t.data.ptr, inv), inp, weight, N, C, OC, x8t=x8t)
+        return self._fp8_backward_wgrad(dweight, dbias, dout, inp, weight, N, C, OC)
 
     def _fp8_dweight(self, dweight, dbias, grad_t, inp, weight, N, C, OC, x8t=None) -> bool:
         """dweight += the FP8 gradient grad_t = (transposed bytes, inverse scale) times inp, cast transposed into
@@ -369,9 +367,11 @@ class Fp8Matmuls:
         return True
 
     def _fp8_backward_wgrad(self, dweight, dbias, dout, inp, weight, N, C, OC) -> bool:
-        """fp8_dgelu=off: the weight gradient in FP8 of a product whose dinp takes GELU's derivative (its input,
-        GELU's output, is often a producer's FP8 bytes), the gradient cast transposed here; dinp stays the caller's,
-        in bf16 with the derivative in cuBLASLt's epilogue (its FP8 products have none)."""
+        """The weight gradient in FP8, the gradient cast transposed here (its scale is the site's, so a cast of it
+        for dinp before gives the same bits). For the second pass of _fp8_backward_two_pass, and (fp8_dgelu=off)
+        for a product whose dinp takes GELU's derivative: its input, GELU's output, is often a producer's FP8 bytes,
+        and its dinp stays the caller's, in bf16 with the derivative in cuBLASLt's epilogue (its FP8 products have
+        none)."""
         x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C
         d8t, x8t = self._fp8_arena(N * OC, x_cast)
         self._fp8_zero()
