@@ -53,6 +53,10 @@ class Fp8Matmuls:
         self._fp8_next_site = 0  # the next site's number
         self._fp8_fresh: set[int] = set()  # sites with no history yet: no step ended since they were first cast
         self._fp8_loaded = 0  # sites below this number have a history from a checkpoint (load_carried_state)
+        # each site's tensor, "role OCxC" ("x 3072x768"), by number: a checkpoint keeps them beside the histories, so
+        # a resumed run sees which history is whose; and the checkpoint's (None: it has none)
+        self._fp8_names: list[str] = []
+        self._fp8_loaded_names: list[str] | None = None
         # (pointer, elements) of a buffer -> (site, e5m2) of the FP8 bytes a producer wrote over it. A buffer, not
         # its memory: the engine may place another buffer over the same memory once the product has read it (GPT-2's
         # shared GELU output inside the logits), and that one holds act
@@ -81,9 +85,21 @@ class Fp8Matmuls:
         if site is None and self._fp8_next_site < FP8_SITES:
             site = self._fp8_sites[key] = self._fp8_next_site
             self._fp8_next_site += 1
+            self._fp8_names.append(f"{role} {'x'.join(str(d) for d in weight.shape)}")
+            # another tensor than the checkpoint's at this number: the model's sites changed since it was saved, and
+            # this history and the later ones (numbered in order) would scale their neighbours' tensors
+            loaded = self._fp8_loaded_names
+            if site < self._fp8_loaded and loaded is not None and loaded[site] != self._fp8_names[site]:
+                self._fp8_drop_loaded(site)
             if site >= self._fp8_loaded:
                 self._fp8_fresh.add(site)
         return site
+
+    def _fp8_drop_loaded(self, site: int) -> None:
+        """Drops the checkpoint's histories of `site` and the later sites: they start fresh, as in a new run."""
+        with self.stream:  # (ordered after load_carried_state's upload and before this step's casts)
+            self._fp8_hist.reshape(FP8_HISTORY + 1, FP8_SITES)[1:, site:] = 0
+        self._fp8_loaded = site
 
     def _fp8_history(self, site: int) -> tuple:
         """(amax history, its length, stride, this step's amax) of a site: the scale's arguments of every cast
@@ -152,7 +168,12 @@ class Fp8Matmuls:
         with self.stream:
             h = cp.asnumpy(self._fp8_hist, stream=self.stream).reshape(FP8_HISTORY + 1, FP8_SITES)
         self.stream.synchronize()
-        return {"fp8_amax_history": [[float(v) for v in h[1:, site]] for site in range(known)]}
+        state = {"fp8_amax_history": [[float(v) for v in h[1:, site]] for site in range(known)]}
+        # (the loaded names of the sites this run has not cast yet; a checkpoint without names leaves them unknown)
+        names = self._fp8_names[:known] + (self._fp8_loaded_names or [])[len(self._fp8_names):known]
+        if len(names) == known:
+            state["fp8_sites"] = names
+        return state
 
     def load_carried_state(self, state: dict) -> None:
         rows = state.get("fp8_amax_history") if isinstance(state, dict) else None
@@ -167,12 +188,17 @@ class Fp8Matmuls:
             raise ValueError("fp8_amax_history: expected numbers") from None
         if not (np.isfinite(h).all() and (h >= 0).all() and (h <= np.finfo(np.float32).max).all()):
             raise ValueError("fp8_amax_history: expected finite amax values >= 0")
+        names = state.get("fp8_sites")
+        if "fp8_sites" in state and not (isinstance(names, list) and len(names) == len(rows)
+                                         and all(isinstance(n, str) for n in names)):
+            raise ValueError(f"fp8_sites: expected a list of {len(rows)} tensor names (strings), one per amax history")
         full = np.zeros((FP8_HISTORY + 1, FP8_SITES), np.float32)
         full[1:, :len(rows)] = h.T
         self.upload(self._fp8_hist, full.reshape(-1))
         self._fp8_sites.clear()  # (sites are numbered again, in the same order, as the steps first cast them)
         self._fp8_held.clear()
         self._fp8_next_site, self._fp8_fresh, self._fp8_loaded = 0, set(), len(rows)
+        self._fp8_names, self._fp8_loaded_names = [], None if names is None else list(names)
 
     def _fp8_zero(self):
         cp.cuda.runtime.memsetAsync(self._fp8_slots.data.ptr, 0, 16, self.stream.ptr)

@@ -678,6 +678,7 @@ def test_fp8_delayed_scaling_casts_by_the_history_and_carries_it():
     hist = state["fp8_amax_history"]
     assert len(hist) == 3 and all(len(h) == 16 for h in hist)  # x, w, dout of the one weight
     assert hist[0][:4] == [float(np.float32(a)) for a in amaxes[::-1]] and hist[0][4:] == [0.0] * 12
+    assert state["fp8_sites"] == ["x 192x256", "w 192x256", "dout 192x256"]  # (role, then the weight's OC x C)
     json.loads(json.dumps(state))  # (JSON-able; floats exact)
     again = _INFO.plugin.create(dtype="fp8", options={"fp8_scaling": "delayed"})
     again.load_carried_state(json.loads(json.dumps(state)))
@@ -693,7 +694,55 @@ def test_fp8_delayed_scaling_casts_by_the_history_and_carries_it():
                 {"fp8_amax_history": "x"}, {"fp8_amax_history": [["a"] * 16]}):
         with pytest.raises(ValueError, match="fp8_amax_history"):
             again.load_carried_state(bad)
+    for names in (["a", "b"], [3], "x 192x256", None):
+        with pytest.raises(ValueError, match="^fp8_sites"):
+            again.load_carried_state({"fp8_amax_history": [[1.0] * 16], "fp8_sites": names})
+    # nothing taken from the refused ones; the site the step has not cast yet keeps its loaded name
+    assert again.carried_state() == state
     cuda(BFLOAT16).load_carried_state(state)  # a bf16 run continuing an FP8 one ignores it
+
+
+def test_fp8_delayed_scaling_drops_the_histories_of_other_tensors():
+    """A checkpoint whose site names (fp8_sites) differ from the run's tensors at a site (the model's sites changed
+    since it was saved): its histories from that site on are dropped, so those tensors scale as in a new run (by
+    their own amax on the first step), while the sites before keep theirs. Bit for bit the run of a backend that
+    loaded only the matching first history; unlike a fresh one's (x's history kept) and the full load's."""
+    if _INFO is None or not _INFO.usable:
+        cuda("fp8")  # (skips with the reason)
+    runs = {name: _INFO.plugin.create(dtype="fp8", options={"fp8_scaling": "delayed"})
+            for name in ("other", "first", "all", "fresh")}
+    some = runs["fresh"]
+    rng = np.random.default_rng(6)
+    B, T, C, OC = 2, 64, 256, 192
+    w = held(some, rng.standard_normal((OC, C)) / math.sqrt(C))
+    x = held(some, rng.standard_normal((B, T, C)))
+    dout = held(some, rng.standard_normal((B, T, OC)) * 1e-2)
+    # histories of 3x this step's amax: a kept history scales otherwise than the tensor's own amax
+    hist = [[float(np.float32(3 * np.abs(t).max()))] * 16 for t in (x, w, dout)]
+    names = ["x 192x256", "w 192x256", "dout 192x256"]
+    runs["other"].load_carried_state({"fp8_amax_history": hist, "fp8_sites": [names[0], "w 64x256", names[2]]})
+    runs["first"].load_carried_state({"fp8_amax_history": hist[:1], "fp8_sites": names[:1]})
+    runs["all"].load_carried_state({"fp8_amax_history": hist, "fp8_sites": names})
+
+    def step(be):
+        W = up(be, w)
+        out, dinp, dw = poisoned(be, (B, T, OC)), poisoned(be, (B, T, C)), up(be, np.zeros((OC, C)))
+        be.begin_step()
+        be.matmul_forward(out, up(be, x), W)
+        be.matmul_backward(dinp, dw, None, up(be, dout), up(be, x), W)
+        be.end_step()
+        return [down(be, t) for t in (out, dinp, dw)]
+
+    got = {name: step(be) for name, be in runs.items()}
+    for i, what in enumerate(("out", "dinp", "dweight")):
+        np.testing.assert_array_equal(got["other"][i], got["first"][i], err_msg=what)
+    assert not np.array_equal(got["other"][0], got["fresh"][0]), "x's history was dropped, or never used"
+    assert not np.array_equal(got["other"][0], got["all"][0]), "w's history of another tensor was kept"
+    state = runs["other"].carried_state()
+    assert state == runs["first"].carried_state() and state["fp8_sites"] == names
+    amax = [float(np.float32(np.abs(t).max())) for t in (x, w, dout)]
+    assert state["fp8_amax_history"] == [[amax[0]] + hist[0][:15], [amax[1]] + [0.0] * 15, [amax[2]] + [0.0] * 15]
+    assert runs["all"].carried_state()["fp8_amax_history"] == [[a] + h[:15] for a, h in zip(amax, hist)]
 
 
 def test_fp8_delayed_scaling_resumes_bit_exactly(tmp_path):
