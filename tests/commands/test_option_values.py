@@ -97,6 +97,7 @@ def test_option_int_checks_range_power_of_two_and_off_and_names_the_variable(mon
     ("LLMC_CUBLASLT_TUNE", "2", "expected on or off"),
     ("LLMC_TF32", "x", "expected on or off"),
     ("LLMC_FP8_SCALING", "later", "expected one of current, delayed"),
+    ("LLMC_FP8_CLASSIFIER", "forward", "expected one of off, backward, on"),
     ("LLMC_P2P", "maybe", "expected on or off"),
     ("LLMC_P2P_REDUCE", "2", "expected on or off"),
     ("LLMC_P2P_COPIES", "sometimes", "expected on or off"),

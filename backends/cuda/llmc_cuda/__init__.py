@@ -105,8 +105,8 @@ class CudaPlugin(BackendPlugin):
         "cudnn_workspace_mib": "MiB, 0..1048576: the most workspace cuDNN's deterministic attention backward may take; "
                                "past it the batch is run in slices (default: 1/32 of the GPU's memory; env "
                                "LLMC_CUDNN_WORKSPACE_MIB)",
-        "fp8_classifier": "on|off: with --dtype fp8, the classifier's matmuls in FP8 too (default off: bf16; env "
-                          "LLMC_FP8_CLASSIFIER)",
+        "fp8_classifier": "off|backward|on: with --dtype fp8, the classifier's matmuls in FP8 too: none (default: "
+                          "bf16), its backward's two, or all three (env LLMC_FP8_CLASSIFIER)",
         "fp8_scaling": "delayed|current: with --dtype fp8, how each cast tensor is scaled: by its largest amax of "
                        "the last 16 steps (default; one pass; the history is kept in checkpoints) or by its amax now "
                        "(a pass over it first; env LLMC_FP8_SCALING)",

@@ -41,7 +41,7 @@ from llmc_cli.kernels import (
 )
 
 from .fp8 import Fp8Matmuls
-from .options import CUDNN_WORKSPACE_SHARE, cudnn_workspace_cap  # (checked in CudaPlugin.create)
+from .options import CUDNN_WORKSPACE_SHARE, cudnn_workspace_cap, fp8_classifier  # (checked in CudaPlugin.create)
 from .overlap import Overlap, host_alloc
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels.cu")
@@ -215,7 +215,7 @@ class CudaBackend(Fp8Matmuls, Backend):
         self.stream = cp.cuda.Stream(non_blocking=True)
 
     def _read_fp8_and_p2p_options(self, options: dict[str, str] | None) -> None:
-        self.fp8_classifier = option_flag(options, "fp8_classifier", False, env="LLMC_FP8_CLASSIFIER")
+        self.fp8_classifier = fp8_classifier(options)
         self.fp8_fast_accum = option_flag(options, "fp8_fast_accum", True, env="LLMC_FP8_FAST_ACCUM")
         self.fp8_wgrad = option_flag(options, "fp8_wgrad", True, env="LLMC_FP8_WGRAD")
         # a backward fused with GELU's derivative stays bf16: cuBLASLt's FP8 path has no DGELU epilogue, and the
@@ -691,11 +691,11 @@ class CudaBackend(Fp8Matmuls, Backend):
         OC, C = weight.shape
         N = inp.size // C
         bufs = (inp, weight, dout, dweight, *(x for x in (dinp,) if x is not None))
-        if (pre_gelu is None or self.fp8_dgelu) and self._fp8_serves(N, C, OC, precise, *bufs) \
-                and self._fp8_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC):
+        if (pre_gelu is None or self.fp8_dgelu) and self._fp8_serves(N, C, OC, precise, *bufs, backward=True) \
+                and self._fp8_backward(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC, head=precise):
             return
         self._fp8_restore(dout)  # (what follows reads the gradient as act)
-        if pre_gelu is not None and self.fp8_wgrad and self._fp8_serves(N, C, OC, precise, *bufs) \
+        if pre_gelu is not None and self.fp8_wgrad and self._fp8_serves(N, C, OC, precise, *bufs, backward=True) \
                 and self._fp8_backward_wgrad(dweight, dbias, dout, inp, weight, N, C, OC):
             self._dinp(dinp, dout, weight, pre_gelu, N, C, OC)  # (its GELU derivative fused, in bf16)
             return

@@ -57,6 +57,11 @@ class Fp8Matmuls:
         # a resumed run sees which history is whose; and the checkpoint's (None: it has none)
         self._fp8_names: list[str] = []
         self._fp8_loaded_names: list[str] | None = None
+        # the classifier's weight cast transposed for its input gradient: its chunks all multiply the same weight
+        # within a training step (updated after them), so it is cast once a step: (weight pointer, step) it holds
+        self._fp8_head_of: tuple[int, int] | None = None
+        self._fp8_step = 0  # the training step under way (its number), 0 between steps, where nothing is kept
+        self._fp8_steps = 0  # training steps begun
         # (pointer, elements) of a buffer -> (site, e5m2) of the FP8 bytes a producer wrote over it. A buffer, not
         # its memory: the engine may place another buffer over the same memory once the product has read it (GPT-2's
         # shared GELU output inside the logits), and that one holds act
@@ -64,10 +69,12 @@ class Fp8Matmuls:
         # producer calls that wrote FP8, by role (uncaptured ones: a replayed graph runs no Python)
         self.fp8_produced: Counter[str] = Counter()
 
-    def _fp8_serves(self, N, C, OC, precise, *bufs) -> bool:
+    def _fp8_serves(self, N, C, OC, precise, *bufs, backward=False) -> bool:
         """FP8 for this product: dims multiples of 16 (cuBLASLt's FP8 rule), more rows than the GEMV path
-        takes, 16-byte aligned operands, and not a `precise` product unless fp8_classifier is on."""
-        return (self.fp8 and (not precise or self.fp8_classifier) and N > self.GEMV_MAX_N and N % 16 == 0
+        takes, 16-byte aligned operands, and not a `precise` product (the classifier's) unless fp8_classifier
+        names its direction."""
+        head = self.fp8_classifier == "on" or (backward and self.fp8_classifier == "backward")
+        return (self.fp8 and (not precise or head) and N > self.GEMV_MAX_N and N % 16 == 0
                 and C % 16 == 0 and OC % 16 == 0 and self._aligned(*bufs))
 
     def _fp8_slot(self, i):
@@ -114,6 +121,8 @@ class Fp8Matmuls:
             del self._fp8_sites[key]  # (its number is not given out again; carried_state keeps numbering alike)
         for key in [k for k in self._fp8_held if ptr <= k[0] < ptr + nbytes]:
             del self._fp8_held[key]
+        if self._fp8_head_of and ptr <= self._fp8_head_of[0] < ptr + nbytes:
+            self._fp8_head_of = None
 
     def _fp8_cast(self, src, slot, rows, cols, out=None, out_t=None, e5m2=False, site=None, sums=False):
         """src -> out (rows, cols) and/or out_t (cols, rows) in FP8, its inverse scale into `slot`: scaled by the
@@ -148,6 +157,8 @@ class Fp8Matmuls:
 
     # the training step's boundaries (Backend.begin_step etc.): only delayed scaling carries anything
     def begin_step(self) -> None:
+        self._fp8_steps += 1
+        self._fp8_step = self._fp8_steps
         if self._fp8_hist is not None:
             cp.cuda.runtime.memsetAsync(self._fp8_hist.data.ptr, 0, 4 * FP8_SITES, self.stream.ptr)
 
@@ -155,6 +166,7 @@ class Fp8Matmuls:
         return None if self._fp8_hist is None else self._fp8_hist[:FP8_SITES]
 
     def end_step(self) -> None:
+        self._fp8_step = 0
         if self._fp8_hist is not None:
             self._launch(self._k("fp8_roll", True), FP8_SITES // 256, 256,
                          (self._fp8_hist, np.int32(FP8_SITES), np.int32(FP8_HISTORY)))
@@ -316,47 +328,51 @@ class Fp8Matmuls:
             return True
         return self.lt.forward_fp8(out.data.ptr, *args, bias=b, fast_accum=fast)
 
-    def _fp8_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
+    def _fp8_backward(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC, head=False) -> bool:
+        """The backward in FP8 (`head`: the classifier's, whose transposed weight _fp8_head_t keeps); False, with
+        nothing accumulated, where cuBLASLt has no FP8 algorithm (the bf16 path then runs)."""
         if not self.fp8_wgrad:
-            return self._fp8_backward_dinp(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
+            return self._fp8_backward_dinp(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC, head)
         held = self._fp8_held_site(dout, weight, "dout")
         x_cast = 0 if self._fp8_held_site(inp, weight, "x") is not None else N * C  # (bytes for the input's cast)
+        wt = OC * C if dinp is not None and not head else 0  # (bytes for the weight's transposed cast)
         if held is not None:
             if dbias is not None:  # (its sums are taken from act values, which the producer did not write)
                 raise RuntimeError("fp8_next named a product with a bias as the reader of its gradient")
-            w8t, x8t = self._fp8_arena(OC * C if dinp is not None else 0, x_cast)
+            w8t, x8t = self._fp8_arena(wt, x_cast)
             self._fp8_zero()
             grad = (dout.data.ptr, self._fp8_take_held(held, 2))
-            if dinp is not None and not self._fp8_dinp(dinp, grad, w8t, weight, pre_gelu, N, C, OC):
+            if dinp is not None and not self._fp8_dinp(dinp, grad, None if head else w8t, weight, pre_gelu, N, C, OC):
                 return False
             return self._fp8_dweight(dweight, None, (self._fp8_transposed(dout, N, OC), grad[1]), inp, weight,
                                      N, C, OC, x8t=x8t)
-        one_pass = N * OC + max(N * OC + OC * C, x_cast)
+        one_pass = N * OC + max(N * OC + wt, x_cast)
         if dinp is not None and one_pass > self.cudnn_workspace:
-            return self._fp8_backward_two_pass(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC)
+            return self._fp8_backward_two_pass(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC, head)
         # the transposed gradient first; after it, the gradient and the weight for dinp, then (over them) the
         # transposed input for dweight
-        d8t, rest = self._fp8_arena(N * OC, max(N * OC + OC * C, x_cast))
-        d8, w8t = rest[:N * OC], rest[N * OC:N * OC + OC * C]
+        d8t, rest = self._fp8_arena(N * OC, max(N * OC + wt, x_cast))
+        d8, w8t = rest[:N * OC], rest[N * OC:N * OC + wt]
         self._fp8_zero()
         self._fp8_cast(dout, 2, N, OC, out=d8 if dinp is not None else None, out_t=d8t, e5m2=True,
                        site=self._fp8_site(weight, "dout"), sums=dbias is not None)
         inv = self._fp8_slot(2)[1]
-        if dinp is not None and not self._fp8_dinp(dinp, (d8.data.ptr, inv), w8t, weight, pre_gelu, N, C, OC):
+        if dinp is not None and not self._fp8_dinp(dinp, (d8.data.ptr, inv), None if head else w8t, weight,
+                                                   pre_gelu, N, C, OC):
             return False  # (nothing accumulated yet: the bf16 path redoes the product)
         return self._fp8_dweight(dweight, dbias, (d8t.data.ptr, inv), inp, weight, N, C, OC, x8t=rest)
 
-    def _fp8_backward_two_pass(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
+    def _fp8_backward_two_pass(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC, head) -> bool:
         """The backward of a product whose one-pass casts (the gradient normal and transposed at once) would need
         more bytes than cuDNN's attention workspace, which the casts share: the gradient cast twice, once for dinp
         and once, transposed, for dweight, in half the bytes for one more read of it (the same scale, so the same
         bits: Llama 3.2-1B's w13, whose gradient is 16384 x 16384 at B=8 T=2048)."""
         site = self._fp8_site(weight, "dout")
-        d8, w8t = self._fp8_arena(N * OC, OC * C)
+        d8, w8t = self._fp8_arena(N * OC, 0 if head else OC * C)
         self._fp8_zero()
         self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True, site=site)
         inv = self._fp8_slot(2)[1]
-        if not self._fp8_dinp(dinp, (d8.data.ptr, inv), w8t, weight, pre_gelu, N, C, OC):
+        if not self._fp8_dinp(dinp, (d8.data.ptr, inv), None if head else w8t, weight, pre_gelu, N, C, OC):
             return False  # (nothing accumulated yet: the bf16 path redoes the product)
         return self._fp8_backward_wgrad(dweight, dbias, dout, inp, weight, N, C, OC)
 
@@ -378,19 +394,38 @@ class Fp8Matmuls:
         return True
 
     def _fp8_dinp(self, dinp, grad, w8t, weight, pre_gelu, N, C, OC) -> bool:
-        """dinp from the FP8 gradient grad = (bytes, inverse scale) and the weight cast transposed into w8t here;
-        False if cuBLASLt has no FP8 algorithm for it."""
+        """dinp from the FP8 gradient grad = (bytes, inverse scale) and the weight cast transposed into w8t here
+        (None: the classifier's, _fp8_head_t); False if cuBLASLt has no FP8 algorithm for it."""
         s = self.stream.ptr
-        self._fp8_cast(weight, 1, OC, C, out_t=w8t, site=self._fp8_site(weight, "w"))
+        if w8t is None:
+            w8t = self._fp8_head_t(weight, OC, C)
+        else:
+            self._fp8_cast(weight, 1, OC, C, out_t=w8t, site=self._fp8_site(weight, "w"))
+            w8t = w8t.data.ptr
         scales = (self._fp8_slot(1)[1], grad[1])
         if pre_gelu is not None and self.use_epilogues and self.lt.backward_input_fp8(
-                dinp.data.ptr, grad[0], w8t.data.ptr, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr):
+                dinp.data.ptr, grad[0], w8t, N, C, OC, s, scales, pre_gelu=pre_gelu.data.ptr):
             return True
-        if not self.lt.backward_input_fp8(dinp.data.ptr, grad[0], w8t.data.ptr, N, C, OC, s, scales):
+        if not self.lt.backward_input_fp8(dinp.data.ptr, grad[0], w8t, N, C, OC, s, scales):
             return False
         if pre_gelu is not None:
             self.gelu_backward(dinp, pre_gelu, dinp)
         return True
+
+    def _fp8_head_t(self, weight, OC, C) -> int:
+        """The classifier's weight cast transposed, its inverse scale in slot 1: cast by the step's first chunk and
+        kept for the others (the same weight and scale, so the same bytes); cast every call outside a step."""
+        at = -(-OC * C // 256) * 256
+        buf = self.scratch("fp8_head_t", at + 256, np.uint8)
+        inv, kept = self._fp8_slot(1)[1], buf.data.ptr + at
+        key = (weight.data.ptr, self._fp8_step)
+        if self._fp8_step and self._fp8_head_of == key:
+            src, dst = kept, inv
+        else:
+            self._fp8_cast(weight, 1, OC, C, out_t=buf[:OC * C], site=self._fp8_site(weight, "w"))
+            self._fp8_head_of, src, dst = key, inv, kept
+        cp.cuda.runtime.memcpyAsync(dst, src, 4, cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        return buf.data.ptr
 
     def _fp8_backward_wgrad(self, dweight, dbias, dout, inp, weight, N, C, OC) -> bool:
         """The weight gradient in FP8, the gradient cast transposed here (its scale is the site's, so a cast of it
@@ -406,14 +441,15 @@ class Fp8Matmuls:
         return self._fp8_dweight(dweight, dbias, (d8t.data.ptr, self._fp8_slot(2)[1]), inp, weight, N, C, OC,
                                  x8t=x8t)
 
-    def _fp8_backward_dinp(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC) -> bool:
+    def _fp8_backward_dinp(self, dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC, head) -> bool:
         """fp8_wgrad=off: dinp in FP8 (no transposed gradient needed), the weight gradient in bf16."""
         self._fp8_restore(inp, dout)  # (produced while fp8_wgrad was on: the option changed in between)
         if dinp is not None:
-            d8, w8t = self._fp8_arena(N * OC, OC * C)
+            d8, w8t = self._fp8_arena(N * OC, 0 if head else OC * C)
             self._fp8_zero()
             self._fp8_cast(dout, 2, N, OC, out=d8, e5m2=True, site=self._fp8_site(weight, "dout"))
-            if not self._fp8_dinp(dinp, (d8.data.ptr, self._fp8_slot(2)[1]), w8t, weight, pre_gelu, N, C, OC):
+            if not self._fp8_dinp(dinp, (d8.data.ptr, self._fp8_slot(2)[1]), None if head else w8t, weight,
+                                  pre_gelu, N, C, OC):
                 return False
         self._dweight(dweight, dbias, dout, inp, N, C, OC)
         return True

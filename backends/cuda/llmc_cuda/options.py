@@ -6,6 +6,8 @@ from __future__ import annotations
 from llmc_cli.kernels import option_choice, option_flag, option_int
 
 FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
+FP8_CLASSIFIER = ("off", "backward", "on")  # --backend-opt fp8_classifier=...: which of its products run in FP8
+ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}  # (option_flag's spellings)
 CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 1 TiB (past any GPU's memory)
 # cudnn_workspace_mib unset: cuDNN's attention backward may take this share of the device's memory. 1/32 of an H200
 # (4.4 GiB) holds Llama 3.1 8B's whole T=8192 sequence (4.1 GiB); run whole, the backward is 1.7x faster than over
@@ -14,7 +16,7 @@ CUDNN_WORKSPACE_SHARE = 32
 CUBLASLT_WORKSPACE_BYTES = 32 << 20  # every cuBLASLt matmul's workspace (cublaslt.py; here, where nothing is heavy)
 # the on/off options and their environment variables (the older way to set them)
 _FLAGS = (("cudnn", "LLMC_CUDNN"), ("epilogues", "LLMC_CUBLASLT_EPILOGUES"), ("tf32", "LLMC_TF32"),
-          ("tune", "LLMC_CUBLASLT_TUNE"), ("fp8_classifier", "LLMC_FP8_CLASSIFIER"),
+          ("tune", "LLMC_CUBLASLT_TUNE"),
           ("fp8_fast_accum", "LLMC_FP8_FAST_ACCUM"), ("fp8_wgrad", "LLMC_FP8_WGRAD"), ("fp8_dgelu", "LLMC_FP8_DGELU"),
           ("fp8_fuse", "LLMC_FP8_FUSE"),
           ("p2p", "LLMC_P2P"), ("p2p_reduce", "LLMC_P2P_REDUCE"),
@@ -28,7 +30,13 @@ def check_options(options: dict[str, str] | None) -> None:
     for name, env in _FLAGS:
         option_flag(options, name, False, env=env)
     option_choice(options, "fp8_scaling", FP8_SCALINGS, "delayed", env="LLMC_FP8_SCALING")
+    fp8_classifier(options)
     cudnn_workspace_cap(options)
+
+
+def fp8_classifier(options: dict[str, str] | None) -> str:
+    """Which of the classifier's products run in FP8 under --dtype fp8: none, the backward's two, or all three."""
+    return option_choice(options, "fp8_classifier", FP8_CLASSIFIER, "off", env="LLMC_FP8_CLASSIFIER", aliases=ON_OFF)
 
 
 def cudnn_workspace_cap(options: dict[str, str] | None) -> int | None:

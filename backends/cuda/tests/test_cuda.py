@@ -804,6 +804,49 @@ def test_fp8_backward_in_two_passes_computes_the_same_bits():
             assert np.array_equal(one, two), scaling
 
 
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_classifier_backward_casts_its_weight_once_a_step(scaling):
+    """fp8_classifier=backward: the classifier's (`precise`) forward keeps the bf16 backend's bits, its backward's
+    two products run in FP8 (near the products of the cast operands). Within a training step its weight is cast
+    once for all the chunks, outside one every call: the same bits either way."""
+    if _INFO is None or not _INFO.usable:
+        cuda("fp8")
+    rng, hb = np.random.default_rng(8), cuda("fp8")
+    N, C, V = 128, 128, 512  # (one chunk of rows; two chunks a step)
+    w = held(hb, rng.standard_normal((V, C)) / math.sqrt(C))
+    xs = [held(hb, rng.standard_normal((N, C))) for _ in range(2)]
+    ds = [held(hb, rng.standard_normal((N, V)) * 1e-3) for _ in range(2)]
+    got, casts = {}, {}
+    for in_step in (False, True):
+        b = _INFO.plugin.create(dtype="fp8", options={"fp8_classifier": "backward", "fp8_scaling": scaling})
+        W, seen, cast = up(b, w), [], b._fp8_cast
+        b._fp8_cast = lambda src, *a, **kw: (seen.append(src is W), cast(src, *a, **kw))[1]
+        if in_step:
+            b.begin_step()
+        dw, dinps = up(b, np.zeros((V, C))), []
+        for x, d in zip(xs, ds):
+            dinp = poisoned(b, (N, C))
+            b.matmul_backward(dinp, dw, None, up(b, d), up(b, x), W, precise=True)
+            dinps.append(down(b, dinp))
+        if in_step:
+            b.end_step()
+        got[in_step], casts[in_step] = dinps + [down(b, dw)], sum(seen)
+    assert (casts[False], casts[True]) == (2, 1), casts
+    for one, two in zip(got[False], got[True]):
+        assert np.array_equal(one, two)
+    if scaling == "current":  # (each operand scaled by its own amax: the cast the reference makes)
+        wq, dq = _fp8_held(w), _fp8_held(ds[0], e5m2=True)
+        assert rel(got[True][0], dq @ wq) < 6e-3 and rel(got[True][0], ds[0] @ w) > 1e-2
+    dw_exact = sum(d.T @ x for x, d in zip(xs, ds))
+    assert 1e-2 < rel(got[True][2], dw_exact) < 0.1
+    fwd = []
+    for be in (b, cuda(BFLOAT16)):
+        out = poisoned(be, (N, V))
+        be.matmul_forward(out, up(be, xs[0]), up(be, w), precise=True)
+        fwd.append(down(be, out))
+    np.testing.assert_array_equal(fwd[0], fwd[1])
+
+
 @pytest.mark.parametrize("model,recompute,dgelu", [("d2", "none", "off"), ("d2", "gelu+layernorm", "off"),
                                                    ("d2", "none", "on"), ("llama3-tiny", "none", "off"),
                                                    ("llama3-tiny", "gelu+layernorm", "off")])
