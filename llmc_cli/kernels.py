@@ -235,9 +235,10 @@ class Backend(abc.ABC):
         backend's own options say otherwise.
         FP8 producers: a CAP_FP8 backend also takes `fp8_next: Buffer | None = None` in layernorm_forward,
         fused_residual_layernorm_forward, rmsnorm_forward, swiglu_forward, gelu_forward and matmul_forward with
-        `pre_gelu` (the weight of the product that reads `out` next as its `inp`) and in swiglu_backward (the
-        weight of the product, without bias, that reads `dinp` next as its `dout`). The kernel may then write
-        that product's FP8 operand over `out` (`dinp`) instead of act, so the product does not cast that operand.
+        `pre_gelu` (the weight of the product that reads `out` next as its `inp`), and in swiglu_backward and
+        classifier_forward_backward with `dloss` (the weight of the product, without bias, that reads `dinp`,
+        or the dlogits in `logits`, next as its `dout`). The kernel may then write that product's FP8 operand
+        instead of act, over that buffer or where the backend keeps it, so the product does not cast that operand.
         The engine then passes that same buffer only to the products with that weight (matmul_forward and
         matmul_backward, whose backward may use the rest of its bytes), and no other kernel reads or writes it
         until a producer writes it again. Once those products have read it, the engine may place another buffer over

@@ -272,9 +272,10 @@ class GPT2(Model):
         if targets is None:
             k.matmul_forward(a["logits"], a["lnf"], p.wte, **self.head_kw)
             return
+        head_next = self.fp8_next(p.wte) if dloss is not None else {}  # (the gradient's reader: the head's backward)
         for lnf, dlnf, losses, tgt in self.chunk_views:
             k.matmul_forward(a["logits"], lnf, p.wte, **self.head_kw)
-            k.classifier_forward_backward(a["logits"], losses, tgt, cfg.vocab_size, dloss)
+            k.classifier_forward_backward(a["logits"], losses, tgt, cfg.vocab_size, dloss, **head_next)
             if dloss is not None:  # dwte accumulates over the chunks (the interface's += on dweight)
                 k.matmul_backward(dlnf, self.grads.wte, None, a["logits"], lnf, p.wte, **self.head_kw)
 

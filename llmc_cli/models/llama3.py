@@ -313,9 +313,10 @@ class Llama3(Model):
         if targets is None:
             k.matmul_forward(a["logits"], a["lnf"], self.head(p), **self.head_kw)
             return
+        head_next = self.fp8_next(self.head(p)) if dloss is not None else {}  # (the head's backward reads it next)
         for lnf, dlnf, losses, tgt, logits in self.chunk_views:
             k.matmul_forward(logits, lnf, self.head(p), **self.head_kw)
-            k.classifier_forward_backward(logits, losses, tgt, cfg.vocab_size, dloss)
+            k.classifier_forward_backward(logits, losses, tgt, cfg.vocab_size, dloss, **head_next)
             if dloss is not None:  # the head's gradient accumulates over the chunks (the interface's += on dweight)
                 k.matmul_backward(dlnf, self.head(self.grads), None, logits, lnf, self.head(p),
                                   **self.head_kw)

@@ -962,12 +962,17 @@ class CudaBackend(Fp8Matmuls, Backend):
         return replay
 
     # ---- classifier ------------------------------------------------------------------------------------------
-    def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss):
+    def classifier_forward_backward(self, logits, losses, targets, vocab_size, dloss, fp8_next=None):
         Vp = logits.shape[-1]
         N = logits.size // Vp
         k = self._kk("classifier_fwd_bwd", logits)
         vec, block = self._cfg("classifier_forward_backward", k,
                                int(Vp % (16 // logits.dtype.itemsize) == 0 and self._aligned(logits)), 512)
+        if dloss is not None and (f8 := self._fp8_head_producer(logits, fp8_next)):
+            self._launch(self._k("classifier_fwd_bwd_fp8", True), N, block,
+                         (logits, losses, targets, np.int32(N), np.int32(vocab_size), np.int32(Vp),
+                          np.float32(dloss), *f8))
+            return
         self._launch(k, N, block,
                      (logits, losses, targets, np.int32(N), np.int32(vocab_size), np.int32(Vp),
                       np.float32(dloss if dloss is not None else 0.0), np.int32(dloss is not None), np.int32(vec)))

@@ -62,11 +62,12 @@ class Fp8Matmuls:
         self._fp8_head_of: tuple[int, int] | None = None
         self._fp8_step = 0  # the training step under way (its number), 0 between steps, where nothing is kept
         self._fp8_steps = 0  # training steps begun
-        # (pointer, elements) of a buffer -> (site, e5m2) of the FP8 bytes a producer wrote over it. A buffer, not
-        # its memory: the engine may place another buffer over the same memory once the product has read it (GPT-2's
-        # shared GELU output inside the logits), and that one holds act
-        self._fp8_held: dict[tuple[int, int], tuple[int, bool]] = {}
-        # producer calls that wrote FP8, by role (uncaptured ones: a replayed graph runs no Python)
+        # (pointer, elements) of a buffer -> (site, e5m2, address) of the FP8 bytes a producer wrote for it: over
+        # its first bytes, or (the fused classifier's) in scratch. A buffer, not its memory: the engine may place
+        # another buffer over the same memory once the product has read it (GPT-2's shared GELU output inside the
+        # logits), and that one holds act
+        self._fp8_held: dict[tuple[int, int], tuple[int, bool, int]] = {}
+        # producer calls that wrote FP8, by role, the classifier's apart (a replayed graph's are not counted)
         self.fp8_produced: Counter[str] = Counter()
 
     def _fp8_serves(self, N, C, OC, precise, *bufs, backward=False) -> bool:
@@ -246,11 +247,34 @@ class Fp8Matmuls:
         site = self._fp8_site(weight, role)
         if site is None or site in self._fp8_fresh:
             return None
-        self._fp8_held[(out.data.ptr, out.size)] = (site, role == "dout")
-        self.fp8_produced[role] += 1
+        return self._fp8_produce(out, site, role, out)
+
+    def _fp8_produce(self, buf, site: int, role: str, out8, kind: str | None = None):
+        """Records that `buf` is held as FP8 bytes at out8 for the product of `site`, counted as `kind` (default:
+        the role); the producer's FP8 output arguments."""
+        self._fp8_held[(buf.data.ptr, buf.size)] = (site, role == "dout", out8.data.ptr)
+        self.fp8_produced[kind or role] += 1
         amax, hist_n, stride, observe = self._fp8_history(site)
-        return (out, np.uint64(self._fp8_inv_of(site)), np.uint64(amax), np.int32(hist_n), np.int32(stride),
+        return (out8, np.uint64(self._fp8_inv_of(site)), np.uint64(amax), np.int32(hist_n), np.int32(stride),
                 np.uint64(observe))
+
+    def _fp8_head_producer(self, logits, weight):
+        """The FP8 output arguments for the fused classifier writing the gradient that the classifier's backward
+        (in FP8 by fp8_classifier) reads next: e5m2 in scratch, not over the logits, which the kernel's other
+        blocks still read; None where that backward casts the act gradient itself."""
+        if self._fp8_held:
+            self._fp8_held.pop((logits.data.ptr, logits.size), None)
+        if weight is None or not (self.fp8_fuse and self.fp8_wgrad and self._fp8_hist is not None):
+            return None
+        OC, C = weight.shape
+        N = logits.size // OC
+        if not (self._is_bf16(logits) and self._vec(OC, logits)
+                and self._fp8_serves(N, C, OC, True, logits, weight, backward=True)):
+            return None
+        site = self._fp8_site(weight, "dout")
+        if site is None or site in self._fp8_fresh:
+            return None
+        return self._fp8_produce(logits, site, "dout", self.scratch("fp8_head_dout", N * OC, np.uint8), "classifier")
 
     def _fp8_gelu_feeds(self, out, weight) -> bool:
         """Whether GELU's output `out` is the FP8 input of the product with `weight` (fp8_next) under delayed
@@ -289,17 +313,24 @@ class Fp8Matmuls:
         for buf in bufs:
             held = self._fp8_held.pop((buf.data.ptr, buf.size), None) if buf is not None and self._fp8_held else None
             if held is not None:
-                src, = self._fp8_arena(buf.size)  # (a copy: act's elements are wider than the bytes they replace)
-                cp.cuda.runtime.memcpyAsync(src.data.ptr, buf.data.ptr, buf.size,
-                                            cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+                src = held[2]
+                if src == buf.data.ptr:  # (a copy: act's elements are wider than the bytes they replace)
+                    src = self._fp8_arena(buf.size)[0].data.ptr
+                    cp.cuda.runtime.memcpyAsync(src, buf.data.ptr, buf.size, cp.cuda.runtime.memcpyDeviceToDevice,
+                                                self.stream.ptr)
                 self._launch(self._k("fp8_dequantize", True), self._grid(buf.size, 8), _CAST_BLOCK,
-                             (buf, src, np.uint64(self._fp8_inv_of(held[0])), np.int64(buf.size), np.int32(held[1])))
+                             (buf, np.uint64(src), np.uint64(self._fp8_inv_of(held[0])), np.int64(buf.size),
+                              np.int32(held[1])))
+
+    def _fp8_bytes(self, buf) -> int:
+        """Where the FP8 bytes a producer wrote for `buf` lie."""
+        return self._fp8_held[(buf.data.ptr, buf.size)][2]
 
     def _fp8_transposed(self, buf, rows, cols) -> int:
-        """The transposed copy (cols, rows) of the FP8 bytes a producer wrote over `buf`, made in its second half."""
+        """The transposed copy (cols, rows) of the FP8 bytes a producer wrote for `buf`, made in its second half."""
         t = buf.data.ptr + rows * cols
         self._launch(self._k("fp8_transpose", True), ((cols + 63) // 64, (rows + 63) // 64), 256,
-                     (np.uint64(t), buf, np.int32(rows), np.int32(cols)))
+                     (np.uint64(t), np.uint64(self._fp8_bytes(buf)), np.int32(rows), np.int32(cols)))
         return t
 
     def _fp8_forward(self, out, inp, weight, bias, pre_gelu, N, C, OC) -> bool:
@@ -311,7 +342,7 @@ class Fp8Matmuls:
             self._fp8_cast(inp, 0, N, C, out=x8, site=self._fp8_site(weight, "x"))
             x8, x_inv = x8.data.ptr, self._fp8_slot(0)[1]
         else:
-            x8, x_inv = inp.data.ptr, self._fp8_take_held(held, 0)
+            x8, x_inv = self._fp8_bytes(inp), self._fp8_take_held(held, 0)
         self._fp8_cast(weight, 1, OC, C, out=w8, site=self._fp8_site(weight, "w"))
         scales = (self._fp8_slot(1)[1], x_inv)
         b = bias.data.ptr if bias is not None else 0
@@ -341,7 +372,7 @@ class Fp8Matmuls:
                 raise RuntimeError("fp8_next named a product with a bias as the reader of its gradient")
             w8t, x8t = self._fp8_arena(wt, x_cast)
             self._fp8_zero()
-            grad = (dout.data.ptr, self._fp8_take_held(held, 2))
+            grad = (self._fp8_bytes(dout), self._fp8_take_held(held, 2))
             if dinp is not None and not self._fp8_dinp(dinp, grad, None if head else w8t, weight, pre_gelu, N, C, OC):
                 return False
             return self._fp8_dweight(dweight, None, (self._fp8_transposed(dout, N, OC), grad[1]), inp, weight,
@@ -414,7 +445,8 @@ class Fp8Matmuls:
 
     def _fp8_head_t(self, weight, OC, C) -> int:
         """The classifier's weight cast transposed, its inverse scale in slot 1: cast by the step's first chunk and
-        kept for the others (the same weight and scale, so the same bytes); cast every call outside a step."""
+        kept for the others (the same weight and scale, so the same bytes); cast every call outside a step, in a
+        graph recorded between steps too."""
         at = -(-OC * C // 256) * 256
         buf = self.scratch("fp8_head_t", at + 256, np.uint8)
         inv, kept = self._fp8_slot(1)[1], buf.data.ptr + at

@@ -1144,14 +1144,11 @@ extern "C" __global__ void fp8_roll(unsigned int* hist, int sites, int hist_n) {
 // ---------------------------------------------------------------------------------------------------------
 // fused classifier: one block per row. losses[row] = lse - logit[target]; with dloss != 0 (has_d), logits are
 // overwritten by (softmax - onehot) * dloss, zero in the padded columns. Logits stay in act dtype.
-extern "C" __global__ void classifier_fwd_bwd(act_t* logits, float* losses, const int* targets, int N, int V, int Vp,
-                                              float dloss, int has_d, int vec) {
-    __shared__ float red[32];
-    int row = blockIdx.x;
-    act_t* x = logits + (long long)row * Vp;
+// Pass 1 of a row: its max bm and 1 / (sum of exp(logit - bm)) by online max / sum (a -inf logit adds nothing:
+// while m is still -inf, exp(v - m) would be exp(NaN); a NaN logit still makes the row's loss NaN), fixed tree;
+// returns the row's log-sum-exp.
+__device__ float classifier_row_lse(const act_t* x, int V, int vec, float* red, float& bm, float& inv) {
     int tid = threadIdx.x, nt = blockDim.x, lane = tid % 32, warp = tid / 32, nw = nt / 32;
-    // pass 1: online max / sum of exp (a -inf logit adds nothing: while m is still -inf, exp(v - m) would be
-    // exp(NaN); a NaN logit still makes the row's loss NaN)
     float m = -LLMC_INF, s = 0.0f;
     int Vv = vec ? (V / PACK) * PACK : 0;
     for (int i = tid * PACK; i < Vv; i += nt * PACK) {
@@ -1166,41 +1163,84 @@ extern "C" __global__ void classifier_fwd_bwd(act_t* logits, float* losses, cons
         float v = to_f(x[i]);
         if (v > m) { s = s * expf(m - v) + 1.0f; m = v; } else if (v != -LLMC_INF) { s += expf(v - m); }
     }
-    // block reduce (m, s): fixed tree
     float wm = warp_max(m);
     s = (m == -LLMC_INF) ? 0.0f : s * expf(m - wm);
     s = warp_sum(s);
     if (lane == 0) { red[warp] = wm; }
     __syncthreads();
-    float bm = -LLMC_INF;
+    bm = -LLMC_INF;
     for (int w = 0; w < nw; w++) bm = fmaxf(bm, red[w]);
     __syncthreads();
     if (lane == 0) red[warp] = (wm == -LLMC_INF) ? 0.0f : s * expf(wm - bm);
     __syncthreads();
     float bs = 0.0f;
     for (int w = 0; w < nw; w++) bs += red[w];
-    float lse = bm + logf(bs);
+    inv = 1.0f / bs;
+    return bm + logf(bs);
+}
+// one dlogit: (softmax - onehot) * dloss, rounded to act
+__device__ __forceinline__ act_t classifier_dlogit(float v, float bm, float inv, bool hit, float dloss) {
+    return from_f((expf(v - bm) * inv - (hit ? 1.0f : 0.0f)) * dloss);
+}
+extern "C" __global__ void classifier_fwd_bwd(act_t* logits, float* losses, const int* targets, int N, int V, int Vp,
+                                              float dloss, int has_d, int vec) {
+    __shared__ float red[32];
+    int row = blockIdx.x;
+    act_t* x = logits + (long long)row * Vp;
+    int tid = threadIdx.x, nt = blockDim.x;
+    float bm, inv;
+    float lse = classifier_row_lse(x, V, vec, red, bm, inv);
     int tgt = targets[row];
     bool bad = tgt < 0 || tgt >= V;
     if (tid == 0) losses[row] = bad ? LLMC_NAN : lse - to_f(x[tgt]);
     if (!has_d) return;
     __syncthreads();  // everyone read x[tgt] (thread 0) before it is overwritten
-    float inv = 1.0f / bs;
+    int Vv = vec ? (V / PACK) * PACK : 0;
     for (int i = tid * PACK; i < Vv; i += nt * PACK) {
         pack_t p = load_pack(x + i);
         #pragma unroll
-        for (int k = 0; k < PACK; k++) {
-            float pr = expf(to_f(p.v[k]) - bm) * inv;
-            p.v[k] = from_f((pr - (i + k == tgt ? 1.0f : 0.0f)) * dloss);
-        }
+        for (int k = 0; k < PACK; k++) p.v[k] = classifier_dlogit(to_f(p.v[k]), bm, inv, i + k == tgt, dloss);
         store_pack(x + i, p);
     }
-    for (int i = Vv + tid; i < V; i += nt) {
-        float pr = expf(to_f(x[i]) - bm) * inv;
-        x[i] = from_f((pr - (i == tgt ? 1.0f : 0.0f)) * dloss);
-    }
+    for (int i = Vv + tid; i < V; i += nt) x[i] = classifier_dlogit(to_f(x[i]), bm, inv, i == tgt, dloss);
     for (int i = V + tid; i < Vp; i += nt) x[i] = from_f(0.0f);
 }
+#ifdef ACT_BF16
+// the fused classifier as the FP8 producer of the classifier's backward (vec layout: Vp % 8 == 0, 16-byte
+// aligned): the dlogits classifier_fwd_bwd would write, in e5m2 into out8 (N x Vp) rather than over the logits,
+// which other rows' blocks still read; scaled by the history at amax (fp8_block_scale), this call's amax into
+// observe, so the bytes are what the cast of those dlogits would write
+extern "C" __global__ void classifier_fwd_bwd_fp8(const act_t* logits, float* losses, const int* targets, int N,
+                                                  int V, int Vp, float dloss, unsigned char* out8, float* inv8,
+                                                  const unsigned int* amax, int hist_n, int stride,
+                                                  unsigned int* observe) {
+    __shared__ float red[32];
+    int row = blockIdx.x;
+    const act_t* x = logits + (long long)row * Vp;
+    unsigned char* o = out8 + (long long)row * Vp;
+    int tid = threadIdx.x, nt = blockDim.x;
+    float bm, inv;
+    float lse = classifier_row_lse(x, V, 1, red, bm, inv);
+    int tgt = targets[row];
+    if (tid == 0) losses[row] = (tgt < 0 || tgt >= V) ? LLMC_NAN : lse - to_f(x[tgt]);
+    float s = fp8_block_scale(inv8, amax, hist_n, stride, 1);
+    unsigned int m = 0;
+    int Vv = (V / PACK) * PACK;
+    for (int i = tid * PACK; i < Vv; i += nt * PACK) {
+        pack_t p = load_pack(x + i);
+        #pragma unroll
+        for (int k = 0; k < PACK; k++) p.v[k] = classifier_dlogit(to_f(p.v[k]), bm, inv, i + k == tgt, dloss);
+        m = pack_amax(p, m);
+        *reinterpret_cast<fp8x8_t*>(o + i) = fp8_pack8(p, s, 1);
+    }
+    for (int i = Vv + tid; i < Vp; i += nt) {  // (the last logits of a vocabulary not a multiple of 8; the padding)
+        float v = i < V ? to_f(classifier_dlogit(to_f(x[i]), bm, inv, i == tgt, dloss)) : 0.0f;
+        m = max(m, __float_as_uint(fabsf(v)));
+        o[i] = (unsigned char)(fp8x2(v * s, 0.0f, 1) & 0xffu);
+    }
+    fp8_observe(observe, m);
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------------------
 // global norm: phase 1 per tensor, each block writes its partial sum of squares (fixed grid, fixed tree);

@@ -847,14 +847,16 @@ def test_fp8_classifier_backward_casts_its_weight_once_a_step(scaling):
     np.testing.assert_array_equal(fwd[0], fwd[1])
 
 
-@pytest.mark.parametrize("model,recompute,dgelu", [("d2", "none", "off"), ("d2", "gelu+layernorm", "off"),
-                                                   ("d2", "none", "on"), ("llama3-tiny", "none", "off"),
-                                                   ("llama3-tiny", "gelu+layernorm", "off")])
-def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute, dgelu):
+@pytest.mark.parametrize("model,recompute,dgelu,head", [
+    ("d2", "none", "off", "off"), ("d2", "gelu+layernorm", "off", "off"), ("d2", "none", "on", "off"),
+    ("d2", "gelu+layernorm", "off", "backward"), ("llama3-tiny", "none", "off", "off"),
+    ("llama3-tiny", "gelu+layernorm", "off", "off")])  # (llama3-tiny's head, 50257 wide, is no FP8 shape)
+def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute, dgelu, head):
     """fp8_fuse (the default): from a site's second step the norms, SwiGLU and GELU write the FP8 operands their
     next products read, which then cast nothing; the losses are fp8_fuse=off's, where every product casts, bit for
     bit, over uncaptured steps and replayed graphs (with a recompute, the backward's producers too; with
-    fp8_dgelu=on, GELU's output feeds an FP8 backward with GELU's derivative)."""
+    fp8_dgelu=on, GELU's output feeds an FP8 backward with GELU's derivative; with fp8_classifier=backward, the
+    fused classifier writes the gradient its weight's FP8 backward reads)."""
     from llmc_cli.formats.shards import write_shard
     from llmc_cli.training.args import TrainArgs
     from llmc_cli.training.steps import GRAPH_AFTER
@@ -864,7 +866,7 @@ def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute, d
     write_shard(tmp_path / "p_train_000001.bin", np.random.default_rng(0).integers(0, 1000, 40_000))
     runs, produced = {}, {}
     for fuse in ("on", "off"):
-        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse, "fp8_dgelu": dgelu})
+        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse, "fp8_dgelu": dgelu, "fp8_classifier": head})
         a = TrainArgs(data=str(tmp_path / "p_train_*.bin"), model=model, batch_size=4, seq_len=64,
                       steps=GRAPH_AFTER + 3, val_every=0, sample_every=0, recompute=recompute,
                       **({} if llama else {"n_embd": 128}))
@@ -873,8 +875,9 @@ def test_fp8_producers_train_the_bits_of_the_casts(tmp_path, model, recompute, d
         produced[fuse] = dict(b.fp8_produced)
         tr.close()
     print(model, recompute, produced, runs["on"])
-    # the norms' and SwiGLU's forward outputs, and (Llama) SwiGLU's gradient
+    # the norms' and SwiGLU's forward outputs, and (Llama) SwiGLU's gradient, (head) the classifier's
     assert produced["on"].get("x") and bool(produced["on"].get("dout")) == llama and not produced["off"]
+    assert bool(produced["on"].get("classifier")) == (head != "off")
     assert runs["on"] == runs["off"]
 
 
@@ -947,6 +950,39 @@ def test_fp8_gelu_output_is_its_products_operand(refuse, monkeypatch):
         else:  # (bf16 on the FP8 bytes' values against bf16 on GELU's: e4m3's rounding, a few %)
             assert 0 < rel(one, two) < 0.1, rel(one, two)
     assert rel(got["on"][2], 0.25 + host["dy"].sum(0)) < 1e-2, "dbias: the column sums of dy, added once"
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_fp8_classifier_writes_the_gradient_its_backward_reads(refuse, monkeypatch):
+    """fp8_classifier=backward: from the site's second step the fused classifier writes its gradient in e5m2 for
+    the head's backward (the losses as ever, a vocabulary that is no multiple of 8 too). That backward gives the
+    bits of its own cast of the act gradient; run in bf16 after all (cuBLASLt refusing), the values the bytes
+    stand for."""
+    cuda("fp8")
+    b = _INFO.plugin.create(dtype="fp8", options={"fp8_classifier": "backward"})
+    rng = np.random.default_rng(9)
+    N, C, V, Vp = 128, 128, 500, 512
+    lnf, w = up(b, rng.standard_normal((N, C))), up(b, rng.standard_normal((Vp, C)) / math.sqrt(C))
+    targets, logits_h = up(b, rng.integers(0, V, N)), rng.standard_normal((N, Vp)) * 3
+    got = []
+    for step in range(2):  # (the first: no history yet, so the gradient is act, cast by the backward)
+        if step == 1 and refuse:
+            monkeypatch.setattr(b.lt, "backward_input_fp8", lambda *a, **k: False)
+        b.begin_step()
+        logits, losses = up(b, logits_h), up(b, np.zeros(N), FLOAT32)
+        b.classifier_forward_backward(logits, losses, targets, V, 1.0 / N, fp8_next=w)
+        dlnf, dw = poisoned(b, (N, C)), up(b, np.zeros((Vp, C)))
+        b.matmul_backward(dlnf, dw, None, logits, lnf, w, precise=True)
+        b.end_step()
+        got.append([down(b, t) for t in (losses, dlnf, dw)])
+    assert b.fp8_produced == {"classifier": 1}
+    assert np.isfinite(got[0][0]).all() and np.array_equal(got[0][0], got[1][0])
+    for one, two in zip(got[0][1:], got[1][1:]):
+        assert np.isfinite(two).all()
+        if not refuse:
+            assert np.array_equal(one, two), "the classifier's bytes are the cast's"
+        else:
+            assert rel(two, one) < 0.1, "a bf16 product on the values the FP8 bytes stand for"
 
 
 @pytest.mark.parametrize("refuse", ["none", "forward", "backward"])
