@@ -1298,15 +1298,24 @@ extern "C" __global__ void step_guard(float* guard, const float* loss, const flo
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The cuBLASLt tuner's bit signature of an output (cublaslt.py): sum and sum of squares of its 16- or 32-bit words
-// as 64-bit integers, added into sig[0], sig[1]. Integer atomics are exact, so the order of the additions (and the
-// grid) cannot change the result.
+// The cuBLASLt tuner's bit signature of an output (cublaslt.py): two 64-bit sums over its 16- or 32-bit words,
+// added into sig[0], sig[1]. Integer atomics are exact, so the order of the additions (and the grid) cannot change
+// the result.
+// splitmix64's finalizer: every bit of z reaches every bit of the result
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
 extern "C" __global__ void bits_signature(unsigned long long* sig, const void* p, long long n, int wide) {
+    // independent 64-bit hashes of (place, word): any change of a word, two words trading places included, alters
+    // the sums but by a 2^-64 chance (sums of the words and of their squares would miss two roundings that swap
+    // neighbouring values, and a candidate with other bits would then join the race)
     unsigned long long s = 0, q = 0;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         unsigned long long x = wide ? ((const unsigned int*)p)[i] : ((const unsigned short*)p)[i];
-        s += x;
-        q += x * x;
+        s += mix64((unsigned long long)i * 0x9e3779b97f4a7c15ULL + x);
+        q += mix64(mix64((unsigned long long)i ^ 0xd1b54a32d192ed03ULL) ^ (x * 0xff51afd7ed558ccdULL));
     }
     for (int o = 16; o > 0; o >>= 1) {
         s += __shfl_xor_sync(0xffffffffu, s, o);

@@ -422,6 +422,27 @@ def test_cublaslt_tuner_keeps_the_heuristic_bits(dtype):
 # =============================================================================================================
 # determinism of backward kernels
 
+def test_bits_signature_tells_outputs_apart_by_place_and_value():
+    """The cuBLASLt tuner's bit signature (CublasLt._identical): the same words sign alike whatever the grid; one
+    word an ulp off signs otherwise, and so do two neighbouring values trading places, which sums of the words and of
+    their squares would miss."""
+    import cupy as cp
+    b = cuda(BFLOAT16)
+    words = np.random.default_rng(11).integers(0, 1 << 16, 100_000).astype(np.uint16)
+
+    def sign(w, blocks=64):
+        out = cp.zeros(2, dtype=cp.uint64)
+        b._signature((blocks,), (256,), (out, cp.asarray(w), np.int64(w.size), np.int32(0)))
+        return tuple(int(v) for v in cp.asnumpy(out))
+    i, j = 10, 50_000
+    words[i], words[j] = 0x3f80, 0x3f81  # (neighbouring bf16 values: 1.0 and the next)
+    swapped, off = words.copy(), words.copy()
+    swapped[i], swapped[j] = words[j], words[i]
+    off[i] += 1
+    assert sign(words) == sign(words, blocks=1) == sign(words.copy(), blocks=7)
+    assert sign(swapped) != sign(words) and sign(off) != sign(words)
+
+
 @pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
 def test_backward_kernels_bit_identical(dtype):
     b = cuda(dtype)
