@@ -375,8 +375,13 @@ class Fp8Matmuls:
             grad = (self._fp8_bytes(dout), self._fp8_take_held(held, 2))
             if dinp is not None and not self._fp8_dinp(dinp, grad, None if head else w8t, weight, pre_gelu, N, C, OC):
                 return False
-            return self._fp8_dweight(dweight, None, (self._fp8_transposed(dout, N, OC), grad[1]), inp, weight,
-                                     N, C, OC, x8t=x8t)
+            if not self._fp8_dweight(dweight, None, (self._fp8_transposed(dout, N, OC), grad[1]), inp, weight,
+                                     N, C, OC, x8t=x8t):
+                return False
+            # the gradient's bytes are spent: the engine may now place a buffer of the same size over that memory
+            # (GPT-2's dresidual or dfch at the start of logits as large), which holds act when a product reads it
+            del self._fp8_held[(dout.data.ptr, dout.size)]
+            return True
         one_pass = N * OC + max(N * OC + wt, x_cast)
         if dinp is not None and one_pass > self.cudnn_workspace:
             return self._fp8_backward_two_pass(dinp, dweight, dbias, dout, inp, weight, pre_gelu, N, C, OC, head)

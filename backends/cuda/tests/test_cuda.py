@@ -1006,6 +1006,40 @@ def test_fp8_classifier_writes_the_gradient_its_backward_reads(refuse, monkeypat
             assert rel(two, one) < 0.1, "a bf16 product on the values the FP8 bytes stand for"
 
 
+@pytest.mark.parametrize("C", [128, 32])
+def test_fp8_classifier_gradient_is_spent_by_its_backward(C):
+    """fp8_classifier=backward on a GPT-2 whose logits are exactly as large as the scratch placed at their start
+    (Vp = C: btc, so dresidual; Vp = 4C: dfch): once the head's backward has read the e5m2 gradient the classifier
+    wrote, the layers' products that read that scratch as their gradient next meet act, not those bytes. Losses and
+    gradients are fp8_fuse=off's, bit for bit."""
+    from llmc_cli.models.gpt2 import GPT2, GPT2Config, in_logits, init_parameters
+    cuda("fp8")
+    cfg = GPT2Config(block_size=64, vocab_size=100, n_layer=1, n_head=2, n_embd=C)
+    B, T = 4, 64
+    assert in_logits(cfg, B, T, True) == {"btc" if C == 128 else "dfch": 0} and cfg.padded_vocab_size in (C, 4 * C)
+    tokens = np.random.default_rng(12).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    x, y = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+    got, produced = {}, {}
+    for fuse in ("on", "off"):
+        b = _INFO.plugin.create(dtype="fp8", options={"fp8_fuse": fuse, "fp8_classifier": "backward"})
+        m = GPT2(cfg, b, B, T, classifier_chunks=1)
+        m.load_parameters(init_parameters(cfg, 1))
+        got[fuse] = []
+        for _ in range(3):  # (from the second step the classifier writes the gradient's bytes, with fp8_fuse=on)
+            b.begin_step()
+            m.zero_grad()
+            m.forward(x, y, dloss=1 / (B * T))
+            m.backward()
+            b.end_step()
+            got[fuse].append([down(b, m.acts["losses"]), down(b, m.grads.buf)])
+        produced[fuse] = b.fp8_produced["classifier"]
+    assert produced == {"on": 2, "off": 0}
+    for on, off in zip(got["on"], got["off"]):
+        assert np.isfinite(on[0]).all()
+        for what, one, two in zip(("losses", "gradients"), on, off):
+            np.testing.assert_array_equal(one, two, err_msg=what)
+
+
 @pytest.mark.parametrize("refuse", ["none", "forward", "backward"])
 def test_fp8_produced_operands_reach_their_product_or_become_act(refuse, monkeypatch):
     """A producer's FP8 bytes stand in for its output before the product fp8_next named: that product reads them
