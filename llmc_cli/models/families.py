@@ -106,9 +106,10 @@ def memory_plan(cfg, B: int, T: int, dtype: str, training: bool = True, recomput
 
 def fp8_cast_bytes(fam: Family, cfg, N: int, training: bool) -> int:
     """The one scratch buffer FP8 matmuls cast their operands into (one byte an element), sized by the layer
-    matmul that needs most (the classifier stays bf16). Forward: the input (N,C) and the weight (OC,C). Backward:
-    the gradient transposed (N*OC), beside the gradient and the transposed weight, which the transposed input
-    (N*C) then overwrites (the CUDA backend's _fp8_arena)."""
+    matmul that needs most (the classifier stays bf16 unless an option of the backend says otherwise, which this
+    does not count). Forward: the input (N,C) and the weight (OC,C). Backward: the gradient transposed (N*OC),
+    beside the gradient and the transposed weight, which the transposed input (N*C) then overwrites (the CUDA
+    backend's _fp8_arena)."""
     mats = [s[1:] for _, s in fam.parameter_shapes(cfg) if len(s) == 3]  # per-layer (OC, C) weights
     need = [N * c + oc * c for oc, c in mats]
     if training:

@@ -358,7 +358,7 @@ class CudaBackend(Fp8Matmuls, Backend):
             raise BackendUnavailable(f"cuda backend has no dtype {dtype}")
         a = cp.empty(shape, dtype=self._np[dtype])
         self._allocated[tag] += a.nbytes
-        if self._fp8_sites or self._fp8_held:
+        if self._fp8_sites or self._fp8_held or self._fp8_head_of:
             self._fp8_forget(a.data.ptr, a.nbytes)
         return a
 
