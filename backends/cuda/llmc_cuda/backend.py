@@ -968,7 +968,8 @@ class CudaBackend(Fp8Matmuls, Backend):
         k = self._kk("classifier_fwd_bwd", logits)
         vec, block = self._cfg("classifier_forward_backward", k,
                                int(Vp % (16 // logits.dtype.itemsize) == 0 and self._aligned(logits)), 512)
-        if dloss is not None and (f8 := self._fp8_head_producer(logits, fp8_next)):
+        if dloss is not None and (f8 := self._fp8_producer(logits, fp8_next, "dout", able=vec and self._is_bf16(logits),
+                                                           head=True)):
             self._launch(self._k("classifier_fwd_bwd_fp8", True), N, block,
                          (logits, losses, targets, np.int32(N), np.int32(vocab_size), np.int32(Vp),
                           np.float32(dloss), *f8))

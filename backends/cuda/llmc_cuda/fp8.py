@@ -230,11 +230,13 @@ class Fp8Matmuls:
     # before the tensor exists (delayed scaling, a site with a history). The product then reads it in place, and
     # its backward transposes it into the buffer's second half (an FP8 copy takes half of act's bytes). The bytes
     # and scales are those the product's own cast would have made, so either way trains the same bits.
-    def _fp8_producer(self, out, weight, role: str, able: bool = True):
+    def _fp8_producer(self, out, weight, role: str, able: bool = True, head: bool = False):
         """The FP8 output arguments (out8, inv8, amax8, hist_n, stride, observe8) for a kernel writing `out`, which
         the product with `weight` reads next as its `role` operand ("x" its input, "dout" its gradient), where
         the kernel is `able` and the product runs in FP8 from a site with a history; else None (the kernel writes
-        act, and the product casts it). Either way `out` no longer holds an older producer's FP8 bytes."""
+        act, and the product casts it). Either way `out` no longer holds an older producer's FP8 bytes. `head`: the
+        fused classifier, writing the gradient of the classifier's backward (FP8 by fp8_classifier) into scratch,
+        not over the logits, which the kernel's other blocks still read."""
         if self._fp8_held:
             self._fp8_held.pop((out.data.ptr, out.size), None)
         # (it needs the scale before the tensor exists, delayed scaling, and the weight gradient's product in FP8)
@@ -242,11 +244,13 @@ class Fp8Matmuls:
             return None
         OC, C = weight.shape
         N = out.size // (C if role == "x" else OC)
-        if not self._fp8_serves(N, C, OC, False, out, weight):
+        if not self._fp8_serves(N, C, OC, head, out, weight, backward=head):
             return None
         site = self._fp8_site(weight, role)
         if site is None or site in self._fp8_fresh:
             return None
+        if head:
+            return self._fp8_produce(out, site, role, self.scratch("fp8_head_dout", N * OC, np.uint8), "classifier")
         return self._fp8_produce(out, site, role, out)
 
     def _fp8_produce(self, buf, site: int, role: str, out8, kind: str | None = None):
@@ -257,24 +261,6 @@ class Fp8Matmuls:
         amax, hist_n, stride, observe = self._fp8_history(site)
         return (out8, np.uint64(self._fp8_inv_of(site)), np.uint64(amax), np.int32(hist_n), np.int32(stride),
                 np.uint64(observe))
-
-    def _fp8_head_producer(self, logits, weight):
-        """The FP8 output arguments for the fused classifier writing the gradient that the classifier's backward
-        (in FP8 by fp8_classifier) reads next: e5m2 in scratch, not over the logits, which the kernel's other
-        blocks still read; None where that backward casts the act gradient itself."""
-        if self._fp8_held:
-            self._fp8_held.pop((logits.data.ptr, logits.size), None)
-        if weight is None or not (self.fp8_fuse and self.fp8_wgrad and self._fp8_hist is not None):
-            return None
-        OC, C = weight.shape
-        N = logits.size // OC
-        if not (self._is_bf16(logits) and self._vec(OC, logits)
-                and self._fp8_serves(N, C, OC, True, logits, weight, backward=True)):
-            return None
-        site = self._fp8_site(weight, "dout")
-        if site is None or site in self._fp8_fresh:
-            return None
-        return self._fp8_produce(logits, site, "dout", self.scratch("fp8_head_dout", N * OC, np.uint8), "classifier")
 
     def _fp8_gelu_feeds(self, out, weight) -> bool:
         """Whether GELU's output `out` is the FP8 input of the product with `weight` (fp8_next) under delayed
