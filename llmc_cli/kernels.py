@@ -718,6 +718,10 @@ def _option_error(where: str, name: str, raw, expected: str) -> BackendUnavailab
     return BackendUnavailable(f"{where}={raw} (the environment variable for --backend-opt {name}): expected {expected}")
 
 
+# the spellings of on and off an on/off option takes; a choice option that also means on/off takes them as aliases
+ON_OFF = {"1": "on", "on": "on", "true": "on", "yes": "on", "0": "off", "off": "off", "false": "off", "no": "off"}
+
+
 def option_flag(options: dict[str, str] | None, name: str, default: bool | None,
                 env: str | None = None) -> bool | None:
     """An on/off backend option: `options[name]` if given, else the environment variable `env` (the older way
@@ -726,12 +730,10 @@ def option_flag(options: dict[str, str] | None, name: str, default: bool | None,
     raw, where = _option_raw(options, name, env)
     if raw is None:
         return default
-    v = str(raw).strip().lower()
-    if v in ("1", "on", "true", "yes"):
-        return True
-    if v in ("0", "off", "false", "no"):
-        return False
-    raise _option_error(where, name, raw, "on or off")
+    v = ON_OFF.get(str(raw).strip().lower())
+    if v is None:
+        raise _option_error(where, name, raw, "on or off")
+    return v == "on"
 
 
 def option_choice(options: dict[str, str] | None, name: str, choices: Sequence[str], default: str,

@@ -3,11 +3,10 @@ the backend where it uses them, and by cuBLASLt's workspace plan; this module im
 
 from __future__ import annotations
 
-from llmc_cli.kernels import option_choice, option_flag, option_int
+from llmc_cli.kernels import ON_OFF, option_choice, option_flag, option_int
 
 FP8_SCALINGS = ("current", "delayed")  # --backend-opt fp8_scaling=...
 FP8_CLASSIFIER = ("off", "backward", "on")  # --backend-opt fp8_classifier=...: which of its products run in FP8
-ON_OFF = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}  # (option_flag's spellings)
 CUDNN_WORKSPACE_MAX_MIB = 1 << 20  # --backend-opt cudnn_workspace_mib: at most 1 TiB (past any GPU's memory)
 # cudnn_workspace_mib unset: cuDNN's attention backward may take this share of the device's memory. 1/32 of an H200
 # (4.4 GiB) holds Llama 3.1 8B's whole T=8192 sequence (4.1 GiB); run whole, the backward is 1.7x faster than over
