@@ -205,7 +205,7 @@ def _cublaslt_module(monkeypatch):
 def _fake_plan(m, configs):
     class Plan:
         key, count, chosen, trials = ("k",), len(configs), None, None
-        only = m.Plan.only
+        only, same_order = m.Plan.only, m.Plan.same_order
 
         def config(self, i):
             return configs[i]
@@ -270,6 +270,18 @@ def test_cublaslt_keeps_and_takes_only_a_decision_that_names_one_candidate(monke
     again = _fake_plan(m, [(5, 1), (6, 1), (5, 2)])
     m.CublasLt._decided(lt, again)
     assert again.chosen == 1
+
+
+def test_cublaslt_takes_no_decision_for_a_candidate_that_splits_k_otherwise(monkeypatch):
+    """A decision naming a candidate whose split-K count or reduction scheme (config fields 3 and 4) differ from the
+    heuristic's first is raced again: its bits can differ from the first's (FP8's weight gradients on an H200)."""
+    m = _cublaslt_module(monkeypatch)
+    configs = [(66, 165, 36, 3, 2, 0, 6, 5, 0), (66, 28, 36, 2, 2, 0, 6, 7, 0), (66, 20, 36, 3, 1, 0, 6, 5, 0),
+               (66, 29, 36, 3, 2, 0, 5, 3, 0)]
+    for want, taken in ((configs[1], None), (configs[2], None), (configs[3], 3)):
+        p = _fake_plan(m, configs)
+        m.CublasLt._decided(types.SimpleNamespace(tune=True, decisions={"('k',)": list(want)}, tuning={}), p)
+        assert p.chosen == taken, want
 
 
 def test_a_users_file_named_as_a_cache_stays_and_a_damaged_cache_is_rebuilt(tmp_path, monkeypatch):

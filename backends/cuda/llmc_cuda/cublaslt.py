@@ -13,12 +13,14 @@ products and its own kernels for the rest.
 
 Algorithm choice: the heuristic's first algorithm is often not the fastest on a given GPU (the K=768 products
 of GPT-2 leave 5-25% on the table), but taking the fastest by timing would make the bits of a run depend on
-timing noise. So at a plan's 13th call every candidate the heuristic offers runs once on the real operands and
-only those whose outputs are bit-identical to the first candidate's stay in the race; the next calls of the plan
-(real calls, in the step, where the L2 state, the neighbours and the power cap are what training sees) go to
-those candidates in turn, timed with events, and the fastest is kept. A run computes exactly what it would
-with the heuristic's choice, whichever candidate wins (`--backend-opt tune=off`, or `LLMC_CUBLASLT_TUNE=0`, keeps the
-heuristic's first).
+timing noise. So only the candidates that split each output's sum over k as the heuristic's first does (split-K
+count and reduction scheme; tiles, stages, swizzles and clusters leave a sum's order alone) may race. At a plan's
+13th call each of them runs once on the real operands, and those whose outputs are bit-identical to the first
+candidate's stay in the race (a match alone is not proof: FP8's sums are often exact on one call's operands and not
+on the next's). The next calls of the plan (real calls, in the step, where the L2 state, the neighbours and the
+power cap are what training sees) go to those candidates in turn, timed with events, and the fastest is kept. A
+run computes exactly what it would with the heuristic's choice, whichever candidate wins (`--backend-opt
+tune=off`, or `LLMC_CUBLASLT_TUNE=0`, keeps the heuristic's first).
 
 The bit-identity checks are spaced (CHECK_SPACING calls apart), so a fresh run spreads them over its first steps,
 and each decision is kept on disk (`decisions`, saved by the backend under llmc's cache directory, per GPU and
@@ -38,6 +40,7 @@ CUDA_R_32F = 0
 CUDA_R_16BF = 14
 CUDA_R_8F_E4M3 = 28
 CUDA_R_8F_E5M2 = 29
+_SIZE = {CUDA_R_32F: 4, CUDA_R_16BF: 2, CUDA_R_8F_E4M3: 1, CUDA_R_8F_E5M2: 1}
 COMPUTE_32F = 68
 COMPUTE_32F_FAST_TF32 = 77
 OP_N, OP_T = 0, 1
@@ -122,6 +125,9 @@ class Plan:
             lt.matmul_preference_destroy(pref)
         self.elsize = 2 if dtype == CUDA_R_16BF else 4
         self.m, self.n = m, n
+        # (type, bytes) of A and B, for backends/cuda/bench/tuner_identity.py to fill them
+        self.operands = tuple((dt, (ld * (cols - 1) + rows) * _SIZE[dt])
+                              for dt, ld, rows, cols in ((a_dt, lda, a_rows, a_cols), (b_dt, ldb, b_rows, b_cols)))
         self.tuned = False
         self.calls = 0
         self.trials = None  # bit-identical candidates under trial
@@ -157,6 +163,10 @@ class Plan:
         not name exactly one candidate cannot carry a decision from one run to the next."""
         hits = [i for i in range(self.count) if list(self.config(i)) == list(config)]
         return hits[0] if len(hits) == 1 else None
+
+    def same_order(self, i: int) -> bool:
+        """Whether candidate i splits each output's sum over k (split-K count, reduction scheme) as the first does."""
+        return self.config(i)[3:5] == self.config(0)[3:5]
 
     def _algo(self, i: int) -> int:
         """Pointer to candidate i's algorithm (the first field of its heuristic result)."""
@@ -221,7 +231,8 @@ class CublasLt:
         if not isinstance(want, list):  # none yet, or a damaged cache's entry (a number, a string): raced again
             return
         i = p.only(want)
-        if i is not None:  # (else raced again: the candidates changed, or the entry names none of them alone)
+        # (else raced again: the candidates changed, the entry names none of them alone or one that sums otherwise)
+        if i is not None and p.same_order(i):
             p.choose(i)
             p.tuned = True
             self.tuning[p.key] = [(i, p.config(i), True, None)]
@@ -336,7 +347,7 @@ class CublasLt:
             if before is not None:
                 d2d(before.data.ptr, args[2])
             ran = []
-            for i in range(plan.count):
+            for i in filter(plan.same_order, range(plan.count)):
                 plan.choose(i)
                 if before is not None:
                     d2d(args[2], before.data.ptr)

@@ -419,6 +419,39 @@ def test_cublaslt_tuner_keeps_the_heuristic_bits(dtype):
             np.testing.assert_array_equal(g, wnt)
 
 
+def test_cublaslt_tuner_races_only_candidates_that_sum_in_the_first_ones_order():
+    """A match on one call's operands does not make a candidate the heuristic's first's equal: FP8's sums are often
+    exact, so a candidate that splits the sum over k otherwise (split-K) matches by chance and differs on the next
+    call's operands (backends/cuda/bench/tuner_identity.py found such values in d12's FP8 weight gradients). On zero
+    operands, where every candidate matches, the race still admits only the candidates summing in the first's
+    order, and a decision on disk naming another is raced again, not taken."""
+    import cupy as cp
+    b = cuda("fp8")  # (skips where FP8 cannot run)
+    lt = b.lt
+    N, C, OC = 16384, 768, 768  # (H200: the heuristic's first splits k in three, others in one, two or four)
+    a8, g8 = cp.zeros(C * N, dtype=cp.uint8), cp.zeros(OC * N, dtype=cp.uint8)
+    dw, scales = cp.zeros(OC * C, dtype=cp.uint16), cp.ones(128, dtype=cp.float32)
+    cp.cuda.Device().synchronize()  # (written on CuPy's stream, read on the backend's)
+    saved = lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided
+    try:
+        lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided = {}, True, 8, 10**9, {}, None
+
+        def product():  # (a race never starts: tune_after)
+            assert lt.backward_weight_fp8(dw.data.ptr, g8.data.ptr, a8.data.ptr, N, C, OC, b.stream.ptr,
+                                          (scales.data.ptr, scales.data.ptr + 256))  # (aligned as the slots)
+            return next(p for k, p in lt.plans.items() if k[0] == "bwd_w8")
+        plan = product()
+        other = [i for i in range(plan.count) if not plan.same_order(i) and plan.only(plan.config(i)) == i]
+        assert other, f"no candidate splits k otherwise here: {[plan.config(i) for i in range(plan.count)]}"
+        admitted = lt._identical(plan, plan.last, True, 0, 0, ())
+        assert admitted and all(plan.same_order(i) for i in admitted), admitted
+        lt.decisions = {repr(plan.key): list(plan.config(other[0]))}
+        lt.plans = {}
+        assert not product().tuned, "a decision for a candidate summing in another order was taken"
+    finally:
+        lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided = saved
+
+
 # =============================================================================================================
 # determinism of backward kernels
 
