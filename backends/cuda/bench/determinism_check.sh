@@ -3,16 +3,18 @@
 # with an empty llmc cache (FRESH=1, the default: no cuBLASLt decisions on disk, so every run races the candidates
 # as a fresh machine's first run does) or all sharing one (FRESH=0), then the first step at which each run's loss
 # parts from run 1's. VARIANTS ("; "-separated `llmc train` options, default "" and "--backend-opt tune=off") repeats
-# the whole for each: with tune=off nothing races, the control.
+# the whole for each, and each variant's run 1 is compared with the first variant's: with tune=off nothing races, the
+# control, and its bits are those every race must keep.
 #   carry [".whl", "datasets/shakespeare"]; bash backends/cuda/bench/determinism_check.sh
-# RUNS (4), STEPS (70), MODEL (d12), B (16), T (1024), DTYPE (fp8), FRESH (1), VARIANTS from the environment; each
-# run's log.jsonl goes to $OUT, the verdicts to $OUT/determinism.txt.
+# RUNS (4), STEPS (70), MODEL (d12), B (16), T (1024), DTYPE (fp8), FRESH (1), VARIANTS, DATA (a shard glob; default
+# Shakespeare's GPT-2 tokens) from the environment; each run's log.jsonl goes to $OUT, the verdicts to
+# $OUT/determinism.txt.
 set -u
 export OUT=${OUT:-$PWD/determinism_out}; mkdir -p "$OUT"
 . "$(dirname "$0")/device_setup.sh"
 RUNS=${RUNS:-4}; STEPS=${STEPS:-70}; MODEL=${MODEL:-d12}; B=${B:-16}; T=${T:-1024}; DTYPE=${DTYPE:-fp8}
 FRESH=${FRESH:-1}
-DATA=$HERE/datasets/shakespeare/*train*.bin
+DATA=${DATA:-$HERE/datasets/shakespeare/*train*.bin}
 IFS=';' read -ra VS <<< "${VARIANTS:-;--backend-opt tune=off}"
 v=0
 for extra in "${VS[@]}"; do
@@ -29,20 +31,25 @@ for extra in "${VS[@]}"; do
   $PY - "$OUT" "$v" "$RUNS" "$extra" "$FRESH" <<'PY' | tee -a "$OUT/determinism.txt"
 import json, sys
 out, v, runs, extra, fresh = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-losses = []
-for r in range(1, runs + 1):
+def losses(name):
     try:
-        rows = [json.loads(l) for l in open(f"{out}/v{v}_run{r}.jsonl") if l.strip()]
-        losses.append({x["step"]: x["loss"] for x in rows if x.get("loss") is not None})
+        rows = [json.loads(l) for l in open(f"{out}/{name}.jsonl") if l.strip()]
+        return {x["step"]: x["loss"] for x in rows if x.get("loss") is not None}
     except OSError:
-        losses.append(None)
+        return None
 head = f"[{extra or 'default options'}; {'empty cache each run' if fresh == '1' else 'one cache'}]"
-for r, ls in enumerate(losses[1:], start=2):
-    if ls is None or losses[0] is None:
-        print(head, f"run {r}: no log")
+first = losses(f"v{v}_run1")
+# each run against its variant's first; a later variant's first against the first variant's (tune=off: the same
+# bits as a race's, whichever candidate won)
+pairs = [(f"run {r}", losses(f"v{v}_run{r}"), first) for r in range(2, runs + 1)]
+if v != "1":
+    pairs.append(("run 1 against variant 1's run 1", first, losses("v1_run1")))
+for name, ls, ref in pairs:
+    if ls is None or ref is None:
+        print(head, f"{name}: no log")
         continue
-    apart = sorted(s for s in ls if s in losses[0] and ls[s] != losses[0][s])
-    print(head, f"run {r}:", f"parts from run 1 at step {apart[0]}" if apart else f"the same {len(ls)} losses")
+    apart = sorted(s for s in ls if s in ref and ls[s] != ref[s])
+    print(head, f"{name}:", f"parts at step {apart[0]}" if apart else f"the same {len(ls)} losses")
 PY
 done
 exit $rc
