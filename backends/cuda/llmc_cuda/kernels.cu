@@ -1051,39 +1051,39 @@ extern "C" __global__ void __launch_bounds__(256) fp8_transpose(unsigned char* o
 // projection, the backward's [dgate | dup] in e5m2 for the gate/up projection's backward, each scaled by the
 // history at amax (fp8_block_scale) with this call's amax into observe; the values are swiglu_forward's and
 // swiglu_backward's bf16 ones, so the bytes are what the cast of those would write
+// both walk the N x H outputs a pack at a time over the grid; pack(r, h, m) writes one and returns the amax so far
+template <typename Pack>
+__device__ __forceinline__ void swiglu_fp8_walk(unsigned int* observe, long long N, int H, Pack pack) {
+    unsigned int m = 0;
+    int hp = H / PACK;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < N * hp;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / hp;
+        m = pack(r, (int)(i - r * hp) * PACK, m);
+    }
+    fp8_observe(observe, m);
+}
 extern "C" __global__ void swiglu_forward_fp8(unsigned char* out8, float* inv8, const unsigned int* amax, int hist_n,
                                               int stride, unsigned int* observe, const act_t* inp, long long N,
                                               int H) {
     float s = fp8_block_scale(inv8, amax, hist_n, stride, 0);
-    unsigned int m = 0;
-    int hp = H / PACK;
-    long long n = N * hp;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        long long r = i / hp; int h = (int)(i - r * hp) * PACK;
+    swiglu_fp8_walk(observe, N, H, [&](long long r, int h, unsigned int m) {
         pack_t o = swiglu_pack(load_pack(inp + r * 2 * H + h), load_pack(inp + r * 2 * H + H + h));
-        m = pack_amax(o, m);
         *reinterpret_cast<fp8x8_t*>(out8 + r * H + h) = fp8_pack8(o, s, 0);
-    }
-    fp8_observe(observe, m);
+        return pack_amax(o, m);
+    });
 }
 extern "C" __global__ void swiglu_backward_fp8(unsigned char* dinp8, float* inv8, const unsigned int* amax, int hist_n,
                                                int stride, unsigned int* observe, const act_t* dout, const act_t* inp,
                                                long long N, int H) {
     float s = fp8_block_scale(inv8, amax, hist_n, stride, 1);
-    unsigned int m = 0;
-    int hp = H / PACK;
-    long long n = N * hp;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        long long r = i / hp; int h = (int)(i - r * hp) * PACK;
+    swiglu_fp8_walk(observe, N, H, [&](long long r, int h, unsigned int m) {
         pack_t dg, du;
         swiglu_grad_packs(dout, inp, r, h, H, dg, du);
-        m = pack_amax(du, pack_amax(dg, m));
         *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + h) = fp8_pack8(dg, s, 1);
         *reinterpret_cast<fp8x8_t*>(dinp8 + r * 2 * H + H + h) = fp8_pack8(du, s, 1);
-    }
-    fp8_observe(observe, m);
+        return pack_amax(du, pack_amax(dg, m));
+    });
 }
 // GELU as an FP8 producer (GPT-2's MLP: the output projection's e4m3 input), from the pre-activation (n % 8 == 0,
 // 16-byte aligned), scaled and observed as swiglu_forward_fp8; the values are gelu_forward's bf16 ones
