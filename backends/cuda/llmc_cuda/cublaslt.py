@@ -57,6 +57,7 @@ _EPI = lt.Epilogue
 _CA = lt.MatmulAlgoConfigAttribute
 _CONFIG = (_CA.ID, _CA.TILE_ID, _CA.STAGES_ID, _CA.SPLITK_NUM, _CA.REDUCTION_SCHEME, _CA.CTA_SWIZZLING,
            _CA.CUSTOM_OPTION, _CA.CLUSTER_SHAPE_ID, _CA.INNER_SHAPE_ID)
+_SUM_ORDER = slice(3, 5)  # split-k and reduction scheme in a _CONFIG tuple: how each output's sum over k is split
 
 
 def _set(desc, attr, value, dtype):
@@ -166,7 +167,7 @@ class Plan:
 
     def same_order(self, i: int) -> bool:
         """Whether candidate i splits each output's sum over k (split-K count, reduction scheme) as the first does."""
-        return self.config(i)[3:5] == self.config(0)[3:5]
+        return self.config(i)[_SUM_ORDER] == self.config(0)[_SUM_ORDER]
 
     def _algo(self, i: int) -> int:
         """Pointer to candidate i's algorithm (the first field of its heuristic result)."""
