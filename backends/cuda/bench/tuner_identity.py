@@ -2,13 +2,14 @@
 
     python backends/cuda/bench/tuner_identity.py --dtype fp8 --model d12 -b 16 --data 'datasets/shakespeare/*train*'
 
-A run's bits may not depend on which candidate won a race, so the tuner admits only candidates whose outputs match
-the heuristic's first on one call's real operands. Here a model trains --steps steps with the tuner on and no
-decisions from earlier runs (a fresh cache); then every candidate the tuner found identical is run again, against the
-heuristic's first, on two more operand sets: those of the product's last call (later in training than the check)
-and random ones (wide exponents, every bit pattern but NaN and infinity). Each output goes to scratch (beta = 0).
-A line per candidate that differs: the product, the candidate's config and how many output values differ. The
-model is thrown away (random operands are written over its buffers).
+A run's bits may not depend on which candidate won a race, so the tuner admits only candidates that split the sum
+over k as the heuristic's first does and whose outputs match its own on one call's real operands. Here a model
+trains --steps steps with the tuner on and no decisions from earlier runs (a fresh cache); then every candidate the
+tuner found identical is run again, against the heuristic's first, on two more operand sets: those of the product's
+last call (later in training than the check) and random ones (the lower half of the format's exponents, both signs,
+every mantissa). Each output goes to scratch (beta = 0). A line per candidate that differs: the product, the
+candidate's config and how many output values differ. The model is thrown away (random operands are written over its
+buffers).
 """
 
 from __future__ import annotations
@@ -54,15 +55,13 @@ def _trained(o):
 
 
 def _randomize(ptr: int, dtype: int, nbytes: int, rng) -> None:
-    """Random finite values of `dtype` over [ptr, ptr + nbytes): every exponent the format has, so that sums
-    depend on their order."""
+    """Random finite values of `dtype` over [ptr, ptr + nbytes), spread over many exponents, so that sums depend
+    on their order."""
     raw = cp.ndarray(nbytes, dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(
         cp.cuda.UnownedMemory(ptr, nbytes, None), 0))
     bits = cp.asarray(rng.integers(0, 256, nbytes, dtype=np.uint8))
-    if dtype == CUDA_R_8F_E4M3:
-        bits &= 0xF7  # (exponent below 15: no NaN, magnitudes up to 1.9)
-    elif dtype == CUDA_R_8F_E5M2:
-        bits &= 0xBF  # (exponent below 16: no infinity or NaN)
+    if dtype in (CUDA_R_8F_E4M3, CUDA_R_8F_E5M2):
+        bits &= 0xBF  # (the exponent's top bit clear: no NaN or infinity, magnitudes up to 1.9)
     elif dtype == CUDA_R_16BF:
         bits[1::2] = (bits[1::2] & 0x80) | cp.asarray(rng.integers(0x38, 0x46, nbytes // 2, dtype=np.uint8))
     elif dtype == CUDA_R_32F:
