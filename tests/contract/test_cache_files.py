@@ -274,14 +274,17 @@ def test_cublaslt_keeps_and_takes_only_a_decision_that_names_one_candidate(monke
 
 def test_cublaslt_takes_no_decision_for_a_candidate_that_splits_k_otherwise(monkeypatch):
     """A decision naming a candidate whose split-K count or reduction scheme (config fields 3 and 4) differ from the
-    heuristic's first is raced again: its bits can differ from the first's (FP8's weight gradients on an H200)."""
+    heuristic's first, or cannot be read (-1), is raced again: its bits can differ from the first's (FP8's weight
+    gradients on an H200)."""
     m = _cublaslt_module(monkeypatch)
     configs = [(66, 165, 36, 3, 2, 0, 6, 5, 0), (66, 28, 36, 2, 2, 0, 6, 7, 0), (66, 20, 36, 3, 1, 0, 6, 5, 0),
                (66, 29, 36, 3, 2, 0, 5, 3, 0)]
-    for want, taken in ((configs[1], None), (configs[2], None), (configs[3], 3)):
-        p = _fake_plan(m, configs)
-        m.CublasLt._decided(types.SimpleNamespace(tune=True, decisions={"('k',)": list(want)}, tuning={}), p)
-        assert p.chosen == taken, want
+    unread = [(66, 165, 36, -1, -1, 0, 6, 5, 0), (66, 28, 36, -1, -1, 0, 6, 7, 0)]
+    for cands, want, taken in ((configs, 1, None), (configs, 2, None), (configs, 3, 3), (configs, 0, 0),
+                               (unread, 1, None), (unread, 0, 0)):
+        p = _fake_plan(m, cands)
+        m.CublasLt._decided(types.SimpleNamespace(tune=True, decisions={"('k',)": list(cands[want])}, tuning={}), p)
+        assert p.chosen == taken, cands[want]
 
 
 def test_a_users_file_named_as_a_cache_stays_and_a_damaged_cache_is_rebuilt(tmp_path, monkeypatch):

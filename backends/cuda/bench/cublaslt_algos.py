@@ -6,8 +6,8 @@ Six training steps run with the backend asking cuBLASLt's heuristic for up to --
 product (the backend's tuner keeps the fastest of those bit-identical to the first, timed in the steps); then every product is
 replayed on the pointers of its last call with each candidate, timed with CUDA events (median of --reps bursts
 of 4 calls after 3 warm-up calls). Each candidate is listed with its configuration (id, tile, stages, split-k,
-reduction scheme, swizzle, custom option, cluster, inner shape), "=" where the tuner found its output
-bit-identical to the first candidate's ("~" where not), and the one the tuner kept. Replays of the
+reduction scheme, swizzle, custom option, cluster, inner shape), "=" where the tuner raced it (the first's
+order of summation, its output bit-identical to the first's), "~" where not, and the one the tuner kept. Replays of the
 weight-gradient products accumulate into the gradients: this is a benchmark, the model is thrown away. It also
 times cuDNN's deterministic attention backward with the batch split into slices.
 """

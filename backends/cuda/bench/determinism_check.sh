@@ -15,6 +15,7 @@ export OUT=${OUT:-$PWD/determinism_out}; mkdir -p "$OUT"
 RUNS=${RUNS:-4}; STEPS=${STEPS:-70}; MODEL=${MODEL:-d12}; B=${B:-16}; T=${T:-1024}; DTYPE=${DTYPE:-fp8}
 FRESH=${FRESH:-1}
 DATA=${DATA:-$HERE/datasets/shakespeare/*train*.bin}
+case $DATA in /*) ;; *) DATA=$HERE/$DATA ;; esac  # (the runs start in /tmp)
 IFS=';' read -ra VS <<< "${VARIANTS:-;--backend-opt tune=off}"
 v=0
 for extra in "${VS[@]}"; do

@@ -11,16 +11,17 @@ transposed problem (as llm.c does). Descriptors, layouts and the heuristic's alg
 `plan(...)` returns None when cuBLASLt has no algorithm for a combination; the backend then uses plain
 products and its own kernels for the rest.
 
-Algorithm choice: the heuristic's first algorithm is often not the fastest on a given GPU (the K=768 products
-of GPT-2 leave 5-25% on the table), but taking the fastest by timing would make the bits of a run depend on
-timing noise. So only the candidates that split each output's sum over k as the heuristic's first does (split-K
-count and reduction scheme; tiles, stages, swizzles and clusters leave a sum's order alone) may race. At a plan's
-13th call each of them runs once on the real operands, and those whose outputs are bit-identical to the first
-candidate's stay in the race (a match alone is not proof: FP8's sums are often exact on one call's operands and not
-on the next's). The next calls of the plan (real calls, in the step, where the L2 state, the neighbours and the
-power cap are what training sees) go to those candidates in turn, timed with events, and the fastest is kept. A
-run computes exactly what it would with the heuristic's choice, whichever candidate wins (`--backend-opt
-tune=off`, or `LLMC_CUBLASLT_TUNE=0`, keeps the heuristic's first).
+Algorithm choice: the heuristic's first algorithm is often not the fastest on a given GPU (the K=768 products of
+GPT-2 leave 5-25% on the table), but taking the fastest by timing would make the bits of a run depend on timing
+noise. So only the candidates that split each output's sum over k as the heuristic's first does (split-K count and
+reduction scheme, both readable) may race. At a plan's 13th call each of them runs once on the real operands, and
+those whose outputs are bit-identical to the first candidate's stay in the race. A match alone is not proof: FP8's
+sums are often exact on one call's operands and not on the next's, and a split-K candidate can match that way and
+differ later (backends/cuda/bench/tuner_identity.py replays the admitted candidates on later and random operands to
+check this). The next calls of the plan (real calls, in the step, where the L2 state, the neighbours and the power
+cap are what training sees) go to those candidates in turn, timed with events, and the fastest is kept. A run
+computes exactly what it would with the heuristic's choice, whichever candidate wins (`--backend-opt tune=off`, or
+`LLMC_CUBLASLT_TUNE=0`, keeps the heuristic's first).
 
 The bit-identity checks are spaced (CHECK_SPACING calls apart), so a fresh run spreads them over its first steps,
 and each decision is kept on disk (`decisions`, saved by the backend under llmc's cache directory, per GPU and
@@ -124,14 +125,14 @@ class Plan:
             count[0] = 0
         finally:
             lt.matmul_preference_destroy(pref)
-        self.elsize = 2 if dtype == CUDA_R_16BF else 4
+        self.elsize = _SIZE[dtype]
         self.m, self.n = m, n
         # (type, bytes) of A and B, for backends/cuda/bench/tuner_identity.py to fill them
         self.operands = tuple((dt, (ld * (cols - 1) + rows) * _SIZE[dt])
                               for dt, ld, rows, cols in ((a_dt, lda, a_rows, a_cols), (b_dt, ldb, b_rows, b_cols)))
         self.tuned = False
         self.calls = 0
-        self.trials = None  # bit-identical candidates under trial
+        self.trials = None  # the candidates under trial: the first's order of summation and its bits
         self.samples = []  # (candidate, start event, end event) of the trial calls
         self.count = int(count[0])
         self.ok = self.count > 0 and int(np.atleast_1d(self.heur.state)[0]) == 0
@@ -166,8 +167,10 @@ class Plan:
         return hits[0] if len(hits) == 1 else None
 
     def same_order(self, i: int) -> bool:
-        """Whether candidate i splits each output's sum over k (split-K count, reduction scheme) as the first does."""
-        return self.config(i)[_SUM_ORDER] == self.config(0)[_SUM_ORDER]
+        """Whether candidate i splits each output's sum over k (split-K count, reduction scheme) as the first does;
+        fields this cuBLASLt does not answer (-1) count as another order."""
+        mine = self.config(i)[_SUM_ORDER]
+        return i == 0 or (-1 not in mine and mine == self.config(0)[_SUM_ORDER])
 
     def _algo(self, i: int) -> int:
         """Pointer to candidate i's algorithm (the first field of its heuristic result)."""
@@ -211,7 +214,7 @@ class CublasLt:
         self.tune_after = TUNE_AFTER
         self._streams: dict[int, object] = {}
         self.capturing = False  # set by CudaBackend.capture while a graph is recorded
-        self.tuning: dict[tuple, list] = {}  # key -> [(candidate, config, bit-identical, ms or None)], for bench
+        self.tuning: dict[tuple, list] = {}  # key -> [(candidate, config, raced, ms or None)], for bench
 
     def plan(self, key, *args, align=(256, 256, 256, 256), **fp8):
         key = key + align

@@ -432,7 +432,7 @@ def test_cublaslt_tuner_races_only_candidates_that_sum_in_the_first_ones_order()
     a8, g8 = cp.zeros(C * N, dtype=cp.uint8), cp.zeros(OC * N, dtype=cp.uint8)
     dw, scales = cp.zeros(OC * C, dtype=cp.uint16), cp.ones(128, dtype=cp.float32)
     cp.cuda.Device().synchronize()  # (written on CuPy's stream, read on the backend's)
-    saved = lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided
+    saved = lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided, dict(lt.tuning)
     try:
         lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided = {}, True, 8, 10**9, {}, None
 
@@ -442,14 +442,18 @@ def test_cublaslt_tuner_races_only_candidates_that_sum_in_the_first_ones_order()
             return next(p for k, p in lt.plans.items() if k[0] == "bwd_w8")
         plan = product()
         other = [i for i in range(plan.count) if not plan.same_order(i) and plan.only(plan.config(i)) == i]
-        assert other, f"no candidate splits k otherwise here: {[plan.config(i) for i in range(plan.count)]}"
+        if not other:  # (the case needs one: H200s offer three)
+            configs = [plan.config(i) for i in range(plan.count)]
+            pytest.skip(f"this GPU's heuristic splits k one way only here: {configs}")
         admitted = lt._identical(plan, plan.last, True, 0, 0, ())
         assert admitted and all(plan.same_order(i) for i in admitted), admitted
         lt.decisions = {repr(plan.key): list(plan.config(other[0]))}
         lt.plans = {}
         assert not product().tuned, "a decision for a candidate summing in another order was taken"
     finally:
-        lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided = saved
+        lt.plans, lt.tune, lt.candidates, lt.tune_after, lt.decisions, lt.on_decided = saved[:6]
+        lt.tuning.clear()
+        lt.tuning.update(saved[6])
 
 
 # =============================================================================================================
